@@ -1,0 +1,33 @@
+"""The one runtime of this process, created on first use and wired to the node's broker."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .config import Config
+from .runtime import LocalNode, Runtime
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """This process's runtime (created on first call)."""
+    global _runtime
+    rt = _runtime
+    if rt is not None:
+        return rt
+    with _lock:
+        if _runtime is None:
+            config = Config.from_env()
+            _runtime = Runtime(config, LocalNode(config))
+        return _runtime
+
+
+def _after_fork_in_child() -> None:
+    if _runtime is not None:
+        _runtime.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

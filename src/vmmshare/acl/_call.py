@@ -1,0 +1,51 @@
+"""How every pyACL-style call behaves: errors become return codes plus the recent error message."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .. import constants as C
+from ..errors import AclError, set_recent_error
+
+log = logging.getLogger("vmmshare.acl")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def acl_call(*defaults: Any) -> Callable[[F], F]:
+    """Wrap a call so it returns ``(*outputs, ret)`` (or just ``ret`` with no outputs) and never raises.
+
+    `defaults` are the outputs returned on failure. A wrong number of arguments or an unexpected
+    exception also becomes a code (107000 / 507000) with a message, as the C API would report.
+    """
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = fn(*args, **kwargs)
+            except AclError as exc:
+                code, message = exc.code, exc.message
+            except TypeError as exc:
+                if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                    log.exception("internal error in %s", fn.__name__)
+                    code, message = C.ACL_ERROR_RT_INTERNAL_ERROR, f"internal error in {fn.__name__}: {exc}"
+                else:  # the arguments did not fit the signature
+                    code, message = C.ACL_ERROR_RT_PARAM_INVALID, str(exc)
+            except Exception as exc:
+                log.exception("internal error in %s", fn.__name__)
+                code, message = C.ACL_ERROR_RT_INTERNAL_ERROR, f"internal error in {fn.__name__}: {exc!r}"
+            else:
+                if not defaults:
+                    return C.ACL_SUCCESS
+                return (*out, C.ACL_SUCCESS) if len(defaults) > 1 else (out, C.ACL_SUCCESS)
+            set_recent_error(f"{fn.__name__}: {message}")
+            if not defaults:
+                return code
+            return (*defaults, code)
+
+        return call  # type: ignore[return-value]
+
+    return wrap

@@ -1,0 +1,1 @@
+"""Where memory lives: `host` (memfd + mmap) and, optionally, `cuda` (GPU device memory)."""

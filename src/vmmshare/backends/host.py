@@ -1,0 +1,234 @@
+"""Host backend: one sealed memfd per physical allocation, mapped with mmap into PROT_NONE reservations.
+
+Reservations are placed in a fixed arena (16 TiB to 24 TiB, as on the real runtime) so that the same
+virtual address is usually free in every process and `expect_ptr` can be honoured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap as _mmap
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+PROT_NONE = _mmap.PROT_NONE if hasattr(_mmap, "PROT_NONE") else 0
+PROT_READ = _mmap.PROT_READ
+PROT_WRITE = _mmap.PROT_WRITE
+MAP_SHARED = _mmap.MAP_SHARED
+MAP_PRIVATE = _mmap.MAP_PRIVATE
+MAP_ANONYMOUS = _mmap.MAP_ANONYMOUS
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+MAP_FIXED_NOREPLACE = 0x100000
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23
+MFD_HUGE_SHIFT = 26
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+ARENA_START = 16 << 40
+ARENA_END = 24 << 40
+
+_RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+
+
+def _oserror(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mmap_call(addr: int, size: int, prot: int, flags: int, fd: int = -1) -> int:
+    ptr = _libc.mmap(addr, size, prot, flags, fd, 0)
+    if ptr is None or ptr == MAP_FAILED:
+        raise _oserror("mmap")
+    return int(ptr)
+
+
+def _read_first_line(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def hugetlb_free_bytes(page_size: int) -> int:
+    """Bytes of free, unreserved huge pages of `page_size` in the kernel's pool."""
+    base = f"/sys/kernel/mm/hugepages/hugepages-{page_size // 1024}kB"
+    free = _read_first_line(f"{base}/free_hugepages")
+    resv = _read_first_line(f"{base}/resv_hugepages")
+    if not free:
+        return 0
+    return max(0, int(free) - int(resv or 0)) * page_size
+
+
+def shmem_thp_mode() -> str:
+    """The bracketed value of /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never" when absent)."""
+    text = _read_first_line("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "never"
+
+
+@dataclass
+class HostMemory:
+    """A physical allocation: the memfd that holds it and how its pages are backed."""
+
+    fd: int
+    size: int
+    pages: str  # "hugetlb-2M", "hugetlb-1G", "thp" or "normal"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def allocate(size: int, huge_page: int = 0, name: str = "vmmshare") -> HostMemory:
+    """A sealed memfd of `size` bytes; `huge_page` (2 MiB or 1 GiB) asks for huge pages when the pool allows.
+
+    Never fails for lack of huge pages: it falls back to transparent huge pages, then to normal pages.
+    """
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    pages = "normal"
+    if huge_page and size % huge_page == 0 and hugetlb_free_bytes(huge_page) >= size:
+        flags |= os.MFD_HUGETLB | ((huge_page.bit_length() - 1) << MFD_HUGE_SHIFT)
+        pages = f"hugetlb-{'1G' if huge_page >= 1 << 30 else '2M'}"
+    elif huge_page and shmem_thp_mode() in ("always", "within_size", "advise", "force"):
+        pages = "thp"
+    fd = os.memfd_create(name, flags)
+    try:
+        os.ftruncate(fd, size)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        if pages.startswith("hugetlb"):
+            seals = fcntl.F_SEAL_SEAL  # hugetlbfs memfds cannot take size seals on every kernel
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        except OSError as exc:
+            log.debug("memfd seals refused (%s); size is still fixed by the runtime", exc)
+    except BaseException:
+        os.close(fd)
+        raise
+    return HostMemory(fd, size, pages)
+
+
+def adopt(fd: int, pages: str = "normal") -> HostMemory:
+    """Wrap an imported memfd; its size comes from the file itself."""
+    return HostMemory(fd, os.fstat(fd).st_size, pages)
+
+
+class Arena:
+    """Placement of reservations inside [ARENA_START, ARENA_END), first fit, thread-safe."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._lock = threading.Lock()
+
+    def reserve(self, size: int, alignment: int, expect_ptr: int = 0) -> int:
+        """Reserve `size` bytes (inaccessible, nothing committed); at `expect_ptr` exactly when non-zero."""
+        with self._lock:
+            if expect_ptr:
+                ptr = self._try(expect_ptr, size)
+                if ptr is None:
+                    raise OSError(errno.EEXIST, f"the range at {expect_ptr:#x} of {size:#x} bytes is in use")
+                return ptr
+            addr = ARENA_START
+            tries = 0
+            while addr + size <= ARENA_END and tries < 4096:
+                i = bisect.bisect_right(self._starts, addr)
+                if i > 0 and self._ends[i - 1] > addr:  # inside one of ours: skip past it
+                    addr = _align_up(self._ends[i - 1], alignment)
+                    continue
+                if i < len(self._starts) and self._starts[i] < addr + size:
+                    addr = _align_up(self._ends[i], alignment)
+                    continue
+                tries += 1
+                ptr = self._try(addr, size)
+                if ptr is not None:
+                    return ptr
+                addr += _align_up(size, alignment)  # something foreign is there: move on
+            # the arena is full or foreign: let the kernel choose, aligned by over-reserving
+            return self._anywhere(size, alignment)
+
+    def _try(self, addr: int, size: int) -> int | None:
+        ptr = _libc.mmap(addr, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE, -1, 0)
+        if ptr is None or ptr == MAP_FAILED:
+            if ctypes.get_errno() == errno.EEXIST:
+                return None
+            raise _oserror("mmap(reserve)")
+        if ptr != addr:  # very old kernels ignore MAP_FIXED_NOREPLACE and treat it as a hint
+            _libc.munmap(ptr, size)
+            return None
+        self._add(addr, size)
+        return addr
+
+    def _anywhere(self, size: int, alignment: int) -> int:
+        raw = _mmap_call(0, size + alignment, PROT_NONE, _RESERVE_FLAGS)
+        ptr = _align_up(raw, alignment)
+        if ptr > raw:
+            _libc.munmap(raw, ptr - raw)
+        tail = raw + size + alignment - (ptr + size)
+        if tail:
+            _libc.munmap(ptr + size, tail)
+        self._add(ptr, size)
+        return ptr
+
+    def _add(self, addr: int, size: int) -> None:
+        i = bisect.bisect_left(self._starts, addr)
+        self._starts.insert(i, addr)
+        self._ends.insert(i, addr + size)
+
+    def release(self, addr: int, size: int) -> None:
+        """Give a reservation back to the system."""
+        with self._lock:
+            if _libc.munmap(addr, size) != 0:
+                raise _oserror("munmap")
+            i = bisect.bisect_left(self._starts, addr)
+            if i < len(self._starts) and self._starts[i] == addr:
+                del self._starts[i]
+                del self._ends[i]
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def map_shared(addr: int, size: int, fd: int, prot: int) -> None:
+    """Map `fd` over the reserved `[addr, addr+size)` (MAP_SHARED | MAP_FIXED)."""
+    _mmap_call(addr, size, prot, MAP_SHARED | MAP_FIXED, fd)
+
+
+def unmap_to_reserved(addr: int, size: int) -> None:
+    """Replace a mapping by a fresh reservation, atomically, so the hole stays ours."""
+    _mmap_call(addr, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED)
+
+
+def protect(addr: int, size: int, prot: int) -> None:
+    if _libc.mprotect(addr, size, prot) != 0:
+        raise _oserror("mprotect")
+
+
+def advise_huge(addr: int, size: int) -> bool:
+    """Ask for transparent huge pages on a mapping; False where the kernel says no."""
+    return bool(_libc.madvise(addr, size, MADV_HUGEPAGE) == 0)
+
+
+def populate(addr: int, size: int) -> bool:
+    """Fault in every page of a writable mapping now (MADV_POPULATE_WRITE); False where unsupported."""
+    return bool(_libc.madvise(addr, size, MADV_POPULATE_WRITE) == 0)

@@ -1,0 +1,790 @@
+"""Per-process runtime state: devices, streams, physical allocations, reservations, mappings, imports.
+
+Every public method validates its arguments and raises an `AclError` subclass on failure; the surfaces
+(`vmmshare.acl`, the Pythonic objects) turn those into return codes or exceptions. The node-wide parts
+(capacity accounting and sharing) go through a `Node`, which the surfaces provide (the broker client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import constants as C
+from . import handles
+from .backends import host
+from .config import Config
+from .errors import (
+    AclError,
+    ContextNullError,
+    FeatureNotSupportedError,
+    InternalError,
+    InvalidDeviceError,
+    InvalidHandleError,
+    InvalidParamError,
+    MemoryAllocationError,
+)
+from .intervals import Intervals
+
+log = logging.getLogger(__name__)
+
+U64 = (1 << 64) - 1
+_ACCESS_PROT = {
+    C.ACL_RT_MEM_ACCESS_FLAGS_NONE: host.PROT_NONE,
+    C.ACL_RT_MEM_ACCESS_FLAGS_READ: host.PROT_READ,
+    C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE: host.PROT_READ | host.PROT_WRITE,
+}
+_LOCATIONS = {C.ACL_MEM_LOCATION_TYPE_HOST, C.ACL_MEM_LOCATION_TYPE_DEVICE}
+_ALL_LOCATIONS = {
+    C.ACL_MEM_LOCATION_TYPE_HOST,
+    C.ACL_MEM_LOCATION_TYPE_DEVICE,
+    C.ACL_MEM_LOCATION_TYPE_UNREGISTERED,
+    C.ACL_MEM_LOCATION_TYPE_MANAGED,
+    C.ACL_MEM_LOCATION_TYPE_HOST_NUMA,
+}
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
+    """`value` as an int in [lo, hi], else InvalidParamError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParamError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidParamError(f"{name}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def check_ptr(name: str, value: object) -> int:
+    """A pointer argument: a non-negative int (None counts as NULL)."""
+    return 0 if value is None else check_int(name, value, 0, U64)
+
+
+def _field(struct: object, key: str, where: str) -> object:
+    if not isinstance(struct, Mapping):
+        raise InvalidParamError(f"{where} must be a dict with the C field names, got {type(struct).__name__}")
+    if key not in struct:
+        raise InvalidParamError(f"{where} lacks the field {key!r}")
+    return struct[key]
+
+
+@dataclass(frozen=True)
+class Location:
+    type: int
+    id: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"id": self.id, "type": self.type}
+
+
+@dataclass(frozen=True)
+class PhysicalProp:
+    """A validated aclrtPhysicalMemProp."""
+
+    handle_type: int
+    allocation_type: int
+    mem_attr: int
+    location: Location
+    reserve: int = 0
+
+    @property
+    def granularity(self) -> int:
+        return C.HUGE1G_GRANULARITY if self.mem_attr in C.HUGE1G_ATTRS else C.MIN_GRANULARITY
+
+    @property
+    def huge_page(self) -> int:
+        """The huge page size this attribute asks for (0: normal pages)."""
+        if self.mem_attr in C.HUGE1G_ATTRS:
+            return C.HUGE1G_GRANULARITY
+        return C.MIN_GRANULARITY if self.mem_attr in C.HUGE_ATTRS else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "handleType": self.handle_type,
+            "allocationType": self.allocation_type,
+            "memAttr": self.mem_attr,
+            "location": self.location.as_dict(),
+            "reserve": self.reserve,
+        }
+
+
+# ---------------------------------------------------------------- node-wide services
+
+
+@dataclass(frozen=True)
+class Imported:
+    """What the node hands an importer: the memfd, the node's token for it, and the exporter's properties."""
+
+    fd: int
+    token: int
+    size: int
+    prop: PhysicalProp
+
+
+class Node(Protocol):
+    """The node-wide authority (the broker): capacity accounting and the table of shareable handles."""
+
+    def charge(self, device: int, size: int) -> int: ...
+    def release(self, token: int) -> None: ...
+    def mem_info(self, device: int) -> tuple[int, int]: ...
+    def export(self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int) -> bytes: ...
+    def revoke(self, token: int) -> None: ...
+    def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None: ...
+    def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported: ...
+    def bare_tgid(self) -> int: ...
+
+
+class LocalNode:
+    """Capacity accounting inside this process alone; sharing needs the broker and is refused."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._used = [0] * config.devices
+        self._tokens: dict[int, tuple[int, int]] = {}
+        self._next = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def charge(self, device: int, size: int) -> int:
+        with self._lock:
+            if device >= 0:
+                if self._used[device] + size > self._config.device_memory:
+                    raise MemoryAllocationError(_over_capacity(device, size, self._used[device], self._config))
+                self._used[device] += size
+            token = next(self._next)
+            self._tokens[token] = (device, size)
+            return token
+
+    def release(self, token: int) -> None:
+        with self._lock:
+            device, size = self._tokens.pop(token)
+            if device >= 0:
+                self._used[device] -= size
+
+    def mem_info(self, device: int) -> tuple[int, int]:
+        total = self._config.device_memory
+        return total - self._used[device], total
+
+    def export(self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int) -> bytes:
+        raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
+
+    def revoke(self, token: int) -> None:
+        return None
+
+    def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None:
+        raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
+
+    def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
+        raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
+
+    def bare_tgid(self) -> int:
+        return os.getpid()
+
+
+def _over_capacity(device: int, size: int, used: int, config: Config) -> str:
+    return (
+        f"device {device} has {config.device_memory - used} of {config.device_memory} bytes free; "
+        f"{size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)"
+    )
+
+
+# ---------------------------------------------------------------- per-process tables
+
+
+@dataclass(eq=False)
+class Allocation:
+    """A physical allocation as this process sees it (made here, or imported)."""
+
+    handle: int
+    mem: host.HostMemory
+    prop: PhysicalProp
+    size: int
+    token: int  # the node's id for it (capacity, export, import)
+    refs: int = 1  # handle references: malloc/import + each retain
+    maps: int = 0  # live mappings in this process
+    imported_from: int = 0  # the shareable handle it was imported from (0: made here)
+    shareable: bytes = b""  # the exported handle (8 bytes DEFAULT, 128 FABRIC); b"" until exported
+
+
+@dataclass(eq=False)
+class Reservation:
+    base: int
+    size: int
+    mappings: Intervals[MappingEntry] = field(default_factory=Intervals)
+
+
+@dataclass(eq=False)
+class MappingEntry:
+    ptr: int
+    size: int
+    alloc: Allocation
+    reservation: Reservation
+    access: dict[Location, int]
+    effective: int
+
+
+@dataclass(eq=False)
+class Stream:
+    handle: int
+    device: int
+
+
+class Runtime:
+    """All VMM state of this process, guarded by one lock so concurrent threads keep it consistent."""
+
+    def __init__(self, config: Config, node: Node) -> None:
+        self.config = config
+        self.node = node
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._handles: dict[int, Allocation] = {}
+        self._allocs: set[Allocation] = set()
+        self._imports: dict[bytes, Allocation] = {}  # imported shareable handle -> allocation
+        self._reservations: Intervals[Reservation] = Intervals()
+        self._mappings: Intervals[MappingEntry] = Intervals()
+        self._host_blocks: Intervals[int] = Intervals()
+        self._streams: dict[int, Stream] = {}
+        self._device_refs: dict[int, int] = {}
+        self._peers: set[tuple[int, int]] = set()
+        self._arena = host.Arena()
+        self._ids = itertools.count(1)
+        self.initialized = False
+
+    # ------------------------------------------------------------ devices and streams
+
+    def _device(self, device: object) -> int:
+        d = check_int("deviceId", device, -(1 << 31), (1 << 31) - 1)
+        if not 0 <= d < self.config.devices:
+            raise InvalidDeviceError(
+                f"device {d} does not exist: there are {self.config.devices} (0..{self.config.devices - 1}); "
+                "set VMMSHARE_DEVICES for more"
+            )
+        return d
+
+    def current_device(self) -> int:
+        """This thread's device (set_device), else ContextNullError."""
+        device: int | None = getattr(self._tls, "device", None)
+        if device is None or self._device_refs.get(device, 0) == 0:
+            raise ContextNullError("no current device in this thread: call set_device(id) first")
+        return device
+
+    def set_device(self, device: object) -> None:
+        d = self._device(device)
+        with self._lock:
+            self._device_refs[d] = self._device_refs.get(d, 0) + 1
+        self._tls.device = d
+
+    def reset_device(self, device: object, force: bool = False) -> None:
+        d = self._device(device)
+        with self._lock:
+            refs = 0 if force else max(0, self._device_refs.get(d, 0) - 1)
+            self._device_refs[d] = refs
+            if refs == 0:
+                for s in [s for s in self._streams.values() if s.device == d]:
+                    del self._streams[s.handle]
+                self._peers = {p for p in self._peers if p[0] != d}
+        if refs == 0 and getattr(self._tls, "device", None) == d:
+            self._tls.device = None
+
+    def create_stream(self) -> int:
+        device = self.current_device()
+        with self._lock:
+            handle = 0x5700_0000 + next(self._ids)
+            self._streams[handle] = Stream(handle, device)
+            return handle
+
+    def _stream(self, stream: object) -> Stream | None:
+        s = check_ptr("stream", stream)
+        if s == 0:
+            return None  # the default stream
+        found = self._streams.get(s)
+        if found is None:
+            raise InvalidParamError(f"stream {s:#x} is not a live stream of this process")
+        return found
+
+    def destroy_stream(self, stream: object) -> None:
+        with self._lock:
+            s = self._stream(stream)
+            if s is None:
+                raise InvalidParamError("the default stream (0) cannot be destroyed")
+            del self._streams[s.handle]
+
+    def synchronize_stream(self, stream: object) -> None:
+        self._stream(stream)  # work on a stream runs synchronously: nothing is ever pending
+
+    def can_access_peer(self, device: object, peer: object) -> int:
+        d, p = self._device(device), self._device(peer)
+        return int(d != p)
+
+    def enable_peer_access(self, peer: object, flags: object) -> None:
+        check_int("flags", flags, 0, 0)
+        p = self._device(peer)
+        d = self.current_device()
+        if p == d:
+            raise InvalidParamError(f"device {d} cannot enable peer access to itself")
+        with self._lock:
+            self._peers.add((d, p))
+
+    # ------------------------------------------------------------ host memory, copies
+
+    def malloc_host(self, size: object) -> int:
+        n = check_int("size", size, 1, 1 << 46)
+        try:
+            ptr = host._mmap_call(0, n, host.PROT_READ | host.PROT_WRITE, host.MAP_PRIVATE | host.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise MemoryAllocationError(f"cannot allocate {n} bytes of host memory: {exc.strerror}") from None
+        with self._lock:
+            self._host_blocks.add(ptr, n, n)
+        return ptr
+
+    def free_host(self, ptr: object) -> None:
+        p = check_ptr("ptr", ptr)
+        with self._lock:
+            size = self._host_blocks.exact(p)
+            if size is None:
+                raise InvalidParamError(f"{p:#x} is not memory from malloc_host (or it was freed already)")
+            self._host_blocks.remove(p)
+            host._libc.munmap(p, size)
+
+    def _classify(self, ptr: int, size: int, write: bool, what: str) -> bool:
+        """Check `[ptr, ptr+size)` is accessible memory; True when it is device memory."""
+        if ptr == 0:
+            raise InvalidParamError(f"{what} is NULL")
+        hit = self._mappings.at(ptr)
+        if hit is not None:
+            start, end, m = hit
+            if ptr + size > end:
+                raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its mapping at {start:#x}")
+            need = C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE if write else C.ACL_RT_MEM_ACCESS_FLAGS_READ
+            if m.effective & need != need:
+                raise InvalidParamError(f"{what} mapping at {start:#x} is not {'writable' if write else 'readable'}")
+            return m.alloc.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE
+        if self._reservations.at(ptr) is not None:
+            raise InvalidParamError(f"{what} {ptr:#x} is reserved but not mapped: map_mem it first")
+        block = self._host_blocks.at(ptr)
+        if block is not None:
+            if ptr + size > block[1]:
+                raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its malloc_host block")
+            return False
+        if not _process_range_ok(ptr, size, write):
+            raise InvalidParamError(f"{what} {ptr:#x}+{size} is not {'writable' if write else 'readable'} memory")
+        return False
+
+    def memcpy(self, dst: object, dest_max: object, src: object, count: object, kind: object) -> None:
+        d, s = check_ptr("dst", dst), check_ptr("src", src)
+        dmax, n = check_int("destMax", dest_max), check_int("count", count)
+        k = check_int("kind", kind, C.ACL_MEMCPY_HOST_TO_HOST, C.ACL_MEMCPY_DEFAULT)
+        if n > dmax:
+            raise InvalidParamError(f"count {n} is larger than destMax {dmax}")
+        if n == 0:
+            return
+        with self._lock:
+            dst_dev = self._classify(d, n, True, "dst")
+            src_dev = self._classify(s, n, False, "src")
+            want = {
+                C.ACL_MEMCPY_HOST_TO_HOST: (False, False),
+                C.ACL_MEMCPY_HOST_TO_DEVICE: (True, False),
+                C.ACL_MEMCPY_DEVICE_TO_HOST: (False, True),
+                C.ACL_MEMCPY_DEVICE_TO_DEVICE: (True, True),
+            }.get(k)
+            if want is not None and want != (dst_dev, src_dev):
+                names = ("host", "device")
+                raise InvalidParamError(
+                    f"kind {k} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
+                    f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
+                )
+            ctypes.memmove(d, s, n)
+
+    def memset(self, ptr: object, max_count: object, value: object, count: object) -> None:
+        p = check_ptr("devPtr", ptr)
+        mx, n = check_int("maxCount", max_count), check_int("count", count)
+        v = check_int("value", value, -(1 << 31), (1 << 31) - 1)
+        if n > mx:
+            raise InvalidParamError(f"count {n} is larger than maxCount {mx}")
+        if n == 0:
+            return
+        with self._lock:
+            self._classify(p, n, True, "devPtr")
+            ctypes.memset(p, v & 0xFF, n)
+
+    def check_readable(self, ptr: int, size: int) -> None:
+        with self._lock:
+            self._classify(ptr, size, False, "ptr")
+
+    # ------------------------------------------------------------ physical memory
+
+    def parse_prop(self, prop: object) -> PhysicalProp:
+        handle_type = check_int("prop.handleType", _field(prop, "handleType", "prop"), 0, 0xFFFFFFFF)
+        if handle_type not in (C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_HANDLE_TYPE_POSIX):
+            raise InvalidParamError(f"prop.handleType={handle_type}: use ACL_MEM_HANDLE_TYPE_NONE (0) or POSIX (2)")
+        alloc_type = check_int("prop.allocationType", _field(prop, "allocationType", "prop"), 0, 0xFFFFFFFF)
+        if alloc_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
+            raise InvalidParamError(f"prop.allocationType={alloc_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
+        attr = check_int("prop.memAttr", _field(prop, "memAttr", "prop"), 0, 17)
+        loc = _field(prop, "location", "prop")
+        ltype = check_int("prop.location.type", _field(loc, "type", "prop.location"), 0, 0xFFFFFFFF)
+        lid = _field(loc, "id", "prop.location")
+        if ltype not in _ALL_LOCATIONS:
+            raise InvalidParamError(f"prop.location.type={ltype} is not an aclrtMemLocationType")
+        if ltype not in _LOCATIONS:
+            raise FeatureNotSupportedError(
+                f"prop.location.type={ltype} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
+            )
+        lid = self._device(lid) if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else check_int("prop.location.id", lid)
+        reserve = prop.get("reserve", 0) if isinstance(prop, Mapping) else 0
+        check_int("prop.reserve", reserve, 0, 0)
+        return PhysicalProp(handle_type, alloc_type, attr, Location(ltype, lid), 0)
+
+    def granularity(self, prop: object, option: object) -> int:
+        check_int("option", option, C.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, C.ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return self.parse_prop(prop).granularity
+
+    def malloc_physical(self, size: object, prop: object, flags: object) -> int:
+        n = check_int("size", size, 0, U64)
+        p = self.parse_prop(prop)
+        check_int("flags", flags, 0, 0)
+        g = p.granularity
+        if n == 0 or n % g:
+            raise InvalidParamError(f"size {n} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
+        device = p.location.id if p.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
+        if device >= 0 and n > self.config.device_memory:
+            raise MemoryAllocationError(_over_capacity(device, n, 0, self.config))
+        token = self.node.charge(device, n)
+        try:
+            mem = host.allocate(n, p.huge_page, f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}")
+        except OSError as exc:
+            self.node.release(token)
+            raise MemoryAllocationError(f"cannot create {n} bytes of shared memory: {exc.strerror}") from None
+        return self._register(Allocation(0, mem, p, n, token))
+
+    def _register(self, alloc: Allocation) -> int:
+        with self._lock:
+            alloc.handle = 0x7A00_0000_0000 + (next(self._ids) << 6)
+            self._handles[alloc.handle] = alloc
+            self._allocs.add(alloc)
+            return alloc.handle
+
+    def allocation(self, handle: object) -> Allocation:
+        h = check_ptr("handle", handle)
+        alloc = self._handles.get(h)
+        if alloc is None:
+            raise InvalidHandleError(f"handle {h:#x} is not a live physical allocation of this process")
+        return alloc
+
+    def free_physical(self, handle: object) -> None:
+        with self._lock:
+            alloc = self.allocation(handle)
+            alloc.refs -= 1
+            if alloc.refs:
+                return
+            del self._handles[alloc.handle]
+            if alloc.imported_from == 0 and alloc.shareable:
+                self._safe_node_call(self.node.revoke, alloc.token)
+            if alloc.imported_from:
+                self._imports.pop(alloc.shareable, None)
+            self._maybe_destroy(alloc)
+
+    def _maybe_destroy(self, alloc: Allocation) -> None:
+        if alloc.refs or alloc.maps:
+            return
+        alloc.mem.close()
+        self._allocs.discard(alloc)
+        self._safe_node_call(self.node.release, alloc.token)
+
+    def _safe_node_call(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except AclError as exc:  # the broker reclaims what a lost connection held
+            log.warning("node call %s failed: %s", getattr(fn, "__name__", fn), exc)
+
+    def retain(self, ptr: object) -> int:
+        p = check_ptr("ptr", ptr)
+        with self._lock:
+            m = self._mapping_at(p)
+            alloc = m.alloc
+            if alloc.refs == 0:
+                self._handles[alloc.handle] = alloc
+            alloc.refs += 1
+            return alloc.handle
+
+    def properties(self, handle: object) -> dict[str, Any]:
+        with self._lock:
+            return self.allocation(handle).prop.as_dict()
+
+    # ------------------------------------------------------------ reservations and mappings
+
+    def reserve(self, size: object, alignment: object, expect_ptr: object, flags: object) -> int:
+        n = check_int("size", size, 0, host.ARENA_END - host.ARENA_START)
+        check_int("alignment", alignment, 0, 0)
+        want = check_ptr("expectPtr", expect_ptr)
+        check_int("flags", flags, 0, 0)
+        g = C.MIN_GRANULARITY
+        if n == 0 or n % g:
+            raise InvalidParamError(f"size {n} must be a positive multiple of {g} ({g >> 20} MiB)")
+        if want % g:
+            raise InvalidParamError(f"expectPtr {want:#x} must be aligned to {g} ({g >> 20} MiB)")
+        align = C.HUGE1G_GRANULARITY if n % C.HUGE1G_GRANULARITY == 0 else g
+        try:
+            base = self._arena.reserve(n, align, want)
+        except OSError as exc:
+            if want:
+                raise InvalidParamError(
+                    f"cannot reserve at expectPtr {want:#x}: {exc.strerror}; pass 0 to let the runtime choose"
+                ) from None
+            raise MemoryAllocationError(f"cannot reserve {n} bytes of address space: {exc.strerror}") from None
+        with self._lock:
+            self._reservations.add(base, n, Reservation(base, n))
+        return base
+
+    def release_reservation(self, ptr: object) -> None:
+        p = check_ptr("ptr", ptr)
+        with self._lock:
+            r = self._reservations.exact(p)
+            if r is None:
+                raise InvalidParamError(f"{p:#x} is not the start of a reservation of this process")
+            if len(r.mappings):
+                raise InvalidParamError(
+                    f"the reservation at {p:#x} still holds {len(r.mappings)} mapping(s): unmap_mem them first"
+                )
+            self._reservations.remove(p)
+            self._arena.release(p, r.size)
+
+    def map(self, ptr: object, size: object, offset: object, handle: object, flags: object, access: int) -> None:
+        p = check_ptr("ptr", ptr)
+        n = check_int("size", size)
+        check_int("offset", offset, 0, 0)
+        check_int("flags", flags, 0, 0)
+        with self._lock:
+            alloc = self.allocation(handle)
+            if n != alloc.size:
+                raise InvalidParamError(f"size {n} must equal the physical allocation's size {alloc.size}")
+            hit = self._reservations.at(p)
+            if hit is None:
+                raise InvalidParamError(f"{p:#x} is not inside a reservation: reserve_mem_address first")
+            start, end, r = hit
+            if p + n > end:
+                raise InvalidParamError(f"[{p:#x}, {p + n:#x}) runs past the reservation [{start:#x}, {end:#x})")
+            g = alloc.prop.granularity
+            if p % g:
+                raise InvalidParamError(f"ptr {p:#x} must be aligned to the allocation's granularity {g}")
+            if r.mappings.overlaps(p, n):
+                raise InvalidParamError(f"[{p:#x}, {p + n:#x}) overlaps an existing mapping: unmap_mem it first")
+            try:
+                host.map_shared(p, n, alloc.mem.fd, _ACCESS_PROT[access])
+            except OSError as exc:
+                raise MemoryAllocationError(f"cannot map {n} bytes at {p:#x}: {exc.strerror}") from None
+            if alloc.mem.pages == "thp":
+                host.advise_huge(p, n)
+            if access and self.config.prepopulate:
+                host.populate(p, n)
+            m = MappingEntry(p, n, alloc, r, {}, access)
+            r.mappings.add(p, n, m)
+            self._mappings.add(p, n, m)
+            alloc.maps += 1
+
+    def _mapping_at(self, p: int) -> MappingEntry:
+        hit = self._mappings.at(p)
+        if hit is None:
+            raise InvalidParamError(f"{p:#x} is not inside a mapping of this process")
+        return hit[2]
+
+    def unmap(self, ptr: object) -> None:
+        p = check_ptr("ptr", ptr)
+        with self._lock:
+            m = self._mappings.exact(p)
+            if m is None:
+                raise InvalidParamError(f"{p:#x} is not the start of a mapping (map_mem returns none there)")
+            try:
+                host.unmap_to_reserved(p, m.size)
+            except OSError as exc:
+                raise InternalError(f"cannot unmap {p:#x}: {exc.strerror}") from None
+            self._mappings.remove(p)
+            m.reservation.mappings.remove(p)
+            m.alloc.maps -= 1
+            self._maybe_destroy(m.alloc)
+
+    def _location(self, loc: object, where: str) -> Location:
+        ltype = check_int(f"{where}.type", _field(loc, "type", where), 0, 0xFFFFFFFF)
+        if ltype not in _ALL_LOCATIONS:
+            raise InvalidParamError(f"{where}.type={ltype} is not an aclrtMemLocationType")
+        lid = _field(loc, "id", where)
+        lid = self._device(lid) if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else check_int(f"{where}.id", lid)
+        return Location(ltype, lid)
+
+    def set_access(self, ptr: object, size: object, desc_list: object) -> None:
+        p, n = check_ptr("ptr", ptr), check_int("size", size)
+        if not isinstance(desc_list, (list, tuple)) or not desc_list:
+            raise InvalidParamError("desc_list must be a non-empty list of {'flags': ..., 'location': {...}}")
+        entries: list[tuple[Location, int]] = []
+        for i, desc in enumerate(desc_list):
+            flags = check_int(f"desc_list[{i}].flags", _field(desc, "flags", f"desc_list[{i}]"), 0, 0xFFFFFFFF)
+            if flags not in _ACCESS_PROT:
+                raise InvalidParamError(f"desc_list[{i}].flags={flags}: use ACL_RT_MEM_ACCESS_FLAGS_* (0, 1, 3)")
+            loc = self._location(_field(desc, "location", f"desc_list[{i}]"), f"desc_list[{i}].location")
+            entries.append((loc, flags))
+        with self._lock:
+            m = self._mappings.exact(p)
+            if m is None or m.size != n:
+                raise InvalidParamError(f"({p:#x}, {n}) is not exactly a mapping: pass map_mem's ptr and size")
+            access = dict(m.access)
+            access.update(entries)
+            effective = access.get(m.alloc.prop.location, entries[-1][1])
+            try:
+                host.protect(p, n, _ACCESS_PROT[effective])
+            except OSError as exc:
+                raise InternalError(f"mprotect failed: {exc.strerror}") from None
+            m.access, m.effective = access, effective
+
+    def get_access(self, ptr: object, location: object) -> int:
+        p = check_ptr("ptr", ptr)
+        loc = self._location(location, "location")
+        with self._lock:
+            m = self._mapping_at(p)
+            return m.access.get(loc, m.effective)
+
+    def address_range(self, ptr: object) -> tuple[int, int]:
+        p = check_ptr("ptr", ptr)
+        with self._lock:
+            m = self._mapping_at(p)
+            return m.ptr, m.size
+
+    # ------------------------------------------------------------ sharing
+
+    def mem_info(self, attr: object) -> tuple[int, int]:
+        check_int("attr", attr, 0, 17)
+        return self.node.mem_info(self.current_device())
+
+    def export(self, handle: object, flags: object, share_type: object) -> bytes:
+        """Export an allocation made here: 8 little-endian bytes (DEFAULT) or the 128-byte FABRIC handle."""
+        f = check_int("flags", flags, 0, U64)
+        if f not in (C.ACL_RT_VMM_EXPORT_FLAG_DEFAULT, C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION):
+            raise InvalidParamError(f"flags={f}: use ACL_RT_VMM_EXPORT_FLAG_DEFAULT (0) or DISABLE_PID_VALIDATION (1)")
+        st = check_int("shareType", share_type, 0, 0xFFFFFFFF)
+        if st not in (C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC):
+            raise InvalidParamError(f"shareType={st}: use ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT (1) or FABRIC (2)")
+        with self._lock:
+            alloc = self.allocation(handle)
+            if alloc.imported_from:
+                raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
+            if alloc.shareable:
+                raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
+            alloc.shareable = self.node.export(alloc.token, alloc.mem.fd, alloc.prop, alloc.size, f, st)
+            return alloc.shareable
+
+    def set_pids(self, shareable: bytes, share_type: int, pids: object) -> None:
+        if not isinstance(pids, (list, tuple)):
+            raise InvalidParamError(f"pid_list must be a list of ints, got {type(pids).__name__}")
+        if not pids:
+            raise InvalidParamError("pid_list is empty")
+        if len(pids) > handles.MAX_TRUSTLIST:
+            raise InvalidParamError(f"pid_list has {len(pids)} pids; at most {handles.MAX_TRUSTLIST} per handle")
+        checked = [check_int(f"pid_list[{i}]", p, 1, (1 << 31) - 1) for i, p in enumerate(pids)]
+        value = self._shareable_value(shareable, share_type)
+        self.node.set_pids(value, share_type, checked)
+
+    def _shareable_value(self, shareable: bytes, share_type: int) -> int:
+        if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
+            return handles.decode_fabric(shareable).handle
+        return int.from_bytes(shareable, "little")
+
+    def import_handle(self, shareable: bytes, share_type: int, device: int, flags: object = 0) -> int:
+        check_int("flags", flags, 0, 0)
+        secret = b""
+        if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
+            fabric = handles.decode_fabric(shareable)
+            if fabric.server_id != self.config.server_id:
+                raise FeatureNotSupportedError(
+                    f"this FABRIC handle comes from server {fabric.server_id:#x}, not this one "
+                    f"({self.config.server_id:#x}); importing across servers needs the cross-server transport, "
+                    "which is not configured"
+                )
+            value, secret = fabric.handle, fabric.secret
+        else:
+            value = int.from_bytes(shareable, "little")
+            if value == 0:
+                raise InvalidHandleError("shareable handle 0 is never valid")
+        with self._lock:
+            if shareable in self._imports:
+                raise InvalidParamError(
+                    "this shareable handle is imported in this process already: free_physical that import first"
+                )
+            mine = [a for a in self._handles.values() if a.shareable == shareable and not a.imported_from]
+            if mine:
+                raise InvalidParamError("this process exported the handle; use its own handle instead of importing")
+            self._imports[shareable] = _PENDING
+        try:
+            got = self.node.import_handle(value, share_type, secret)
+        except BaseException:
+            with self._lock:
+                self._imports.pop(shareable, None)
+            raise
+        prop = PhysicalProp(
+            got.prop.handle_type,
+            got.prop.allocation_type,
+            got.prop.mem_attr,
+            Location(got.prop.location.type, device) if got.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE
+            else got.prop.location,
+        )
+        alloc = Allocation(0, host.adopt(got.fd), prop, got.size, got.token, imported_from=value, shareable=shareable)
+        with self._lock:
+            self._imports[shareable] = alloc
+            return self._register(alloc)
+
+    def bare_tgid(self) -> int:
+        return self.node.bare_tgid()
+
+    # ------------------------------------------------------------ process life
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's tables (their mappings stay, harmlessly) and close inherited fds."""
+        for alloc in self._allocs:
+            with contextlib.suppress(OSError):
+                alloc.mem.close()
+        self.__init__(self.config, self.node)  # type: ignore[misc]
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "allocations": len(self._allocs),
+                "handles": len(self._handles),
+                "reservations": len(self._reservations),
+                "mappings": len(self._mappings),
+                "host_blocks": len(self._host_blocks),
+                "streams": len(self._streams),
+            }
+
+
+_PENDING: Any = object()
+
+
+def _process_range_ok(ptr: int, size: int, write: bool) -> bool:
+    """Whether /proc/self/maps shows `[ptr, ptr+size)` readable (and writable when asked), end to end."""
+    need = "w" if write else "r"
+    end, cursor = ptr + size, ptr
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split(None, 2)[:2]
+                lo_s, hi_s = span.split("-")
+                lo, hi = int(lo_s, 16), int(hi_s, 16)
+                if hi <= cursor:
+                    continue
+                if lo > cursor or need not in perms or "r" not in perms:
+                    return False
+                cursor = hi
+                if cursor >= end:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def iter_pids(values: Iterable[object]) -> list[int]:
+    return [check_int("pid", v, 1, (1 << 31) - 1) for v in values]

@@ -6,7 +6,8 @@ import os
 import threading
 
 from .config import Config
-from .runtime import LocalNode, Runtime
+from .broker.client import BrokerClient
+from .runtime import Runtime
 
 _lock = threading.Lock()
 _runtime: Runtime | None = None
@@ -21,12 +22,15 @@ def runtime() -> Runtime:
     with _lock:
         if _runtime is None:
             config = Config.from_env()
-            _runtime = Runtime(config, LocalNode(config))
+            _runtime = Runtime(config, BrokerClient(config))
         return _runtime
 
 
 def _after_fork_in_child() -> None:
     if _runtime is not None:
+        node = _runtime.node
+        if isinstance(node, BrokerClient):
+            node.after_fork()
         _runtime.forget_after_fork()
 
 

@@ -1,0 +1,34 @@
+"""``python -m vmmshare.broker``: run the node broker (what `vmmshare broker` and the auto-start run)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..config import Config
+from .server import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vmmshare broker", description="Run the node's sharing broker.")
+    parser.add_argument("--socket", type=Path, help="socket path (default: $VMMSHARE_SOCKET or the per-user path)")
+    parser.add_argument("--idle", type=float, default=None,
+                        help="exit after this many seconds with no client and nothing held (default: never)")
+    parser.add_argument("--multi-user", action="store_true", help="let other users connect (socket 0666)")
+    parser.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default=os.environ.get("VMMSHARE_LOG", "INFO"))
+    args = parser.parse_args(argv)
+    fmt = "%(asctime)s broker[%(process)d] %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    idle = args.idle
+    if args.auto and idle is None:
+        idle = Config.from_env().broker_idle
+    return run(args.socket, idle, args.multi_user, args.ready_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

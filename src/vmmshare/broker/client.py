@@ -1,0 +1,264 @@
+"""The broker client: the runtime's `Node` on a real node, talking to the broker over its socket.
+
+It starts a broker when none answers (under a lock file, so many processes starting at once get one
+broker), and reconnects by itself when the broker restarts, charging its live allocations again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..errors import IpcError, error_from_code
+from ..protocol import Frame, Msg, ProtocolError, decode, encode
+from ..runtime import Imported, Location, PhysicalProp
+from .wire import close_fds, recv_packet, send_packet
+
+log = logging.getLogger("vmmshare.client")
+START_TIMEOUT = 20.0
+REPLY_TIMEOUT = 60.0
+
+
+class BrokerClient:
+    """One connection per process to the node's broker; thread-safe, one request at a time."""
+
+    def __init__(self, config: Config, autostart: bool = True) -> None:
+        self.config = config
+        self.path = config.socket_path
+        self.autostart = autostart
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._req = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._broker_token: dict[int, int] = {}  # our token -> the broker's
+        self._charges: dict[int, tuple[int, int]] = {}  # our token -> (device, size), to re-charge
+
+    # ------------------------------------------------------------ connection
+
+    def _connect(self) -> socket.socket:
+        sock = _try_connect(self.path)
+        if sock is None:
+            if not self.autostart:
+                raise IpcError(f"no broker answers at {self.path}: start one with `vmmshare broker`")
+            sock = start_broker(self.path)
+        sock.settimeout(REPLY_TIMEOUT)
+        return sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _reconnect(self) -> socket.socket:
+        """Connect (again); after a broker restart, charge our live allocations anew."""
+        had = self._broker_token.copy()
+        self._reset()
+        self._sock = self._connect()
+        self._broker_token.clear()
+        for token in had:
+            charge = self._charges.get(token)
+            if charge is None:
+                continue  # imports of a dead broker are not re-registered; the exporter re-charges the memory
+            try:
+                reply, _ = self._exchange(self._sock, encode(Msg.CHARGE, next(self._req), *charge), ())
+                self._broker_token[token] = int(reply.values[0])
+            except IpcError as exc:
+                log.warning("could not charge an allocation to the restarted broker: %s", exc)
+        return self._sock
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's connection and tokens are not ours."""
+        self._lock = threading.Lock()
+        self._reset()
+        self._broker_token.clear()
+        self._charges.clear()
+
+    def _exchange(self, sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> tuple[Frame, list[int]]:
+        req = int.from_bytes(data[4:8], "little")
+        send_packet(sock, data, fds)
+        packet, got, truncated = recv_packet(sock)
+        if not packet and not got:
+            raise ConnectionResetError("the broker closed the connection")
+        try:
+            if truncated:
+                raise ProtocolError("reply too large")
+            frame = decode(packet, len(got))
+            if frame.req != req:
+                raise ProtocolError(f"reply to request {frame.req}, expected {req}")
+        except ProtocolError as exc:
+            close_fds(got)
+            self._reset()
+            raise IpcError(f"bad reply from the broker: {exc}") from None
+        if frame.type is Msg.ERROR:
+            close_fds(got)
+            raise error_from_code(int(frame.values[0]), str(frame.tail))
+        return frame, got
+
+    def request(self, build: Callable[[int], bytes], fds: tuple[int, ...] = ()) -> tuple[Frame, list[int]]:
+        """Send the frame `build(request_id)` and return the reply; reconnects once if the broker went away."""
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    sock = self._sock or self._reconnect()
+                    return self._exchange(sock, build(next(self._req)), fds)
+                except (TimeoutError, ConnectionError, BrokenPipeError, OSError) as exc:
+                    if isinstance(exc, IpcError) or attempt:
+                        self._reset()
+                        raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+                    self._reset()
+                    self._sock = None
+                    with contextlib.suppress(OSError):
+                        self._reconnect()
+            raise AssertionError("unreachable")
+
+    def _bt(self, token: int) -> int:
+        """The broker's token for ours (0 when the broker that issued it is gone)."""
+        return self._broker_token.get(token, 0)
+
+    # ------------------------------------------------------------ the Node protocol
+
+    def charge(self, device: int, size: int) -> int:
+        reply, _ = self.request(lambda r: encode(Msg.CHARGE, r, device, size))
+        token = next(self._ids)
+        self._broker_token[token] = int(reply.values[0])
+        self._charges[token] = (device, size)
+        return token
+
+    def release(self, token: int) -> None:
+        self._charges.pop(token, None)
+        if token not in self._broker_token:
+            return
+        try:
+            self.request(lambda r: encode(Msg.RELEASE, r, self._bt(token)))
+        finally:
+            self._broker_token.pop(token, None)
+
+    def mem_info(self, device: int) -> tuple[int, int]:
+        reply, _ = self.request(lambda r: encode(Msg.MEM_INFO, r, device))
+        return int(reply.values[0]), int(reply.values[1])
+
+    def export(self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int) -> bytes:
+        fields = (prop.handle_type, prop.allocation_type, prop.mem_attr, prop.location.type, prop.location.id)
+        reply, _ = self.request(
+            lambda r: encode(Msg.EXPORT, r, self._bt(token), size, flags, share_type, *fields), (fd,)
+        )
+        return bytes(reply.tail)  # type: ignore[arg-type]
+
+    def revoke(self, token: int) -> None:
+        if token in self._broker_token:
+            self.request(lambda r: encode(Msg.REVOKE, r, self._bt(token)))
+
+    def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None:
+        self.request(lambda r: encode(Msg.SET_PIDS, r, shareable, share_type, tail=pids))
+
+    def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
+        reply, fds = self.request(lambda r: encode(Msg.IMPORT, r, shareable, share_type, secret.ljust(32, b"\0")))
+        btoken, size, htype, atype, attr, ltype, lid = reply.ints()
+        token = next(self._ids)
+        self._broker_token[token] = btoken
+        return Imported(fds[0], token, size, PhysicalProp(htype, atype, attr, Location(ltype, lid)))
+
+    def bare_tgid(self) -> int:
+        reply, _ = self.request(lambda r: encode(Msg.BARE_TGID, r))
+        return int(reply.values[0])
+
+    def listing(self) -> dict[str, Any]:
+        """Every export on the node (what `vmmshare ls` shows), following the broker's pages."""
+        offset: int | None = 0
+        result: dict[str, Any] = {}
+        rows: list[Any] = []
+        while offset is not None:
+            at = offset
+            reply, _ = self.request(lambda r, at=at: encode(Msg.LIST, r, at))  # type: ignore[misc]
+            page = json.loads(str(reply.tail))
+            rows.extend(page.pop("exports"))
+            offset = page.pop("next")
+            result = page
+        result["exports"] = rows
+        return result
+
+
+def _try_connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(str(path))
+        return sock
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    except OSError as exc:
+        sock.close()
+        raise IpcError(f"cannot reach the broker at {path}: {exc.strerror}") from None
+
+
+def start_broker(path: Path) -> socket.socket:
+    """Start the embedded default broker (idle-exiting) unless another process just did; connect to it."""
+    folder = path.parent
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock = os.open(folder / "broker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise IpcError(f"cannot prepare {folder} for the broker: {exc.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sock = _try_connect(path)  # somebody else may have started one while we waited
+        if sock is not None:
+            return sock
+        _spawn(path)
+        sock = _try_connect(path)
+        if sock is None:
+            raise IpcError(f"the broker started but does not answer at {path}")
+        return sock
+    finally:
+        os.close(lock)
+
+
+def _spawn(path: Path) -> None:
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    log_path = path.parent / "broker.log"
+    cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(path), "--auto", "--ready-fd", str(wfd)]
+    try:
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(wfd,),
+                start_new_session=True, close_fds=True,
+            )
+    except OSError as exc:
+        os.close(rfd)
+        os.close(wfd)
+        raise IpcError(f"cannot start the broker ({' '.join(cmd)}): {exc.strerror}") from None
+    os.close(wfd)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([rfd], [], [], left)[0]:
+                proc.kill()
+                raise IpcError(f"the broker did not start within {START_TIMEOUT:.0f} s; see {log_path}")
+            chunk = os.read(rfd, 64)
+            if not chunk:
+                code = proc.wait()
+                raise IpcError(f"the broker exited ({code}) before serving {path}; see {log_path}")
+            line += chunk
+    finally:
+        os.close(rfd)
+    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it exits while we live

@@ -1,0 +1,495 @@
+"""The broker daemon: one process per node that holds every exported memfd and enforces the sharing rules.
+
+It is a single-threaded event loop over an AF_UNIX SOCK_SEQPACKET socket. Peers are identified by the
+kernel (SO_PEERCRED, plus a pidfd where offered), never by what a message claims. When a client's
+connection closes, everything it held is released and its exports are revoked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hmac
+import json
+import logging
+import os
+import resource
+import secrets
+import select
+import selectors
+import signal
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import constants as C
+from ..config import Config
+from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
+from ..protocol import MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
+from .wire import close_fds, peer_credentials, peer_pidfd, process_start_time, recv_packet, send_packet
+
+log = logging.getLogger("vmmshare.broker")
+LIST_PAGE = 100
+
+
+class BrokerError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(eq=False)
+class Conn:
+    sock: socket.socket
+    pid: int
+    uid: int
+    start: int | None
+    pidfd: int
+    holds: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Alloc:
+    device: int
+    size: int
+    holds: int = 0
+    export: Export | None = None  # set once exported
+
+
+@dataclass(eq=False)
+class Export:
+    handle: int
+    alloc: Alloc
+    fd: int
+    share_type: int
+    flags: int
+    prop: tuple[int, int, int, int, int]
+    owner: Conn
+    shareable: bytes
+    secret: bytes
+    trust: dict[int, int | None] = field(default_factory=dict)
+    importers: dict[int, Conn] = field(default_factory=dict)  # token -> importer
+
+
+@dataclass(eq=False)
+class Hold:
+    conn: Conn
+    alloc: Alloc
+
+
+class Broker:
+    """The node's sharing authority: capacity accounting, the table of shareable handles, trustlists."""
+
+    def __init__(self, path: Path, config: Config, idle: float | None = None, multi_user: bool = False) -> None:
+        self.path = path
+        self.config = config
+        self.idle = idle
+        self.multi_user = multi_user
+        self.used = [0] * config.devices
+        self.holds: dict[int, Hold] = {}
+        self.exports: dict[int, Export] = {}
+        self.conns: dict[int, Conn] = {}
+        self.listener: socket.socket | None = None
+        self.sel = selectors.DefaultSelector()
+        self.idle_since = time.monotonic()
+        self.stopping = False
+        self.uid = os.getuid()
+
+    # ------------------------------------------------------------ socket set-up
+
+    def bind(self) -> None:
+        """Create the socket folder and socket with the SPEC §5 permissions, replacing a dead socket."""
+        folder = self.path.parent
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = folder.stat()
+        if st.st_uid != self.uid:
+            raise PermissionError(f"{folder} belongs to uid {st.st_uid}, not to this user ({self.uid})")
+        os.chmod(folder, 0o755 if self.multi_user else 0o700)
+        if _answers(self.path):
+            raise RuntimeError(f"a broker already serves {self.path}")
+        tmp = folder / f".broker.{os.getpid()}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.bind(str(tmp))
+        os.chmod(tmp, 0o666 if self.multi_user else 0o600)
+        sock.listen(512)
+        os.replace(tmp, self.path)
+        sock.setblocking(False)
+        self.listener = sock
+        self.inode = self.path.stat().st_ino
+        self.sel.register(sock, selectors.EVENT_READ, None)
+        log.info("broker %d serving %s (devices=%d, capacity=%d bytes each%s)", os.getpid(), self.path,
+                 self.config.devices, self.config.device_memory, ", multi-user" if self.multi_user else "")
+
+    # ------------------------------------------------------------ event loop
+
+    def serve(self, ready_fd: int = -1) -> None:
+        if self.listener is None:
+            self.bind()
+        _raise_fd_limit()
+        if ready_fd >= 0:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+        while not self.stopping:
+            timeout = None
+            if self.idle is not None and not self.conns and not self.holds:
+                timeout = max(0.0, self.idle_since + self.idle - time.monotonic())
+            events = self.sel.select(timeout)
+            for key, _ in events:
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._readable(key.data)
+            idle = self.idle is not None and not self.conns and not self.holds
+            if idle and time.monotonic() - self.idle_since >= (self.idle or 0) and self._retire():
+                break
+        self.close()
+
+    def _retire(self) -> bool:
+        """Leave after an idle spell: under the start lock, so no client is mid-way through starting one."""
+        lock = os.open(self.path.parent / "broker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self.idle_since = time.monotonic()
+                return False
+            log.info("broker %d idle for %.0f s with nothing held: exiting", os.getpid(), self.idle)
+            self.close()
+            return True
+        finally:
+            os.close(lock)
+
+    def close(self) -> None:
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                if self.path.stat().st_ino == self.inode:
+                    self.path.unlink()
+            self.sel.unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+        for conn in list(self.conns.values()):
+            self._drop(conn)
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            pid, uid, _gid = peer_credentials(sock)
+            if not self.multi_user and uid not in (self.uid, 0):
+                log.warning("refused pid %d of uid %d: not this broker's user (start it with --multi-user)", pid, uid)
+                sock.close()
+                continue
+            pidfd = peer_pidfd(sock)
+            start = process_start_time(pid)
+            if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:  # exited already: its pid may be reused
+                os.close(pidfd)
+                sock.close()
+                continue
+            conn = Conn(sock, pid, uid, start, pidfd)
+            self.conns[sock.fileno()] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+            log.debug("pid %d connected", pid)
+
+    def _readable(self, conn: Conn) -> None:
+        for _ in range(64):  # bounded, so one busy client cannot starve the others
+            try:
+                data, fds, truncated = recv_packet(conn.sock, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(conn)
+                return
+            if not data and not fds:
+                self._drop(conn)
+                return
+            req = peek_request_id(data)
+            try:
+                if truncated:
+                    raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
+                frame = decode(data, len(fds))
+                reply, reply_fds = self.handle(conn, frame, fds)
+                fds = []  # handled: ownership of any received fd moved on
+            except ProtocolError as exc:
+                log.info("protocol error from pid %d: %s", conn.pid, exc)
+                reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}"), ()
+            except BrokerError as exc:
+                reply, reply_fds = encode(Msg.ERROR, req, exc.code, tail=exc.message), ()
+            except Exception as exc:  # a bug must not take the node's broker down
+                log.exception("internal error serving pid %d", conn.pid)
+                reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}"), ()
+            finally:
+                close_fds(fds)
+            try:
+                send_packet(conn.sock, reply, reply_fds)
+            except OSError:
+                self._drop(conn)
+                return
+
+    def _drop(self, conn: Conn) -> None:
+        """A client left (or died): release all it held and revoke its exports."""
+        if self.conns.pop(conn.sock.fileno(), None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        for token in list(conn.holds):
+            self._release(conn, token)
+        conn.sock.close()
+        if conn.pidfd >= 0:
+            os.close(conn.pidfd)
+        if not self.conns:
+            self.idle_since = time.monotonic()
+        log.debug("pid %d disconnected", conn.pid)
+
+    # ------------------------------------------------------------ requests
+
+    def handle(self, conn: Conn, f: Frame, fds: list[int]) -> tuple[bytes, tuple[int, ...]]:
+        """Serve one request; returns the reply frame and the fds to send with it."""
+        v = f.values
+        if f.type is Msg.CHARGE:
+            return encode(Msg.TOKEN, f.req, self.charge(conn, int(v[0]), int(v[1]))), ()
+        if f.type is Msg.RELEASE:
+            self._release(conn, int(v[0]), strict=True)
+            return encode(Msg.OK, f.req), ()
+        if f.type is Msg.MEM_INFO:
+            device = self._device(int(v[0]))
+            total = self.config.device_memory
+            return encode(Msg.MEM, f.req, total - self.used[device], total), ()
+        if f.type is Msg.EXPORT:
+            fd = fds.pop()
+            try:
+                shareable = self.export(conn, f, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            return encode(Msg.EXPORTED, f.req, tail=shareable), ()
+        if f.type is Msg.REVOKE:
+            self.revoke(self._own(conn, int(v[0])).alloc)
+            return encode(Msg.OK, f.req), ()
+        if f.type is Msg.SET_PIDS:
+            assert isinstance(f.tail, tuple)
+            self.set_pids(conn, int(v[0]), int(v[1]), f.tail)
+            return encode(Msg.OK, f.req), ()
+        if f.type is Msg.IMPORT:
+            token, exp = self.import_(conn, int(v[0]), int(v[1]), bytes(v[2]))
+            alloc = self.holds[token].alloc
+            return encode(Msg.IMPORTED, f.req, token, alloc.size, *exp.prop), (exp.fd,)
+        if f.type is Msg.BARE_TGID:
+            return encode(Msg.PID, f.req, conn.pid), ()
+        if f.type is Msg.LIST:
+            return encode(Msg.LISTING, f.req, tail=self.listing(int(v[0]))), ()
+        raise ProtocolError(f"{f.type.name} is a reply, not a request")
+
+    def _device(self, device: int) -> int:
+        if not 0 <= device < self.config.devices:
+            raise BrokerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"device {device} does not exist on this node")
+        return device
+
+    def _new_token(self) -> int:
+        while True:
+            token = secrets.randbits(63) | 1
+            if token not in self.holds:
+                return token
+
+    def charge(self, conn: Conn, device: int, size: int) -> int:
+        if device != -1:
+            self._device(device)
+            free = self.config.device_memory - self.used[device]
+            if size > free:
+                raise BrokerError(
+                    C.ACL_ERROR_RT_MEMORY_ALLOCATION,
+                    f"device {device} has {free} of {self.config.device_memory} bytes free on this node; "
+                    f"{size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)",
+                )
+            self.used[device] += size
+        token = self._new_token()
+        alloc = Alloc(device, size, holds=1)
+        self.holds[token] = Hold(conn, alloc)
+        conn.holds.add(token)
+        return token
+
+    def _own(self, conn: Conn, token: int) -> Hold:
+        hold = self.holds.get(token)
+        if hold is None or hold.conn is not conn:
+            raise BrokerError(C.ACL_ERROR_RT_INVALID_HANDLE, "unknown allocation token for this connection")
+        return hold
+
+    def _release(self, conn: Conn, token: int, strict: bool = False) -> None:
+        if strict:
+            self._own(conn, token)
+        hold = self.holds.pop(token)
+        conn.holds.discard(token)
+        alloc = hold.alloc
+        exp = alloc.export
+        if exp is not None:
+            if exp.owner is conn and token not in exp.importers:
+                self.revoke(alloc)
+            exp.importers.pop(token, None)
+        alloc.holds -= 1
+        if alloc.holds == 0 and alloc.device != -1:
+            self.used[alloc.device] -= alloc.size
+
+    def revoke(self, alloc: Alloc) -> None:
+        """The exporter freed the allocation (or died): no new imports; importers keep what they hold."""
+        exp = alloc.export
+        if exp is None or exp.fd < 0:
+            return
+        self.exports.pop(exp.handle, None)
+        os.close(exp.fd)
+        exp.fd = -1
+        log.debug("handle %#x revoked", exp.handle)
+
+    def export(self, conn: Conn, f: Frame, fd: int) -> bytes:
+        token, size, flags, share_type, *prop = (int(x) for x in f.values)
+        hold = self._own(conn, token)
+        alloc = hold.alloc
+        if alloc.export is not None:
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
+        if flags not in (0, 1) or share_type not in (1, 2):
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {flags} or share type {share_type}")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size or size != alloc.size:
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
+        handle = secrets.randbits(64)
+        while handle == 0 or handle in self.exports:
+            handle = secrets.randbits(64)
+        secret = secrets.token_bytes(32) if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else bytes(32)
+        if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
+            shareable = FabricHandle(self.config.server_id, max(prop[4], 0), handle, size, secret,
+                                     FLAG_NO_PID_VALIDATION if flags else 0).pack()
+        else:
+            shareable = default_bytes(handle)
+        exp = Export(handle, alloc, fd, share_type, flags, (prop[0], prop[1], prop[2], prop[3], prop[4]), conn,
+                     shareable, secret)
+        alloc.export = exp
+        self.exports[handle] = exp
+        log.debug("pid %d exported %#x (%d bytes, share type %d, flags %d)", conn.pid, handle, size, share_type, flags)
+        return shareable
+
+    def _export_of(self, handle: int, share_type: int) -> Export:
+        exp = self.exports.get(handle)
+        if exp is None:
+            raise BrokerError(
+                C.ACL_ERROR_RT_INVALID_HANDLE,
+                f"shareable handle {handle:#x} is unknown on this node, or revoked (its exporter freed it or exited)",
+            )
+        if exp.share_type != share_type:
+            raise BrokerError(
+                C.ACL_ERROR_RT_PARAM_INVALID,
+                f"shareable handle {handle:#x} was exported with share type {exp.share_type}, not {share_type}",
+            )
+        return exp
+
+    def set_pids(self, conn: Conn, handle: int, share_type: int, pids: tuple[int, ...]) -> None:
+        exp = self._export_of(handle, share_type)
+        if exp.owner is not conn:
+            raise BrokerError(
+                C.ACL_ERROR_RT_NO_PERMISSION,
+                f"only the exporting process (pid {exp.owner.pid}) may set the trustlist of {handle:#x}",
+            )
+        if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
+        new = {p for p in pids if p not in exp.trust}
+        if len(exp.trust) + len(new) > MAX_TRUSTLIST:
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+        for pid in pids:
+            exp.trust[pid] = process_start_time(pid)
+
+    def import_(self, conn: Conn, handle: int, share_type: int, secret: bytes) -> tuple[int, Export]:
+        exp = self._export_of(handle, share_type)
+        if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC and not hmac.compare_digest(secret, exp.secret):
+            raise BrokerError(C.ACL_ERROR_RT_INVALID_HANDLE, f"FABRIC handle {handle:#x} does not carry its secret")
+        if conn.pid == exp.owner.pid:
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
+        if not exp.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
+            if conn.pid not in exp.trust:
+                raise BrokerError(
+                    C.ACL_ERROR_RT_NO_PERMISSION,
+                    f"process {conn.pid} is not on the trustlist of {handle:#x}: the exporter must add it with "
+                    "mem_set_pid_to_shareable_handle(_v2)",
+                )
+            bound = exp.trust[conn.pid]
+            if bound is not None and bound != conn.start:
+                raise BrokerError(
+                    C.ACL_ERROR_RT_NO_PERMISSION,
+                    f"pid {conn.pid} was trustlisted for another process that had the same pid (pid reuse)",
+                )
+        if any(c is conn for c in exp.importers.values()):
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "this process imported the handle already: free it first")
+        alloc = exp.alloc
+        token = self._new_token()
+        self.holds[token] = Hold(conn, alloc)
+        conn.holds.add(token)
+        alloc.holds += 1
+        exp.importers[token] = conn
+        log.debug("pid %d imported %#x", conn.pid, handle)
+        return token, exp
+
+    def listing(self, offset: int) -> str:
+        rows = []
+        exports = list(self.exports.values())
+        for exp in exports[offset : offset + LIST_PAGE]:
+            alloc = exp.alloc
+            rows.append({
+                "handle": f"{exp.handle:#018x}",
+                "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
+                "device": alloc.device,
+                "size": alloc.size,
+                "owner_pid": exp.owner.pid,
+                "pid_validation": not exp.flags & 1,
+                "trustlist": sorted(exp.trust),
+                "importers": sorted(c.pid for c in exp.importers.values()),
+            })
+        more = offset + LIST_PAGE < len(exports)
+        used = {str(d): u for d, u in enumerate(self.used) if u}
+        text = json.dumps({"broker_pid": os.getpid(), "exports": rows, "next": offset + LIST_PAGE if more else None,
+                           "used": used, "capacity": self.config.device_memory, "clients": len(self.conns)})
+        return text
+
+
+def _answers(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1) -> int:
+    """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle."""
+    config = Config.from_env()
+    broker = Broker(path or config.socket_path, config, idle, multi_user)
+    signal.signal(signal.SIGTERM, broker.stop)
+    signal.signal(signal.SIGINT, broker.stop)
+    try:
+        broker.bind()
+    except (OSError, RuntimeError) as exc:
+        log.error("cannot serve %s: %s", broker.path, exc)
+        return 1 if not isinstance(exc, OSError) or exc.errno != errno.EADDRINUSE else 2
+    broker.serve(ready_fd)
+    return 0

@@ -1,0 +1,76 @@
+"""Packets over an AF_UNIX SOCK_SEQPACKET socket, with file descriptors passed by SCM_RIGHTS."""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import socket
+
+from ..protocol import MAX_FDS, MAX_FRAME
+
+_ANC = socket.CMSG_SPACE(4 * (MAX_FDS + 4))  # room to notice (and close) fds nobody asked for
+
+
+def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool]:
+    """One packet, the fds that came with it (close-on-exec), and whether it was cut short.
+
+    A packet larger than MAX_FRAME, or one whose fds did not fit, comes back truncated=True; the caller
+    must close the fds. An empty packet with no fds means the peer closed the connection.
+    """
+    data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC, socket.MSG_CMSG_CLOEXEC | flags)
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    truncated = bool(msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)) or len(data) > MAX_FRAME
+    return data, fds, truncated
+
+
+def send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:
+    """Send one packet, with `fds` attached."""
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the peer as the kernel recorded them at connect time (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    pid, uid, gid = array.array("i", raw)
+    return pid, uid, gid
+
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def peer_pidfd(sock: socket.socket) -> int:
+    """A pidfd for the peer process (Linux 6.5+), or -1 where the kernel does not offer one."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4)
+    except OSError:
+        return -1
+    return int(array.array("i", raw)[0])
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None

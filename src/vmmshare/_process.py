@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-from .config import Config
 from .broker.client import BrokerClient
+from .config import Config
 from .runtime import Runtime
 
 _lock = threading.Lock()

@@ -1,21 +1,85 @@
-"""The ``vmmshare`` command line."""
+"""The ``vmmshare`` command line: broker, ls, demo, bench, doctor, version."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 from . import __version__
 
 
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from .broker.client import BrokerClient
+    from .config import Config
+    from .errors import AclError
+
+    try:
+        listing = BrokerClient(Config.from_env(), autostart=False).listing()
+    except AclError as exc:
+        print(f"vmmshare ls: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(listing, indent=2))
+        return 0
+    rows: list[dict[str, Any]] = listing["exports"]
+    print(f"broker pid {listing['broker_pid']}, {listing['clients']} client(s), {len(rows)} export(s)")
+    for dev, used in sorted(listing["used"].items(), key=lambda kv: int(kv[0])):
+        print(f"  device {dev}: {_size(used)} used of {_size(listing['capacity'])}")
+    if not rows:
+        return 0
+    head = ("HANDLE", "TYPE", "DEV", "SIZE", "OWNER", "PIDCHECK", "TRUSTLIST", "IMPORTERS")
+    table = [head] + [
+        (
+            r["handle"], r["share_type"], str(r["device"]), _size(r["size"]), str(r["owner_pid"]),
+            "on" if r["pid_validation"] else "off",
+            ",".join(map(str, r["trustlist"])) or "-", ",".join(map(str, r["importers"])) or "-",
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vmmshare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="vmmshare", description="Ascend-style VMM memory sharing on Linux.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
+    b = sub.add_parser("broker", help="run the node broker in the foreground")
+    b.add_argument("--socket", help="socket path (default: $VMMSHARE_SOCKET or the per-user path)")
+    b.add_argument("--idle", type=float, default=None, help="exit after this many idle seconds (default: never)")
+    b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
+    b.add_argument("--log-level", default="INFO")
+    ls = sub.add_parser("ls", help="list the exports on this node")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.command == "version":
         print(f"vmmshare {__version__}")
-    return 0
+        return 0
+    if args.command == "broker":
+        from .broker.__main__ import main as broker_main
+
+        forward = ["--log-level", args.log_level]
+        if args.socket:
+            forward += ["--socket", args.socket]
+        if args.idle is not None:
+            forward += ["--idle", str(args.idle)]
+        if args.multi_user:
+            forward.append("--multi-user")
+        return broker_main(forward)
+    if args.command == "ls":
+        return _ls(args)
+    return 2
 
 
 if __name__ == "__main__":

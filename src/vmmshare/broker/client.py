@@ -6,7 +6,6 @@ broker), and reconnects by itself when the broker restarts, charging its live al
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import itertools
 import json
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..errors import IpcError, error_from_code
+from ..errors import AclError, IpcError, error_from_code
 from ..protocol import Frame, Msg, ProtocolError, decode, encode
 from ..runtime import Imported, Location, PhysicalProp
 from .wire import close_fds, recv_packet, send_packet
@@ -119,14 +118,12 @@ class BrokerClient:
                 try:
                     sock = self._sock or self._reconnect()
                     return self._exchange(sock, build(next(self._req)), fds)
-                except (TimeoutError, ConnectionError, BrokenPipeError, OSError) as exc:
-                    if isinstance(exc, IpcError) or attempt:
-                        self._reset()
-                        raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+                except AclError:
+                    raise
+                except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect once
                     self._reset()
-                    self._sock = None
-                    with contextlib.suppress(OSError):
-                        self._reconnect()
+                    if attempt:
+                        raise IpcError(f"lost the broker at {self.path}: {exc}") from None
             raise AssertionError("unreachable")
 
     def _bt(self, token: int) -> int:

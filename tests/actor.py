@@ -1,0 +1,79 @@
+"""A second process driven over stdin/stdout: each line is a JSON call into ``vmmshare.acl``, answered by JSON.
+
+Run as ``python tests/actor.py``; the test side is `tests/procs.py`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+from typing import Any
+
+import vmmshare.acl as acl
+
+
+def _enc(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": bytes(value).hex()}
+    if isinstance(value, tuple):
+        return [_enc(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _enc(v) for k, v in value.items()}
+    return value
+
+
+def _dec(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__bytes__"}:
+            return bytes.fromhex(value["__bytes__"])
+        return {k: _dec(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_dec(v) for v in value]
+    return value
+
+
+def _special(name: str, args: list[Any]) -> Any:
+    if name == "pid":
+        return os.getpid()
+    if name == "write":  # ptr, byte value, size
+        ctypes.memset(args[0], args[1], args[2])
+        return None
+    if name == "write_bytes":
+        ctypes.memmove(args[0], args[1], len(args[1]))
+        return None
+    if name == "read":
+        return ctypes.string_at(args[0], args[1])
+    if name == "sha256":
+        return hashlib.sha256(ctypes.string_at(args[0], args[1])).hexdigest()
+    if name == "fd_count":
+        return len(os.listdir("/proc/self/fd"))
+    if name == "exit":
+        sys.stdout.flush()
+        os._exit(int(args[0]) if args else 0)
+    raise ValueError(f"unknown special call {name}")
+
+
+def main() -> None:
+    for line in sys.stdin:
+        req = json.loads(line)
+        name, args = req["call"], _dec(req.get("args", []))
+        try:
+            if name.startswith("!"):
+                result = _special(name[1:], args)
+            else:
+                fn: Any = acl
+                for part in name.split("."):
+                    fn = getattr(fn, part)
+                result = fn(*args)
+            out = {"ok": _enc(result), "err": acl.get_recent_err_msg()}
+        except Exception as exc:  # report, keep serving
+            out = {"exc": repr(exc)}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

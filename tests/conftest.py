@@ -1,0 +1,328 @@
+"""Shared fixtures and helpers: real memory (memfd + mmap), no mocks.
+
+`acl` sets device 0 in the test thread and checks, at teardown, that the runtime's tables hold nothing the test
+created. `vmm` creates objects through the pyACL surface and cleans them up in the right order, so a failing test
+does not leak into the next one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+# A private broker for this test session (SPEC §5 starts one on first use): the capacity numbers and tables the
+# tests check must not be shared with other processes on the machine. Set before the runtime is first created.
+_SESSION_DIR = tempfile.mkdtemp(prefix="vmmshare-tests-")
+os.environ["VMMSHARE_SOCKET"] = os.path.join(_SESSION_DIR, "broker.sock")
+os.environ["VMMSHARE_BROKER_IDLE"] = "1"
+for _var in ("VMMSHARE_DEVICE_MEMORY", "VMMSHARE_PREPOPULATE", "VMMSHARE_BACKEND"):
+    os.environ.pop(_var, None)
+
+import vmmshare.acl as _acl  # noqa: E402
+from vmmshare._process import runtime  # noqa: E402
+from vmmshare.errors import set_recent_error  # noqa: E402
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+G2M = 2 * MiB
+ARENA_START = 16 << 40
+ARENA_END = 24 << 40
+
+PARAM = 107000
+BAD_DEVICE = 107001
+NO_CONTEXT = 107002
+BAD_HANDLE = 107017
+NOT_SUPPORTED = 207000
+NO_MEMORY = 207001
+INTERNAL = 507000
+
+DEVICE = 1
+HOST = 0
+NONE, READ, READWRITE = 0x0, 0x1, 0x3
+
+SIGSEGV_RC = -signal.SIGSEGV
+
+
+# ---------------------------------------------------------------- process probes
+
+
+def fd_count() -> int:
+    """Open file descriptors of this process."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def map_count() -> int:
+    """Lines (VMAs) of /proc/self/maps."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def memfds() -> dict[int, str]:
+    """fd -> link target for every memfd this process holds."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:"):
+            out[int(name)] = target
+    return out
+
+
+def vmas(lo: int = 0, hi: int = 1 << 64) -> list[tuple[int, int, str]]:
+    """(start, end, perms) of every VMA of this process that overlaps [lo, hi)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split(None, 2)[:2]
+            a, b = (int(x, 16) for x in span.split("-"))
+            if a < hi and b > lo:
+                out.append((a, b, perms))
+    return out
+
+
+def perms_at(addr: int) -> str | None:
+    """The permissions of the VMA holding `addr` ("rw-s", "---p", ...), None when nothing is mapped there."""
+    found = vmas(addr, addr + 1)
+    return found[0][2] if found else None
+
+
+def perms_over(lo: int, hi: int) -> set[str]:
+    """The set of permissions seen over [lo, hi); raises AssertionError when part of it is not mapped at all."""
+    cursor, seen = lo, set()
+    for a, b, perms in vmas(lo, hi):
+        assert a <= cursor, f"hole at {cursor:#x} in [{lo:#x}, {hi:#x})"
+        seen.add(perms)
+        cursor = b
+    assert cursor >= hi, f"[{lo:#x}, {hi:#x}) is not mapped past {cursor:#x}"
+    return seen
+
+
+def rss_kb(lo: int, hi: int) -> int:
+    """Resident kB of the VMAs that lie inside [lo, hi) (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = lo <= a and b <= hi
+            elif inside and head == "Rss:":
+                total += int(line.split()[1])
+    return total
+
+
+# ---------------------------------------------------------------- argument builders
+
+
+def loc(dev: int = 0, loc_type: int = DEVICE) -> dict[str, int]:
+    return {"id": dev, "type": loc_type}
+
+
+def prop(attr: int = 0, dev: int = 0, loc_type: int = DEVICE, handle_type: int = 0) -> dict[str, Any]:
+    """An aclrtPhysicalMemProp dict."""
+    return {"handleType": handle_type, "allocationType": 0, "memAttr": attr, "location": loc(dev, loc_type),
+            "reserve": 0}
+
+
+def desc(flags: int, dev: int = 0, loc_type: int = DEVICE) -> dict[str, Any]:
+    """One aclrtMemAccessDesc dict."""
+    return {"flags": flags, "location": loc(dev, loc_type)}
+
+
+# ---------------------------------------------------------------- checking results
+
+
+def clear_err() -> None:
+    set_recent_error("")
+
+
+def ret_of(result: Any) -> int:
+    """The ret of a pyACL call: the last value, or the value itself for calls without outputs."""
+    return result[-1] if isinstance(result, tuple) else result
+
+
+def expect_fail(code: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Call `fn`, which must return `code` last, set a fresh informative recent message, and not raise."""
+    clear_err()
+    result = fn(*args, **kwargs)
+    assert ret_of(result) == code, f"{fn.__name__}{args!r} returned {result!r}, expected code {code}"
+    msg = _acl.get_recent_err_msg()
+    assert isinstance(msg, str) and msg.strip(), f"{fn.__name__}{args!r} failed with {code} but left no message"
+    assert len(msg) >= 15, f"message too short to act on: {msg!r}"
+    assert fn.__name__ in msg, f"message {msg!r} does not say which call failed ({fn.__name__})"
+    if isinstance(result, tuple):  # failed outputs are the neutral defaults, never half-made objects
+        assert all(v in (0, None) for v in result[:-1]), f"{fn.__name__} failed but returned outputs {result!r}"
+    return msg
+
+
+def ok(result: Any) -> Any:
+    """Assert a pyACL call succeeded; return its outputs (one value, a tuple, or None)."""
+    assert ret_of(result) == 0, f"call failed with {result!r}: {_acl.get_recent_err_msg()}"
+    if not isinstance(result, tuple):
+        return None
+    return result[0] if len(result) == 2 else result[:-1]
+
+
+def write(ptr: int, data: bytes) -> None:
+    ctypes.memmove(ptr, data, len(data))
+
+
+def read(ptr: int, size: int) -> bytes:
+    return ctypes.string_at(ptr, size)
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def private_broker_env(folder: Any, **variables: str) -> dict[str, str]:
+    """Environment for a child with its own broker (in `folder`), so VMMSHARE_* settings such as capacity apply."""
+    return {"VMMSHARE_SOCKET": os.path.join(str(folder), "broker.sock"), "VMMSHARE_BROKER_IDLE": "0", **variables}
+
+
+def run_child(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter (its own runtime, the session's broker unless `env` names another);
+    `env` adds to or, with "" values, removes variables."""
+    full = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    for k, v in (env or {}).items():
+        if v == "":
+            full.pop(k, None)
+        else:
+            full[k] = v
+    # a hang guard only: no assertion depends on timing
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full, timeout=300)
+
+
+CHILD_PRELUDE = """
+import ctypes, os, sys
+import vmmshare.acl as acl
+from vmmshare._process import runtime
+M = 1 << 20
+def P(dev=0, attr=0, t=1):
+    return {"handleType": 0, "allocationType": 0, "memAttr": attr, "location": {"id": dev, "type": t}, "reserve": 0}
+def ok(r):
+    assert (r[-1] if isinstance(r, tuple) else r) == 0, (r, acl.get_recent_err_msg())
+    return r[0] if isinstance(r, tuple) and len(r) == 2 else r
+"""
+
+
+def child_ok(code: str, env: dict[str, str] | None = None) -> str:
+    """Run prelude + code in a child that must exit 0 and print DONE; return its stdout."""
+    proc = run_child(CHILD_PRELUDE + textwrap.dedent(code) + "\nprint('DONE')\n", env)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, (
+        f"child failed rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
+    return proc.stdout
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_broker_folder():
+    yield
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def acl():
+    """`vmmshare.acl` with device 0 set in this thread; teardown asserts the runtime tables are back where they were."""
+    rt = runtime()
+    assert _acl.rt.set_device(0) == 0
+    before = rt.counts()
+    yield _acl
+    after = rt.counts()
+    _acl.rt.reset_device(0)
+    assert after == before, f"the test left runtime objects behind: {before} -> {after}"
+
+
+class Vmm:
+    """Creates objects through acl.rt (asserting success) and removes whatever is left, in order, at teardown."""
+
+    def __init__(self, acl_mod: Any) -> None:
+        self.rt = acl_mod.rt
+        self.handles: list[int] = []
+        self.reservations: list[int] = []
+        self.mappings: list[int] = []
+        self.host_blocks: list[int] = []
+        self.streams: list[int] = []
+
+    def alloc(self, size: int = G2M, **prop_kw: Any) -> int:
+        h = ok(self.rt.malloc_physical(size, prop(**prop_kw), 0))
+        assert isinstance(h, int) and h != 0
+        self.handles.append(h)
+        return h
+
+    def reserve(self, size: int = G2M, expect_ptr: int = 0) -> int:
+        p = ok(self.rt.reserve_mem_address(size, 0, expect_ptr, 0))
+        assert isinstance(p, int) and p != 0
+        self.reservations.append(p)
+        return p
+
+    def map(self, ptr: int, size: int, handle: int, no_access: bool = False) -> int:
+        fn = self.rt.mem_map_no_access if no_access else self.rt.map_mem
+        ok(fn(ptr, size, 0, handle, 0))
+        self.mappings.append(ptr)
+        return ptr
+
+    def mapped(self, size: int = G2M, **prop_kw: Any) -> tuple[int, int]:
+        """A fresh allocation mapped at the start of its own reservation: (ptr, handle)."""
+        h = self.alloc(size, **prop_kw)
+        p = self.reserve(size)
+        self.map(p, size, h)
+        return p, h
+
+    def host(self, size: int = 4096) -> int:
+        p = ok(self.rt.malloc_host(size))
+        self.host_blocks.append(p)
+        return p
+
+    def stream(self) -> int:
+        s = ok(self.rt.create_stream())
+        self.streams.append(s)
+        return s
+
+    def unmap(self, ptr: int) -> None:
+        ok(self.rt.unmap_mem(ptr))
+        self.mappings.remove(ptr)
+
+    def free(self, handle: int) -> None:
+        ok(self.rt.free_physical(handle))
+        self.handles.remove(handle)
+
+    def release(self, ptr: int) -> None:
+        ok(self.rt.release_mem_address(ptr))
+        self.reservations.remove(ptr)
+
+    def cleanup(self) -> None:
+        for p in reversed(self.mappings):
+            self.rt.unmap_mem(p)
+        for h in reversed(self.handles):
+            self.rt.free_physical(h)
+        for p in reversed(self.reservations):
+            self.rt.release_mem_address(p)
+        for p in reversed(self.host_blocks):
+            self.rt.free_host(p)
+        for s in reversed(self.streams):
+            self.rt.destroy_stream(s)
+        self.__init__(_acl)  # type: ignore[misc]
+
+
+@pytest.fixture
+def vmm(acl):
+    v = Vmm(acl)
+    yield v
+    v.cleanup()

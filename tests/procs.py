@@ -1,0 +1,115 @@
+"""Real second processes for tests: a dedicated broker per test and `Actor`s that run `vmmshare.acl` calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ACTOR = HERE / "actor.py"
+
+
+class BrokerProc:
+    """A broker started for one test on its own socket; `env` points clients at it."""
+
+    def __init__(self, folder: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.folder = folder
+        self.socket = folder / "broker.sock"
+        self.env = dict(os.environ if env is None else env)
+        self.env["VMMSHARE_SOCKET"] = str(self.socket)
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        rfd, wfd = os.pipe()
+        cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(self.socket), "--ready-fd", str(wfd),
+               "--log-level", "WARNING", *self.extra]
+        self.proc = subprocess.Popen(cmd, env=self.env, pass_fds=(wfd,), stdin=subprocess.DEVNULL)
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as r:
+            line = r.readline()  # the broker writes "ready" once it listens, or closes the pipe on failure
+        if line != b"ready\n":
+            self.proc.wait(10)
+            raise RuntimeError(f"broker failed to start (exit {self.proc.returncode})")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+class Actor:
+    """A separate Python process; `call("rt.malloc_physical", size, prop, 0)` runs `acl.rt.malloc_physical`."""
+
+    def __init__(self, env: dict[str, str], prefix: list[str] | None = None, device: int | None = 0) -> None:
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, str(ACTOR)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        self.pid = self.proc.pid if not prefix else self.call("!pid")
+        self.last_err = ""
+        if device is not None:
+            assert self.call("rt.set_device", device) == 0
+
+    def call(self, name: str, *args: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"call": name, "args": [_enc(a) for a in args]}) + "\n")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"actor {self.pid} died (exit {self.proc.wait(10)})")
+        reply = json.loads(line)
+        if "exc" in reply:
+            raise RuntimeError(f"actor raised {reply['exc']}")
+        self.last_err = reply["err"]
+        return _dec(reply["ok"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(10)
+
+
+def _enc(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": bytes(value).hex()}
+    return value
+
+
+def _dec(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__bytes__"}:
+            return bytes.fromhex(value["__bytes__"])
+        return {k: _dec(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_dec(v) for v in value)
+    return value
+
+
+PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
+MiB2 = 2 << 20

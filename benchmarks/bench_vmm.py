@@ -98,7 +98,7 @@ def main() -> None:
     normal, huge, plain, kinds = [], [], [], set()
     for _ in range(args.touch_reps):
         plain.append(touch_mmap(GiB))
-        bw, kind = touch_vmm(GiB, acl.ACL_HBM_MEM_NORMAL)
+        bw, _ = touch_vmm(GiB, acl.ACL_HBM_MEM_NORMAL)
         normal.append(bw)
         bw, kind_huge = touch_vmm(GiB, acl.ACL_HBM_MEM_HUGE)
         huge.append(bw)

@@ -11,7 +11,6 @@ import itertools
 import json
 import logging
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -25,11 +24,12 @@ from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..protocol import Frame, Msg, ProtocolError, decode, encode
 from ..runtime import Imported, Location, PhysicalProp
-from .wire import close_fds, recv_packet, send_packet
+from .wire import DONTWAIT, close_fds, recv_packet, send_packet, wait_readable
 
 log = logging.getLogger("vmmshare.client")
 START_TIMEOUT = 20.0
 REPLY_TIMEOUT = 60.0
+SPIN_SECONDS = float(os.environ.get("VMMSHARE_SPIN_US", "100")) / 1e6
 
 
 class BrokerClient:
@@ -54,7 +54,6 @@ class BrokerClient:
             if not self.autostart:
                 raise IpcError(f"no broker answers at {self.path}: start one with `vmmshare broker`")
             sock = start_broker(self.path)
-        sock.settimeout(REPLY_TIMEOUT)
         return sock
 
     def _reset(self) -> None:
@@ -93,7 +92,7 @@ class BrokerClient:
     def _exchange(self, sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> tuple[Frame, list[int]]:
         req = int.from_bytes(data[4:8], "little")
         send_packet(sock, data, fds)
-        packet, got, truncated = recv_packet(sock)
+        packet, got, truncated = _await_reply(sock)
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
         try:
@@ -193,6 +192,21 @@ class BrokerClient:
         return result
 
 
+def _await_reply(sock: socket.socket) -> tuple[bytes, list[int], bool]:
+    """The next packet: polled for a few microseconds first (a wake-up from sleep costs far more on most
+    machines than the broker takes to answer), then waited for, up to REPLY_TIMEOUT."""
+    deadline = time.perf_counter() + SPIN_SECONDS
+    while True:
+        try:
+            return recv_packet(sock, DONTWAIT)
+        except BlockingIOError:
+            if time.perf_counter() > deadline:
+                break
+    if not wait_readable(sock.fileno(), REPLY_TIMEOUT):
+        raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
+    return recv_packet(sock, DONTWAIT)
+
+
 def _try_connect(path: Path) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
@@ -248,7 +262,7 @@ def _spawn(path: Path) -> None:
         line = b""
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([rfd], [], [], left)[0]:
+            if left <= 0 or not wait_readable(rfd, left):
                 proc.kill()
                 raise IpcError(f"the broker did not start within {START_TIMEOUT:.0f} s; see {log_path}")
             chunk = os.read(rfd, 64)

@@ -16,7 +16,6 @@ import logging
 import os
 import resource
 import secrets
-import select
 import selectors
 import signal
 import socket
@@ -29,10 +28,20 @@ from .. import constants as C
 from ..config import Config
 from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
 from ..protocol import MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
-from .wire import close_fds, peer_credentials, peer_pidfd, process_start_time, recv_packet, send_packet
+from .wire import (
+    DONTWAIT,
+    close_fds,
+    peer_credentials,
+    peer_pidfd,
+    process_start_time,
+    recv_packet,
+    send_packet,
+    wait_readable,
+)
 
 log = logging.getLogger("vmmshare.broker")
 LIST_PAGE = 100
+SPIN_SECONDS = float(os.environ.get("VMMSHARE_BROKER_SPIN_US", "200")) / 1e6
 
 
 class BrokerError(Exception):
@@ -140,15 +149,32 @@ class Broker:
             if self.idle is not None and not self.conns and not self.holds:
                 timeout = max(0.0, self.idle_since + self.idle - time.monotonic())
             events = self.sel.select(timeout)
-            for key, _ in events:
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._readable(key.data)
+            while events:
+                for key, _ in events:
+                    try:
+                        if key.data is None:
+                            self._accept()
+                        else:
+                            self._readable(key.data)
+                    except Exception:  # nothing one client does may take the node's broker down
+                        log.exception("unexpected error in the broker loop")
+                        if key.data is not None:
+                            self._drop(key.data)
+                events = self._poll_briefly()
             idle = self.idle is not None and not self.conns and not self.holds
             if idle and time.monotonic() - self.idle_since >= (self.idle or 0) and self._retire():
                 break
         self.close()
+
+    def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
+        """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
+        from sleep costs several times what serving a request does."""
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while time.perf_counter() < deadline:
+            events = self.sel.select(0)
+            if events:
+                return events
+        return []
 
     def _retire(self) -> bool:
         """Leave after an idle spell: under the start lock, so no client is mid-way through starting one."""
@@ -197,7 +223,7 @@ class Broker:
                 continue
             pidfd = peer_pidfd(sock)
             start = process_start_time(pid)
-            if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:  # exited already: its pid may be reused
+            if pidfd >= 0 and wait_readable(pidfd, 0):  # exited already: its pid may be reused
                 os.close(pidfd)
                 sock.close()
                 continue
@@ -209,7 +235,7 @@ class Broker:
     def _readable(self, conn: Conn) -> None:
         for _ in range(64):  # bounded, so one busy client cannot starve the others
             try:
-                data, fds, truncated = recv_packet(conn.sock, socket.MSG_DONTWAIT)
+                data, fds, truncated = recv_packet(conn.sock, DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:

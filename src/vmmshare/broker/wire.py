@@ -5,11 +5,16 @@ from __future__ import annotations
 import array
 import contextlib
 import os
+import select
 import socket
 
 from ..protocol import MAX_FDS, MAX_FRAME
 
 _ANC = socket.CMSG_SPACE(4 * (MAX_FDS + 4))  # room to notice (and close) fds nobody asked for
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_CUT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+DONTWAIT = int(socket.MSG_DONTWAIT)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
 
 
 def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool]:
@@ -18,23 +23,30 @@ def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], 
     A packet larger than MAX_FRAME, or one whose fds did not fit, comes back truncated=True; the caller
     must close the fds. An empty packet with no fds means the peer closed the connection.
     """
-    data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC, socket.MSG_CMSG_CLOEXEC | flags)
+    data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC, _CLOEXEC | flags)
     fds: list[int] = []
     for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
             got = array.array("i")
             got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
             fds.extend(got)
-    truncated = bool(msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)) or len(data) > MAX_FRAME
+    truncated = bool(msg_flags & _CUT) or len(data) > MAX_FRAME
     return data, fds, truncated
 
 
 def send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:
     """Send one packet, with `fds` attached."""
     if fds:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        sock.sendmsg([data], [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))])
     else:
         sock.send(data)
+
+
+def wait_readable(fd: int, timeout: float | None) -> bool:
+    """Whether `fd` becomes readable within `timeout` seconds (poll(2): any fd number, unlike select)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
 
 def close_fds(fds: list[int]) -> None:

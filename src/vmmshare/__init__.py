@@ -14,19 +14,26 @@ from .errors import (
     MemoryAllocationError,
     NoPermissionError,
 )
+from .memory import Device, Mapping, PhysicalMemory, ShareableHandle, VirtualRange, import_handle
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AclError",
     "ContextNullError",
+    "Device",
     "FeatureNotSupportedError",
     "InternalError",
     "InvalidDeviceError",
     "InvalidHandleError",
     "InvalidParamError",
     "IpcError",
+    "Mapping",
     "MemoryAllocationError",
     "NoPermissionError",
+    "PhysicalMemory",
+    "ShareableHandle",
+    "VirtualRange",
     "__version__",
+    "import_handle",
 ]

@@ -39,6 +39,7 @@ MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
 MAP_FIXED_NOREPLACE = 0x100000
 MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 MFD_HUGE_SHIFT = 26
 MAP_FAILED = ctypes.c_void_p(-1).value
@@ -232,3 +233,8 @@ def advise_huge(addr: int, size: int) -> bool:
 def populate(addr: int, size: int) -> bool:
     """Fault in every page of a writable mapping now (MADV_POPULATE_WRITE); False where unsupported."""
     return bool(_libc.madvise(addr, size, MADV_POPULATE_WRITE) == 0)
+
+
+def populate_read(addr: int, size: int) -> bool:
+    """Map every page of a read-only mapping now (MADV_POPULATE_READ); False where unsupported."""
+    return bool(_libc.madvise(addr, size, MADV_POPULATE_READ) == 0)

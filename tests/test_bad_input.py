@@ -11,6 +11,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+import vmmshare.acl as acl_module
 from conftest import (
     BAD_DEVICE,
     BAD_HANDLE,
@@ -29,8 +31,6 @@ from conftest import (
     read,
     write,
 )
-
-import vmmshare.acl as acl_module
 
 # Each memory call: a factory of valid arguments (from live objects) and the kind of each argument.
 SPECS: dict[str, tuple[Any, tuple[str, ...]]] = {

@@ -6,6 +6,7 @@ import ctypes
 import os
 
 import pytest
+
 from conftest import (
     ARENA_END,
     ARENA_START,
@@ -13,7 +14,6 @@ from conftest import (
     BAD_HANDLE,
     DEVICE,
     G2M,
-    GiB,
     HOST,
     NONE,
     NOT_SUPPORTED,
@@ -21,6 +21,7 @@ from conftest import (
     READ,
     READWRITE,
     SIGSEGV_RC,
+    GiB,
     MiB,
     child_ok,
     desc,
@@ -38,7 +39,6 @@ from conftest import (
     run_child,
     write,
 )
-
 from vmmshare.constants import HUGE1G_ATTRS, MEM_ATTR_NAMES
 
 ALL_ATTRS = range(len(MEM_ATTR_NAMES))
@@ -52,7 +52,7 @@ ALL_ATTRS = range(len(MEM_ATTR_NAMES))
 def test_rule_1_granularity_2mib_and_1gib(acl, attr, option):
     g = ok(acl.rt.mem_get_allocation_granularity(prop(attr), option))
     assert g == (GiB if attr in HUGE1G_ATTRS else G2M)
-    assert HUGE1G_ATTRS == {10, 11, 14, 17}
+    assert {10, 11, 14, 17} == HUGE1G_ATTRS
 
 
 def test_rule_1_granularity_is_the_same_for_host_location(acl):
@@ -175,7 +175,7 @@ def test_rule_3_system_choice_is_in_the_arena_and_inaccessible(vmm):
     for expect in (0, None):
         p = ok(vmm.rt.reserve_mem_address(8 * MiB, 0, expect, 0))
         vmm.reservations.append(p)
-        assert ARENA_START <= p and p + 8 * MiB <= ARENA_END
+        assert p >= ARENA_START and p + 8 * MiB <= ARENA_END
         assert p % G2M == 0
         assert perms_over(p, p + 8 * MiB) == {"---p"}
         assert rss_kb(p, p + 8 * MiB) == 0

@@ -28,7 +28,6 @@ from conftest import (
     vmas,
     write,
 )
-
 from vmmshare._process import runtime
 
 

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--idle", type=float, default=None, help="exit after this many idle seconds (default: never)")
     b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
     b.add_argument("--log-level", default="INFO")
+    d = sub.add_parser("demo", help="share memory between three processes and check every rule on the way")
+    d.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes)")
     ls = sub.add_parser("ls", help="list the exports on this node")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
@@ -77,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.multi_user:
             forward.append("--multi-user")
         return broker_main(forward)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(["--size", args.size])
     if args.command == "ls":
         return _ls(args)
     return 2

@@ -5,23 +5,23 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec
 
 from .. import constants as C
 from ..errors import AclError, set_recent_error
 
 log = logging.getLogger("vmmshare.acl")
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
 
 
-def acl_call(*defaults: Any) -> Callable[[F], F]:
+def acl_call(*defaults: Any) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
     """Wrap a call so it returns ``(*outputs, ret)`` (or just ``ret`` with no outputs) and never raises.
 
     `defaults` are the outputs returned on failure. A wrong number of arguments or an unexpected
     exception also becomes a code (107000 / 507000) with a message, as the C API would report.
     """
 
-    def wrap(fn: F) -> F:
+    def wrap(fn: Callable[P, Any]) -> Callable[P, Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -46,6 +46,6 @@ def acl_call(*defaults: Any) -> Callable[[F], F]:
                 return code
             return (*defaults, code)
 
-        return call  # type: ignore[return-value]
+        return call
 
     return wrap

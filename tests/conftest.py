@@ -189,13 +189,15 @@ def read(ptr: int, size: int) -> bytes:
 
 def private_broker_env(folder: Any, **variables: str) -> dict[str, str]:
     """Environment for a child with its own broker (in `folder`), so VMMSHARE_* settings such as capacity apply."""
-    return {"VMMSHARE_SOCKET": os.path.join(str(folder), "broker.sock"), "VMMSHARE_BROKER_IDLE": "0", **variables}
+    return {"VMMSHARE_SOCKET": os.path.join(str(folder), "broker.sock"), "VMMSHARE_BROKER_IDLE": "1", **variables}
 
 
 def run_child(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `code` in a fresh interpreter (its own runtime, the session's broker unless `env` names another);
+    """Run `code` in a fresh interpreter with its own runtime and its own broker (unless `env` names a socket);
     `env` adds to or, with "" values, removes variables."""
     full = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    if not (env or {}).get("VMMSHARE_SOCKET"):  # its own broker: a child that dies must not touch our numbers
+        full.update(private_broker_env(tempfile.mkdtemp(dir=_SESSION_DIR)))
     for k, v in (env or {}).items():
         if v == "":
             full.pop(k, None)

@@ -529,7 +529,10 @@ def test_ptr_to_numpy_takes_a_numpy_type_number(vmm, dtype):
 def test_ptr_to_numpy_bad_pointers_give_none_and_a_message(vmm):
     r = vmm.reserve()
     p, _ = vmm.mapped()
+    h = vmm.alloc()
+    hidden = vmm.map(vmm.reserve(), G2M, h, no_access=True)
     for ptr, shape, dtype in (
+        (hidden, (4,), "uint8"),  # mapped but inaccessible: reading it would crash the process
         (0, (4,), "uint8"),
         (r, (4,), "uint8"),
         (8, (4,), "uint8"),
@@ -576,7 +579,10 @@ def test_util_round_trip_through_device_memory(vmm):
 def test_ptr_to_bytes_bad_input_gives_none_and_a_message(vmm):
     r = vmm.reserve()
     p, _ = vmm.mapped()
-    for ptr, size in ((0, 4), (r, 4), (8, 4), (p + G2M - 2, 4), (p, -1), ("p", 4), (p, "4"), (None, 4), (p, 1 << 64)):
+    h = vmm.alloc()
+    hidden = vmm.map(vmm.reserve(), G2M, h, no_access=True)
+    for ptr, size in ((0, 4), (r, 4), (8, 4), (p + G2M - 2, 4), (p, -1), ("p", 4), (p, "4"), (None, 4), (p, 1 << 64),
+                      (hidden, 1)):
         clear_err()
         assert acl_module.util.ptr_to_bytes(ptr, size) is None, (ptr, size)
         assert "ptr_to_bytes" in acl_module.get_recent_err_msg()
@@ -589,6 +595,28 @@ def test_util_converters_do_not_raise_on_bad_input(acl, bad):
         clear_err()
         assert fn(bad) is None, f"{fn.__name__}({bad!r}) must not return a pointer"
         assert fn.__name__ in acl.get_recent_err_msg()
+
+
+@pytest.mark.parametrize("dtype", [object, "O", [("a", "O")]], ids=repr)
+def test_ptr_to_numpy_object_dtype_gives_none_and_a_message(vmm, dtype):
+    """Raw memory cannot hold Python objects: refuse, do not raise."""
+    p, _ = vmm.mapped()
+    clear_err()
+    assert acl_module.util.ptr_to_numpy(p, (4,), dtype) is None
+    assert "ptr_to_numpy" in acl_module.get_recent_err_msg()
+
+
+@pytest.mark.parametrize(
+    ("fn_name", "args"),
+    [("ptr_to_numpy", ()), ("ptr_to_numpy", (1,)), ("ptr_to_numpy", (1, (1,), "u1", 0)),
+     ("ptr_to_bytes", ()), ("ptr_to_bytes", (1,)), ("ptr_to_bytes", (1, 1, 1)),
+     ("numpy_to_ptr", ()), ("bytes_to_ptr", (b"x", b"y"))],
+    ids=repr,
+)
+def test_util_wrong_argument_count_gives_none_and_a_message(acl, fn_name, args):
+    clear_err()
+    assert getattr(acl.util, fn_name)(*args) is None
+    assert fn_name in acl.get_recent_err_msg()
 
 
 def test_constants_are_module_attributes(acl):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from procs import PROP, Actor, BrokerProc, MiB2
 
 DEFAULT, FABRIC = 1, 2
@@ -37,8 +38,9 @@ def actors(broker: BrokerProc) -> Iterator[list[Actor]]:
 
 def ls(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     # the timeout is a hang guard only; nothing asserts on time
-    return subprocess.run([sys.executable, "-m", "vmmshare.cli", "ls", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vmmshare.cli", "ls", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def ok(a: Actor, name: str, *args: Any) -> Any:
@@ -60,16 +62,18 @@ def test_ls_shows_an_export_its_trustlist_and_importer(broker: BrokerProc, actor
     assert out.returncode == 0, out.stderr
     listing = json.loads(out.stdout)
     assert listing["broker_pid"] == broker.pid
-    assert listing["exports"] == [{
-        "handle": handle,
-        "share_type": "default",
-        "device": 0,
-        "size": MiB2,
-        "owner_pid": e.pid,
-        "pid_validation": True,
-        "trustlist": [i.pid],
-        "importers": [i.pid],
-    }]
+    assert listing["exports"] == [
+        {
+            "handle": handle,
+            "share_type": "default",
+            "device": 0,
+            "size": MiB2,
+            "owner_pid": e.pid,
+            "pid_validation": True,
+            "trustlist": [i.pid],
+            "importers": [i.pid],
+        }
+    ]
     assert listing["used"] == {"0": MiB2}  # exporter and importer share one allocation
 
     table = ls(broker.env)

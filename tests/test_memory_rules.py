@@ -486,6 +486,7 @@ def test_rule_6_release_fails_while_a_mapping_is_inside(vmm):
 
 def test_rule_6_free_while_mapped_keeps_memory_until_last_unmap(vmm):
     fds0 = set(memfds())
+    free0 = vmm.rt.get_mem_info(0)[0]
     h = vmm.alloc()
     p1 = vmm.reserve()
     p2 = vmm.reserve()
@@ -500,11 +501,13 @@ def test_rule_6_free_while_mapped_keeps_memory_until_last_unmap(vmm):
     assert read(p2, 10) == b"still here"
     write(p2, b"and written")
     assert len(set(memfds()) - fds0) == 1, "the memory lives while mapped"
+    assert vmm.rt.get_mem_info(0)[0] == free0 - G2M, "mapped memory still counts against the device"
     vmm.unmap(p1)
     assert read(p2, 11) == b"and written"
     assert len(set(memfds()) - fds0) == 1
     vmm.unmap(p2)
     assert set(memfds()) == fds0, "the last unmap frees the memory"
+    assert vmm.rt.get_mem_info(0)[0] == free0
 
 
 # ---------------------------------------------------------------- rule 7: aliasing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import acl
 from .errors import (
     AclError,
     ContextNullError,
@@ -35,5 +36,6 @@ __all__ = [
     "ShareableHandle",
     "VirtualRange",
     "__version__",
+    "acl",
     "import_handle",
 ]

@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--log-level", default="INFO")
     d = sub.add_parser("demo", help="share memory between three processes and check every rule on the way")
     d.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes)")
+    doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")
+    doc.add_argument("--json", action="store_true")
     ls = sub.add_parser("ls", help="list the exports on this node")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(["--size", args.size])
+    if args.command == "doctor":
+        from .doctor import run as doctor_run
+
+        return doctor_run(args.json)
     if args.command == "ls":
         return _ls(args)
     return 2

@@ -365,5 +365,7 @@ class Mapping:
     def __enter__(self) -> Mapping:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None and len(self._views):
+            return  # do not mask the error in flight; the mapping goes when its last view does
         self.close()

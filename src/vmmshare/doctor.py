@@ -1,0 +1,160 @@
+"""``vmmshare doctor``: what this machine offers the runtime, what each slower path costs, and the fix."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import socket
+import stat
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .backends import host
+from .broker.wire import peer_pidfd
+from .config import Config
+
+
+@dataclass
+class Finding:
+    status: str  # "ok", "slow" (works, with a cost) or "missing"
+    item: str
+    detail: str
+    fix: str = ""
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def huge_pages() -> list[Finding]:
+    out = []
+    for size, name, attr in ((2 << 20, "2 MiB", "*_HUGE"), (1 << 30, "1 GiB", "*_HUGE1G")):
+        base = f"/sys/kernel/mm/hugepages/hugepages-{size // 1024}kB"
+        total = _read(f"{base}/nr_hugepages")
+        free = host.hugetlb_free_bytes(size) // size
+        if total and int(total) > 0:
+            detail = f"{total} pages, {free} free: {attr} allocations use them"
+            out.append(Finding("ok", f"hugetlb {name} pool", detail))
+        else:
+            count = 512 if size == 2 << 20 else 4
+            out.append(Finding(
+                "slow", f"hugetlb {name} pool",
+                f"empty: {attr} allocations fall back to transparent or normal pages (more TLB misses, "
+                "slower first touch)",
+                f"echo {count} | sudo tee {base}/nr_hugepages",
+            ))
+    mode = host.shmem_thp_mode()
+    if mode in ("always", "within_size", "advise", "force"):
+        out.append(Finding("ok", "THP for shared memory", f"shmem_enabled={mode}: huge attrs get THP as a fallback"))
+    else:
+        out.append(Finding(
+            "slow", "THP for shared memory", f"shmem_enabled={mode}: without a hugetlb pool, huge attrs get 4 KiB pages",
+            "echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled",
+        ))
+    return out
+
+
+def kernel_features() -> list[Finding]:
+    out = []
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        fd = peer_pidfd(a)
+        if fd >= 0:
+            os.close(fd)
+            out.append(Finding("ok", "pidfd peer identity", "SO_PEERPIDFD: the broker pins each client's identity"))
+        else:
+            out.append(Finding("slow", "pidfd peer identity",
+                               "SO_PEERPIDFD missing (Linux < 6.5): identity from SO_PEERCRED and start time only",
+                               "upgrade to Linux 6.5 or later"))
+    finally:
+        a.close()
+        b.close()
+    try:
+        arena = host.Arena()
+        ptr = arena.reserve(2 << 20, 2 << 20)
+        arena.release(ptr, 2 << 20)
+        in_arena = host.ARENA_START <= ptr < host.ARENA_END
+        out.append(Finding("ok" if in_arena else "slow", "reservation arena",
+                           f"16-24 TiB arena {'usable' if in_arena else 'occupied: reservations land elsewhere'}"))
+    except OSError as exc:
+        out.append(Finding("missing", "reservation arena", f"cannot reserve address space: {exc}"))
+    probe = ctypes.CDLL(None, use_errno=True)
+    probe.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    addr = host._mmap_call(0, 4096, host.PROT_READ | host.PROT_WRITE, host.MAP_PRIVATE | host.MAP_ANONYMOUS)
+    ok = probe.madvise(addr, 4096, host.MADV_POPULATE_WRITE) == 0
+    host._libc.munmap(addr, 4096)
+    out.append(Finding("ok" if ok else "slow", "pre-populated mappings",
+                       "MADV_POPULATE_WRITE available" if ok else "MADV_POPULATE_WRITE missing (Linux < 5.14): "
+                       "pre-populate falls back to first touch", "" if ok else "upgrade to Linux 5.14 or later"))
+    ns = _read("/proc/sys/user/max_user_namespaces")
+    pid_ns_ok = os.geteuid() == 0 or (ns.isdigit() and int(ns) > 0)
+    out.append(Finding("ok" if pid_ns_ok else "missing", "pid namespaces",
+                       "processes in their own pid namespace import by host pid (device_get_bare_tgid)"
+                       if pid_ns_ok else "user namespaces disabled: unshare --pid needs root here",
+                       "" if pid_ns_ok else "sudo sysctl user.max_user_namespaces=15000"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    status = "ok" if hard >= 65536 else "slow"
+    out.append(Finding(status, "open-file limit", f"soft {soft}, hard {hard}: the broker holds one fd per export",
+                       "" if status == "ok" else "raise the hard limit (ulimit -Hn / LimitNOFILE=) to 65536 or more"))
+    return out
+
+
+def broker(config: Config) -> list[Finding]:
+    path = config.socket_path
+    out = []
+    folder = path.parent
+    if not folder.exists():
+        return [Finding("ok", "broker socket", f"{path}: no broker yet; the first client starts one")]
+    mode = stat.S_IMODE(folder.stat().st_mode)
+    out.append(Finding("ok" if mode in (0o700, 0o755) else "missing", "socket folder", f"{folder} mode {mode:o}",
+                       "" if mode in (0o700, 0o755) else f"chmod 700 {folder}"))
+    if path.exists():
+        smode = stat.S_IMODE(path.stat().st_mode)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(str(path))
+            answers = True
+        except OSError:
+            answers = False
+        finally:
+            s.close()
+        out.append(Finding("ok" if answers else "slow", "broker socket",
+                           f"{path} mode {smode:o}, {'a broker answers' if answers else 'stale: nobody answers'}",
+                           "" if answers else "nothing to do: the next client replaces it"))
+    else:
+        out.append(Finding("ok", "broker socket", f"{path}: no broker running; the first client starts one"))
+    return out
+
+
+def backend(config: Config) -> list[Finding]:
+    if config.backend == "host":
+        return [Finding("ok", "backend", "host: device memory is host shared memory (memfd)")]
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return [Finding("missing", "backend", f"VMMSHARE_BACKEND={config.backend} but cuda-bindings is not installed",
+                        "pip install 'vmmshare[cuda]'")]
+    return [Finding("ok", "backend", f"{config.backend}: cuda-bindings importable")]
+
+
+def run(as_json: bool = False) -> int:
+    config = Config.from_env()
+    findings = huge_pages() + kernel_features() + broker(config) + backend(config)
+    if as_json:
+        print(json.dumps([asdict(f) for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"{f.status:8s} {f.item:24s} {f.detail}")
+            if f.fix:
+                print(f"{'':33s}fix: {f.fix}")
+    return 1 if any(f.status == "missing" for f in findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run("--json" in sys.argv))

@@ -1,0 +1,23 @@
+"""Every example runs to success as its own process (exporter and importer processes, the session broker)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+
+
+def test_there_are_examples() -> None:
+    names = {p.stem for p in EXAMPLES}
+    assert {"share_with_trustlist", "share_without_trustlist", "share_fabric_handle", "pythonic_numpy"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_runs(path: Path) -> None:
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip(), "an example says what it did"

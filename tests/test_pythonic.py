@@ -1,0 +1,192 @@
+"""The Pythonic API: objects that own what they wrap, exceptions with ACL codes, zero-copy views."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import vmmshare
+from vmmshare import constants as C
+from vmmshare._process import runtime
+
+MiB = 1 << 20
+
+
+def counts() -> dict[str, int]:
+    return runtime().counts()
+
+
+def child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_allocate_rounds_up_and_closes_deterministically() -> None:
+    before = counts()
+    mem = vmmshare.Device(0).allocate(3 * MiB)
+    assert mem.size == 4 * MiB and not mem.imported and mem.device == 0
+    assert counts()["allocations"] == before["allocations"] + 1
+    mem.close()
+    mem.close()  # idempotent
+    assert mem.closed and counts() == before
+
+
+def test_objects_close_on_garbage_collection() -> None:
+    before = counts()
+    mem = vmmshare.Device(1).allocate(2 * MiB)
+    mapping = mem.map()
+    view = mapping.numpy()
+    view[:] = 7
+    del view, mapping, mem
+    gc.collect()
+    assert counts() == before
+
+
+def test_errors_are_acl_errors_with_codes() -> None:
+    with pytest.raises(vmmshare.InvalidDeviceError) as info:
+        vmmshare.Device(10_000)
+    assert info.value.code == C.ACL_ERROR_RT_INVALID_DEVICEID
+    with pytest.raises(vmmshare.InvalidParamError):
+        vmmshare.Device(0).allocate(0)
+    with pytest.raises(vmmshare.InvalidHandleError) as bad:
+        vmmshare.import_handle(0x1234_5678_9ABC_DEF0)
+    assert bad.value.code == C.ACL_ERROR_RT_INVALID_HANDLE
+    assert "unknown" in bad.value.message
+    with vmmshare.Device(0).allocate(2 * MiB) as mem:
+        mem.export()
+        with pytest.raises(vmmshare.InvalidParamError):
+            mem.export()  # a handle exports once
+
+
+def test_mapping_refuses_to_close_under_live_views() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem:
+        mapping = mem.map()
+        view = mapping.memoryview()
+        with pytest.raises(BufferError):
+            mapping.close()
+        view.release()
+        del view
+        gc.collect()
+        mapping.close()
+        assert mapping.closed
+
+
+def test_numpy_view_is_zero_copy_and_two_mappings_share_bytes() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as first, mem.map() as second:
+        a = first.numpy(np.float32, (512, 1024))
+        b = second.numpy(np.float32, (512, 1024))
+        a[3, 4] = 42.0
+        assert b[3, 4] == 42.0
+        assert a.ctypes.data == first.ptr
+        del a, b
+
+
+def test_dlpack_with_numpy() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as mapping:
+        assert mapping.__dlpack_device__() == (1, 0)
+        arr = np.from_dlpack(mapping)
+        arr[:4] = [1, 2, 3, 4]
+        assert bytes(mapping.memoryview()[:4]) == b"\x01\x02\x03\x04"
+        del arr
+        gc.collect()
+
+
+def test_dlpack_with_torch() -> None:
+    torch = pytest.importorskip("torch")
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as mapping:
+        t = torch.from_dlpack(mapping)
+        t[:3] = torch.tensor([9, 8, 7], dtype=torch.uint8)
+        assert bytes(mapping.memoryview()[:3]) == b"\x09\x08\x07"
+        assert t.data_ptr() == mapping.ptr
+        del t
+        gc.collect()
+
+
+def test_read_only_access() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map(access="r") as mapping:
+        assert runtime().get_access(mapping.ptr, {"type": 1, "id": 0}) == C.ACL_RT_MEM_ACCESS_FLAGS_READ
+        mapping.set_access("rw")
+        mapping.memoryview()[0] = 1
+
+
+def test_shareable_handle_value_object() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem:
+        h = mem.export(validate_pids=False)
+    assert h.kind == "default"
+    assert str(h).startswith("vmm:default:") and len(str(h)) == len("vmm:default:") + 16
+    assert vmmshare.ShareableHandle.parse(str(h)) == h
+    assert pickle.loads(pickle.dumps(h)) == h
+    assert vmmshare.ShareableHandle.from_value(int(h)) == h
+    assert int(str(h).split(":")[2], 16) == int(h)
+    for bad in ("vmm:default:xyz", "vmm:other:00", "", "vmm:default:" + "0" * 15):
+        with pytest.raises(vmmshare.InvalidParamError):
+            vmmshare.ShareableHandle.parse(bad)
+
+
+def test_fabric_handle_value_object() -> None:
+    with vmmshare.Device(2).allocate(2 * MiB) as mem:
+        h = mem.export(share_type="fabric")
+        assert h.kind == "fabric" and len(bytes(h)) == 128 and bytes(h)[:4] == b"VMMF"
+        assert vmmshare.ShareableHandle.parse(str(h)) == h
+        with pytest.raises(TypeError):
+            int(h)
+
+
+@pytest.mark.parametrize("share_type", ["default", "fabric"])
+def test_share_with_another_process(share_type: str) -> None:
+    code = """
+        import sys, numpy as np, vmmshare
+        pid = vmmshare.acl.rt.device_get_bare_tgid()[0]
+        print(pid, flush=True)
+        sys.stdin.readline()
+        with vmmshare.import_handle(sys.argv[1]) as mem, mem.map() as m:
+            a = m.numpy(np.int64)
+            print(int(a.sum()), flush=True)
+            a[:] = 1
+            del a
+    """
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as mapping:
+        a = mapping.numpy(np.int64)
+        a[:] = np.arange(a.size)
+        h = mem.export(share_type=share_type)
+        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(h)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdin is not None
+        mem.allow([int(p.stdout.readline())])
+        out, err = p.communicate("go\n", timeout=60)
+        assert p.returncode == 0, err
+        assert int(out) == int(np.arange(a.size).sum())
+        assert (a == 1).all()
+        del a
+
+
+def test_refused_import_raises_no_permission() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem:
+        h = mem.export()
+        out = child("""
+            import sys, vmmshare
+            try:
+                vmmshare.import_handle(sys.argv[1])
+            except vmmshare.NoPermissionError as exc:
+                print(exc.code)
+        """, str(h))
+    assert out.stdout.strip() == "207006", out.stderr
+
+
+def test_virtual_range_at_a_chosen_address() -> None:
+    with vmmshare.VirtualRange(4 * MiB) as rng:
+        at = rng.ptr
+    with vmmshare.VirtualRange(4 * MiB, at=at) as again:
+        assert again.ptr == at
+        with pytest.raises(vmmshare.InvalidParamError):
+            vmmshare.VirtualRange(2 * MiB, at=at)  # taken
+        with vmmshare.Device(0).allocate(2 * MiB) as mem:
+            m = again.map(mem, offset=2 * MiB)
+            assert m.ptr == at + 2 * MiB
+            m.close()

@@ -7,8 +7,10 @@ does not leak into the next one.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -22,7 +24,9 @@ import pytest
 
 # A private broker for this test session (SPEC §5 starts one on first use): the capacity numbers and tables the
 # tests check must not be shared with other processes on the machine. Set before the runtime is first created.
-_SESSION_DIR = tempfile.mkdtemp(prefix="vmmshare-tests-")
+# The folder is made by whoever first needs it (the broker client makes it 0700) and removed at exit.
+_SESSION_DIR = os.path.join(tempfile.gettempdir(), f"vmmshare-tests-{os.getpid()}-{secrets.token_hex(4)}")
+atexit.register(shutil.rmtree, _SESSION_DIR, True)
 os.environ["VMMSHARE_SOCKET"] = os.path.join(_SESSION_DIR, "broker.sock")
 os.environ["VMMSHARE_BROKER_IDLE"] = "1"
 for _var in ("VMMSHARE_DEVICE_MEMORY", "VMMSHARE_PREPOPULATE", "VMMSHARE_BACKEND"):
@@ -197,6 +201,7 @@ def run_child(code: str, env: dict[str, str] | None = None) -> subprocess.Comple
     `env` adds to or, with "" values, removes variables."""
     full = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
     if not (env or {}).get("VMMSHARE_SOCKET"):  # its own broker: a child that dies must not touch our numbers
+        os.makedirs(_SESSION_DIR, mode=0o700, exist_ok=True)
         full.update(private_broker_env(tempfile.mkdtemp(dir=_SESSION_DIR)))
     for k, v in (env or {}).items():
         if v == "":
@@ -231,12 +236,6 @@ def child_ok(code: str, env: dict[str, str] | None = None) -> str:
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_broker_folder():
-    yield
-    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def huge_pages() -> list[Finding]:
         out.append(Finding("ok", "THP for shared memory", f"shmem_enabled={mode}: huge attrs get THP as a fallback"))
     else:
         out.append(Finding(
-            "slow", "THP for shared memory", f"shmem_enabled={mode}: without a hugetlb pool, huge attrs get 4 KiB pages",
+            "slow", "THP for shared memory", f"shmem_enabled={mode}: with no hugetlb pool, huge attrs get 4 KiB pages",
             "echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled",
         ))
     return out

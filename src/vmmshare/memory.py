@@ -118,12 +118,8 @@ class PhysicalMemory:
             raise InvalidParamError(f"share_type {share_type!r}: use 'default' or 'fabric'")
         st = _SHARE_TYPES[share_type]
         flags = 0 if validate_pids else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
-        rt = runtime()
-        raw = rt.export(self._live(), flags, st)
+        raw = runtime().export(self._live(), flags, st, list(pids))  # the trustlist rides on the export
         self._shareable = ShareableHandle(share_type, raw)
-        pid_list = list(pids)
-        if pid_list:
-            rt.set_pids(raw, st, pid_list)
         return self._shareable
 
     def allow(self, pids: Iterable[int]) -> None:

@@ -30,7 +30,7 @@ class Msg(enum.IntEnum):
     CHARGE = 1  # device i32 (-1: host), size
     RELEASE = 2  # token
     MEM_INFO = 3  # device
-    EXPORT = 4  # token, size, flags, share type, prop; one fd attached
+    EXPORT = 4  # token, size, flags, share type, server id, prop; tail: u32 pids to trust; one fd attached
     REVOKE = 5  # token
     SET_PIDS = 6  # handle, share type; tail: u32 pids
     IMPORT = 7  # handle, share type, 32-byte secret (zeros for DEFAULT)
@@ -66,7 +66,7 @@ SPECS: dict[Msg, Spec] = {
     Msg.CHARGE: Spec(struct.Struct("<iQ")),
     Msg.RELEASE: Spec(struct.Struct("<Q")),
     Msg.MEM_INFO: Spec(struct.Struct("<I")),
-    Msg.EXPORT: Spec(struct.Struct("<QQBB" + PROP), fds=1),
+    Msg.EXPORT: Spec(struct.Struct("<QQBBI" + PROP), Tail.U32, fds=1, max_tail=4096 * 4),
     Msg.REVOKE: Spec(struct.Struct("<Q")),
     Msg.SET_PIDS: Spec(struct.Struct("<QB"), Tail.U32, max_tail=4096 * 4),
     Msg.IMPORT: Spec(struct.Struct("<QB32s")),

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -135,7 +135,9 @@ class Node(Protocol):
     def charge(self, device: int, size: int) -> int: ...
     def release(self, token: int) -> None: ...
     def mem_info(self, device: int) -> tuple[int, int]: ...
-    def export(self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int) -> bytes: ...
+    def export(
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int]
+    ) -> bytes: ...
     def revoke(self, token: int) -> None: ...
     def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None: ...
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported: ...
@@ -172,7 +174,9 @@ class LocalNode:
         total = self._config.device_memory
         return total - self._used[device], total
 
-    def export(self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int) -> bytes:
+    def export(
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int]
+    ) -> bytes:
         raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
 
     def revoke(self, token: int) -> None:
@@ -383,6 +387,8 @@ class Runtime:
         k = check_int("kind", kind, C.ACL_MEMCPY_HOST_TO_HOST, C.ACL_MEMCPY_DEFAULT)
         if n > dmax:
             raise InvalidParamError(f"count {n} is larger than destMax {dmax}")
+        if d == 0 or s == 0:
+            raise InvalidParamError(f"{'dst' if d == 0 else 'src'} is NULL")
         if n == 0:
             return
         with self._lock:
@@ -408,6 +414,8 @@ class Runtime:
         v = check_int("value", value, -(1 << 31), (1 << 31) - 1)
         if n > mx:
             raise InvalidParamError(f"count {n} is larger than maxCount {mx}")
+        if p == 0:
+            raise InvalidParamError("devPtr is NULL")
         if n == 0:
             return
         with self._lock:
@@ -472,7 +480,7 @@ class Runtime:
             return alloc.handle
 
     def allocation(self, handle: object) -> Allocation:
-        h = check_ptr("handle", handle)
+        h = check_int("handle", handle)
         alloc = self._handles.get(h)
         if alloc is None:
             raise InvalidHandleError(f"handle {h:#x} is not a live physical allocation of this process")
@@ -661,31 +669,29 @@ class Runtime:
         check_int("attr", attr, 0, 17)
         return self.node.mem_info(self.current_device())
 
-    def export(self, handle: object, flags: object, share_type: object) -> bytes:
-        """Export an allocation made here: 8 little-endian bytes (DEFAULT) or the 128-byte FABRIC handle."""
+    def export(self, handle: object, flags: object, share_type: object, pids: object = ()) -> bytes:
+        """Export an allocation made here: 8 little-endian bytes (DEFAULT) or the 128-byte FABRIC handle.
+
+        `pids` go on the trustlist in the same round trip (what set_pids would add).
+        """
         f = check_int("flags", flags, 0, U64)
         if f not in (C.ACL_RT_VMM_EXPORT_FLAG_DEFAULT, C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION):
             raise InvalidParamError(f"flags={f}: use ACL_RT_VMM_EXPORT_FLAG_DEFAULT (0) or DISABLE_PID_VALIDATION (1)")
         st = check_int("shareType", share_type, 0, 0xFFFFFFFF)
         if st not in (C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC):
             raise InvalidParamError(f"shareType={st}: use ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT (1) or FABRIC (2)")
+        trust = check_pids(pids, allow_empty=True)
         with self._lock:
             alloc = self.allocation(handle)
             if alloc.imported_from:
                 raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
             if alloc.shareable:
                 raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
-            alloc.shareable = self.node.export(alloc.token, alloc.mem.fd, alloc.prop, alloc.size, f, st)
+            alloc.shareable = self.node.export(alloc.token, alloc.mem.fd, alloc.prop, alloc.size, f, st, trust)
             return alloc.shareable
 
     def set_pids(self, shareable: bytes, share_type: int, pids: object) -> None:
-        if not isinstance(pids, (list, tuple)):
-            raise InvalidParamError(f"pid_list must be a list of ints, got {type(pids).__name__}")
-        if not pids:
-            raise InvalidParamError("pid_list is empty")
-        if len(pids) > handles.MAX_TRUSTLIST:
-            raise InvalidParamError(f"pid_list has {len(pids)} pids; at most {handles.MAX_TRUSTLIST} per handle")
-        checked = [check_int(f"pid_list[{i}]", p, 1, (1 << 31) - 1) for i, p in enumerate(pids)]
+        checked = check_pids(pids)
         value = self._shareable_value(shareable, share_type)
         self.node.set_pids(value, share_type, checked)
 
@@ -786,5 +792,12 @@ def _process_range_ok(ptr: int, size: int, write: bool) -> bool:
     return False
 
 
-def iter_pids(values: Iterable[object]) -> list[int]:
-    return [check_int("pid", v, 1, (1 << 31) - 1) for v in values]
+def check_pids(pids: object, allow_empty: bool = False) -> list[int]:
+    """A trustlist argument: a list of positive 32-bit pids, at most MAX_TRUSTLIST of them."""
+    if not isinstance(pids, (list, tuple)):
+        raise InvalidParamError(f"pid_list must be a list of ints, got {type(pids).__name__}")
+    if not pids and not allow_empty:
+        raise InvalidParamError("pid_list is empty")
+    if len(pids) > handles.MAX_TRUSTLIST:
+        raise InvalidParamError(f"pid_list has {len(pids)} pids; at most {handles.MAX_TRUSTLIST} per handle")
+    return [check_int(f"pid_list[{i}]", p, 1, (1 << 31) - 1) for i, p in enumerate(pids)]

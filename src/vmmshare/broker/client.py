@@ -151,10 +151,13 @@ class BrokerClient:
         reply, _ = self.request(lambda r: encode(Msg.MEM_INFO, r, device))
         return int(reply.values[0]), int(reply.values[1])
 
-    def export(self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int) -> bytes:
+    def export(
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int]
+    ) -> bytes:
         fields = (prop.handle_type, prop.allocation_type, prop.mem_attr, prop.location.type, prop.location.id)
+        server = self.config.server_id
         reply, _ = self.request(
-            lambda r: encode(Msg.EXPORT, r, self._bt(token), size, flags, share_type, *fields), (fd,)
+            lambda r: encode(Msg.EXPORT, r, self._bt(token), size, flags, share_type, server, *fields, tail=pids), (fd,)
         )
         return bytes(reply.tail)  # type: ignore[arg-type]
 

@@ -152,13 +152,15 @@ class Broker:
             while events:
                 for key, _ in events:
                     try:
-                        if key.data is None:
+                        if key.data is _WAKE:
+                            _drain(key.fileobj)  # type: ignore[arg-type]
+                        elif key.data is None:
                             self._accept()
                         else:
                             self._readable(key.data)
                     except Exception:  # nothing one client does may take the node's broker down
                         log.exception("unexpected error in the broker loop")
-                        if key.data is not None:
+                        if isinstance(key.data, Conn):
                             self._drop(key.data)
                 events = self._poll_briefly()
             idle = self.idle is not None and not self.conns and not self.holds
@@ -177,7 +179,12 @@ class Broker:
         return []
 
     def _retire(self) -> bool:
-        """Leave after an idle spell: under the start lock, so no client is mid-way through starting one."""
+        """Leave after an idle spell, under the start lock so no client is mid-way through starting one.
+
+        The socket is first renamed away, so no new client can reach it; a client that connected just
+        before is noticed in the accept queue, and then the broker stays.
+        """
+        assert self.listener is not None
         lock = os.open(self.path.parent / "broker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -185,7 +192,21 @@ class Broker:
             except OSError:
                 self.idle_since = time.monotonic()
                 return False
+            aside = self.path.with_name(f".retiring.{os.getpid()}")
+            try:
+                if self.path.stat().st_ino != self.inode:
+                    raise FileNotFoundError  # someone replaced our socket: just leave
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                pass
+            if wait_readable(self.listener.fileno(), 0):  # a client got in before the rename: stay
+                with contextlib.suppress(OSError):
+                    os.rename(aside, self.path)
+                self.idle_since = time.monotonic()
+                return False
             log.info("broker %d idle for %.0f s with nothing held: exiting", os.getpid(), self.idle)
+            with contextlib.suppress(OSError):
+                aside.unlink()
             self.close()
             return True
         finally:
@@ -381,7 +402,8 @@ class Broker:
         log.debug("handle %#x revoked", exp.handle)
 
     def export(self, conn: Conn, f: Frame, fd: int) -> bytes:
-        token, size, flags, share_type, *prop = (int(x) for x in f.values)
+        token, size, flags, share_type, server_id, *prop = (int(x) for x in f.values)
+        assert isinstance(f.tail, tuple)
         hold = self._own(conn, token)
         alloc = hold.alloc
         if alloc.export is not None:
@@ -391,17 +413,18 @@ class Broker:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size or size != alloc.size:
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
+        trust = self._bind(f.tail, {})
         handle = secrets.randbits(64)
         while handle == 0 or handle in self.exports:
             handle = secrets.randbits(64)
         secret = secrets.token_bytes(32) if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else bytes(32)
         if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
-            shareable = FabricHandle(self.config.server_id, max(prop[4], 0), handle, size, secret,
+            shareable = FabricHandle(server_id, max(prop[4], 0), handle, size, secret,
                                      FLAG_NO_PID_VALIDATION if flags else 0).pack()
         else:
             shareable = default_bytes(handle)
         exp = Export(handle, alloc, fd, share_type, flags, (prop[0], prop[1], prop[2], prop[3], prop[4]), conn,
-                     shareable, secret)
+                     shareable, secret, trust)
         alloc.export = exp
         self.exports[handle] = exp
         log.debug("pid %d exported %#x (%d bytes, share type %d, flags %d)", conn.pid, handle, size, share_type, flags)
@@ -428,13 +451,16 @@ class Broker:
                 C.ACL_ERROR_RT_NO_PERMISSION,
                 f"only the exporting process (pid {exp.owner.pid}) may set the trustlist of {handle:#x}",
             )
+        exp.trust = self._bind(pids, exp.trust)
+
+    def _bind(self, pids: tuple[int, ...], trust: dict[int, int | None]) -> dict[int, int | None]:
+        """`trust` plus `pids`, each bound to the start time of the process that has it now (pid reuse)."""
         if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-        new = {p for p in pids if p not in exp.trust}
-        if len(exp.trust) + len(new) > MAX_TRUSTLIST:
+        new = {p for p in pids if p not in trust}
+        if len(trust) + len(new) > MAX_TRUSTLIST:
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
-        for pid in pids:
-            exp.trust[pid] = process_start_time(pid)
+        return {**trust, **{pid: process_start_time(pid) for pid in pids}}
 
     def import_(self, conn: Conn, handle: int, share_type: int, secret: bytes) -> tuple[int, Export]:
         exp = self._export_of(handle, share_type)
@@ -455,8 +481,6 @@ class Broker:
                     C.ACL_ERROR_RT_NO_PERMISSION,
                     f"pid {conn.pid} was trustlisted for another process that had the same pid (pid reuse)",
                 )
-        if any(c is conn for c in exp.importers.values()):
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "this process imported the handle already: free it first")
         alloc = exp.alloc
         token = self._new_token()
         self.holds[token] = Hold(conn, alloc)
@@ -488,6 +512,15 @@ class Broker:
         return text
 
 
+_WAKE = object()
+
+
+def _drain(sock: socket.socket) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while sock.recv(512):
+            pass
+
+
 def _answers(path: Path) -> bool:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
@@ -510,6 +543,11 @@ def run(path: Path | None = None, idle: float | None = None, multi_user: bool = 
     """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle."""
     config = Config.from_env()
     broker = Broker(path or config.socket_path, config, idle, multi_user)
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)  # a signal wakes the event loop
+    broker.sel.register(wake_r, selectors.EVENT_READ, _WAKE)
     signal.signal(signal.SIGTERM, broker.stop)
     signal.signal(signal.SIGINT, broker.stop)
     try:

@@ -72,6 +72,7 @@ def test_ls_shows_an_export_its_trustlist_and_importer(broker: BrokerProc, actor
             "pid_validation": True,
             "trustlist": [i.pid],
             "importers": [i.pid],
+            "importer_count": 1,
         }
     ]
     assert listing["used"] == {"0": MiB2}  # exporter and importer share one allocation

@@ -9,6 +9,8 @@ with the packet, trailing bytes or the wrong number of attached file descriptors
 from __future__ import annotations
 
 import enum
+import functools
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -61,6 +63,21 @@ class Spec:
     fds: int = 0
     max_tail: int = 0
 
+    @property
+    def byte_fields(self) -> dict[int, int]:
+        """Index -> size of each fixed-size bytes field (struct would silently cut or pad those)."""
+        fields: dict[int, int] = {}
+        index = 0
+        for count, code in re.findall(r"(\d*)([a-zA-Z?])", self.fixed.format):
+            if code == "x":
+                continue
+            if code == "s":
+                fields[index] = int(count or 1)
+                index += 1
+            else:
+                index += int(count or 1)
+        return fields
+
 
 SPECS: dict[Msg, Spec] = {
     Msg.CHARGE: Spec(struct.Struct("<iQ")),
@@ -100,6 +117,10 @@ class Frame:
 def encode(kind: Msg, req: int, *values: int | bytes, tail: bytes | str | tuple[int, ...] | list[int] = b"") -> bytes:
     """One frame; raises ProtocolError if the values do not fit the message type."""
     spec = SPECS[kind]
+    for index, size in _byte_fields(kind).items():
+        value = values[index] if index < len(values) else None
+        if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+            raise ProtocolError(f"{kind.name}: field {index} must be {size} bytes")
     try:
         body = spec.fixed.pack(*values)
     except struct.error as exc:
@@ -110,17 +131,23 @@ def encode(kind: Msg, req: int, *values: int | bytes, tail: bytes | str | tuple[
         except struct.error as exc:
             raise ProtocolError(f"{kind.name} tail: {exc}") from None
     elif spec.tail is Tail.TEXT:
-        extra = tail.encode("utf-8", "replace") if isinstance(tail, str) else bytes(tail)
+        text = tail if isinstance(tail, str) else bytes(tail).decode("utf-8", "replace")
+        extra = text.encode("utf-8", "replace")
+        if len(extra) > spec.max_tail:  # cut on a character boundary, so the peer can decode it
+            extra = extra[: spec.max_tail].decode("utf-8", "ignore").encode("utf-8")
     elif spec.tail is Tail.BYTES:
         extra = bytes(tail)  # type: ignore[arg-type]
     else:
         extra = b""
     if len(extra) > spec.max_tail:
-        if spec.tail is not Tail.TEXT:
-            raise ProtocolError(f"{kind.name} tail of {len(extra)} bytes exceeds {spec.max_tail}")
-        extra = extra[: spec.max_tail]
+        raise ProtocolError(f"{kind.name} tail of {len(extra)} bytes exceeds {spec.max_tail}")
     body += extra
     return HEADER.pack(MAGIC, VERSION, kind, req & 0xFFFFFFFF, len(body)) + body
+
+
+@functools.cache
+def _byte_fields(kind: Msg) -> dict[int, int]:
+    return SPECS[kind].byte_fields
 
 
 def peek_request_id(packet: bytes) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from .. import constants as C
 from ..config import Config
 from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
-from ..protocol import MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
+from ..protocol import MAX_BODY, MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
 from .wire import (
     DONTWAIT,
     close_fds,
@@ -41,6 +41,7 @@ from .wire import (
 
 log = logging.getLogger("vmmshare.broker")
 LIST_PAGE = 100
+LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_BROKER_SPIN_US", "200")) / 1e6
 
 
@@ -326,7 +327,11 @@ class Broker:
                 raise
             return encode(Msg.EXPORTED, f.req, tail=shareable), ()
         if f.type is Msg.REVOKE:
-            self.revoke(self._own(conn, int(v[0])).alloc)
+            token = int(v[0])
+            alloc = self._own(conn, token).alloc
+            if alloc.export is not None and token in alloc.export.importers:
+                raise BrokerError(C.ACL_ERROR_RT_NO_PERMISSION, "only the exporter can revoke its handle")
+            self.revoke(alloc)
             return encode(Msg.OK, f.req), ()
         if f.type is Msg.SET_PIDS:
             assert isinstance(f.tail, tuple)
@@ -491,25 +496,35 @@ class Broker:
         return token, exp
 
     def listing(self, offset: int) -> str:
-        rows = []
+        """One page of `vmmshare ls` as JSON, starting at export number `offset`; pages fit in one frame."""
         exports = list(self.exports.values())
-        for exp in exports[offset : offset + LIST_PAGE]:
-            alloc = exp.alloc
-            rows.append({
+        used = {str(d): u for d, u in enumerate(self.used) if u}
+        head = {"broker_pid": os.getpid(), "used": used, "capacity": self.config.device_memory,
+                "clients": len(self.conns)}
+        rows: list[str] = []
+        budget = MAX_BODY - len(json.dumps(head)) - 128
+        at = offset
+        while at < len(exports) and len(rows) < LIST_PAGE:
+            exp = exports[at]
+            importers = sorted(c.pid for c in exp.importers.values())
+            row = json.dumps({
                 "handle": f"{exp.handle:#018x}",
                 "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
-                "device": alloc.device,
-                "size": alloc.size,
+                "device": exp.alloc.device,
+                "size": exp.alloc.size,
                 "owner_pid": exp.owner.pid,
                 "pid_validation": not exp.flags & 1,
                 "trustlist": sorted(exp.trust),
-                "importers": sorted(c.pid for c in exp.importers.values()),
+                "importers": importers[:LIST_IMPORTERS],
+                "importer_count": len(importers),
             })
-        more = offset + LIST_PAGE < len(exports)
-        used = {str(d): u for d, u in enumerate(self.used) if u}
-        text = json.dumps({"broker_pid": os.getpid(), "exports": rows, "next": offset + LIST_PAGE if more else None,
-                           "used": used, "capacity": self.config.device_memory, "clients": len(self.conns)})
-        return text
+            if rows and budget - len(row) - 1 < 0:
+                break
+            budget -= len(row) + 1
+            rows.append(row)
+            at += 1
+        head["next"] = at if at < len(exports) else None
+        return json.dumps(head)[:-1] + ', "exports": [' + ",".join(rows) + "]}"
 
 
 _WAKE = object()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--socket", help="socket path (default: $VMMSHARE_SOCKET or the per-user path)")
     b.add_argument("--idle", type=float, default=None, help="exit after this many idle seconds (default: never)")
     b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
-    b.add_argument("--log-level", default="INFO")
+    b.add_argument("--log-level", default=os.environ.get("VMMSHARE_LOG", "INFO"))
     d = sub.add_parser("demo", help="share memory between three processes and check every rule on the way")
     d.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes)")
     doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")

@@ -445,7 +445,10 @@ class Runtime:
             raise FeatureNotSupportedError(
                 f"prop.location.type={ltype} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
             )
-        lid = self._device(lid) if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else check_int("prop.location.id", lid)
+        if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            lid = self._device(lid)
+        else:
+            lid = check_int("prop.location.id", lid, 0, (1 << 31) - 1)
         reserve = prop.get("reserve", 0) if isinstance(prop, Mapping) else 0
         check_int("prop.reserve", reserve, 0, 0)
         return PhysicalProp(handle_type, alloc_type, attr, Location(ltype, lid), 0)
@@ -623,7 +626,9 @@ class Runtime:
         if ltype not in _ALL_LOCATIONS:
             raise InvalidParamError(f"{where}.type={ltype} is not an aclrtMemLocationType")
         lid = _field(loc, "id", where)
-        lid = self._device(lid) if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else check_int(f"{where}.id", lid)
+        if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            return Location(ltype, self._device(lid))
+        lid = check_int(f"{where}.id", lid, 0, (1 << 31) - 1)
         return Location(ltype, lid)
 
     def set_access(self, ptr: object, size: object, desc_list: object) -> None:

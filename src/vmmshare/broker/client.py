@@ -74,7 +74,7 @@ class BrokerClient:
             try:
                 reply, _ = self._exchange(self._sock, encode(Msg.CHARGE, next(self._req), *charge), ())
                 self._broker_token[token] = int(reply.values[0])
-            except IpcError as exc:
+            except AclError as exc:  # e.g. the new broker has less capacity: keep serving, uncharged
                 log.warning("could not charge an allocation to the restarted broker: %s", exc)
         return self._sock
 

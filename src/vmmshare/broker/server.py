@@ -344,7 +344,7 @@ class Broker:
         if f.type is Msg.BARE_TGID:
             return encode(Msg.PID, f.req, conn.pid), ()
         if f.type is Msg.LIST:
-            return encode(Msg.LISTING, f.req, tail=self.listing(int(v[0]))), ()
+            return encode(Msg.LISTING, f.req, tail=self.listing(int(v[0]), conn)), ()
         raise ProtocolError(f"{f.type.name} is a reply, not a request")
 
     def _device(self, device: int) -> int:
@@ -495,8 +495,12 @@ class Broker:
         log.debug("pid %d imported %#x", conn.pid, handle)
         return token, exp
 
-    def listing(self, offset: int) -> str:
-        """One page of `vmmshare ls` as JSON, starting at export number `offset`; pages fit in one frame."""
+    def listing(self, offset: int, viewer: Conn) -> str:
+        """One page of `vmmshare ls` as JSON, starting at export number `offset`; pages fit in one frame.
+
+        Handle values are shown in full only to the exporter's user (and root): on a multi-user node a
+        handle exported without pid validation must not be handed to every user who can list.
+        """
         exports = list(self.exports.values())
         used = {str(d): u for d, u in enumerate(self.used) if u}
         head = {"broker_pid": os.getpid(), "used": used, "capacity": self.config.device_memory,
@@ -508,7 +512,7 @@ class Broker:
             exp = exports[at]
             importers = sorted(c.pid for c in exp.importers.values())
             row = json.dumps({
-                "handle": f"{exp.handle:#018x}",
+                "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else f"{exp.handle >> 48:#06x}…",
                 "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
                 "device": exp.alloc.device,
                 "size": exp.alloc.size,

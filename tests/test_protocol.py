@@ -56,11 +56,9 @@ PROP_FIELDS = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location.t
 
 def export_values(token: int = 3, size: int = MiB2, flags: int = 0, share_type: int = 1,
                   location_id: int = 0) -> tuple[int, ...]:
-    """EXPORT's fixed fields: token, size, flags, share type, then whatever the format carries before the
-    five prop fields (the exporter's server id), then the prop."""
-    head = (token, size, flags, share_type)
-    middle = (0x5E4F,) * (len(fields(Msg.EXPORT)) - len(head) - len(PROP_FIELDS))
-    return (*head, *middle, *PROP_FIELDS[:4], location_id)
+    """EXPORT's fixed fields: token, size, flags, share type, the exporter's server id, the memory kind
+    (0: host memfd), then the five prop fields."""
+    return (token, size, flags, share_type, 0x5E4F, 0, *PROP_FIELDS[:4], location_id)
 
 
 def extreme_values(kind: Msg, high: bool) -> tuple[int | bytes, ...]:
@@ -193,7 +191,7 @@ def _set_pids(n_bytes_tail: bytes) -> bytes:
 
 GOOD_CHARGE = P.encode(Msg.CHARGE, 7, 0, MiB2)
 GOOD_EXPORT = P.encode(Msg.EXPORT, 7, *export_values())
-GOOD_IMPORTED = P.encode(Msg.IMPORTED, 7, 3, MiB2, 0, 0, 5, 1, 0)
+GOOD_IMPORTED = P.encode(Msg.IMPORTED, 7, 3, MiB2, 0, 0, 0, 5, 1, 0)
 GOOD_ERROR = P.encode(Msg.ERROR, 7, 107000, tail="bad")
 
 

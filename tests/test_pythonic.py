@@ -190,3 +190,41 @@ def test_virtual_range_at_a_chosen_address() -> None:
             m = again.map(mem, offset=2 * MiB)
             assert m.ptr == at + 2 * MiB
             m.close()
+
+
+def test_dlpack_capsules_are_released_and_hold_the_mapping() -> None:
+    from vmmshare import dlpack
+
+    with vmmshare.Device(0).allocate(2 * MiB) as mem:
+        mapping = mem.map()
+        unconsumed = mapping.__dlpack__(max_version=(1, 0))
+        legacy = mapping.__dlpack__()
+        assert dlpack.live_count() == 2
+        del unconsumed, legacy
+        gc.collect()
+        assert dlpack.live_count() == 0
+        arr = np.from_dlpack(mapping)
+        assert arr.flags.writeable and arr.ctypes.data == mapping.ptr
+        with pytest.raises(BufferError):
+            mapping.close()  # a consumer still holds the memory
+        del arr
+        gc.collect()
+        assert dlpack.live_count() == 0
+        with pytest.raises(BufferError):
+            mapping.__dlpack__(copy=True)
+        with pytest.raises(BufferError):
+            mapping.__dlpack__(dl_device=(2, 0))
+        mapping.close()
+
+
+def test_dlpack_legacy_capsule_with_torch() -> None:
+    torch = pytest.importorskip("torch")
+    from vmmshare import dlpack
+
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as mapping:
+        t = torch.utils.dlpack.from_dlpack(mapping.__dlpack__())  # the unversioned protocol
+        t[:2] = 3
+        assert bytes(mapping.memoryview()[:2]) == b"\x03\x03"
+        del t
+        gc.collect()
+        assert dlpack.live_count() == 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import constants as C
 from ._process import runtime
+from .backends.host import HostMemory
 from .errors import InvalidParamError
 from .handles import decode_fabric, default_bytes
 
@@ -90,6 +91,7 @@ class PhysicalMemory:
         self.device = alloc.prop.location.id
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
+        self.on_gpu = not isinstance(alloc.mem, HostMemory)
         self._shareable: ShareableHandle | None = None
         self._finalizer = weakref.finalize(self, _free_quietly, handle)
 
@@ -130,7 +132,7 @@ class PhysicalMemory:
 
     def map(self, access: str = "rw", prepopulate: bool | None = None) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both."""
-        rng = VirtualRange(self.size)
+        rng = VirtualRange(self.size, gpu=self.on_gpu)
         try:
             return rng.map(self, access=access, prepopulate=prepopulate, owns_range=True)
         except BaseException:
@@ -231,12 +233,13 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
 class VirtualRange:
     """A reserved, inaccessible range of virtual addresses (at `at` exactly, when given)."""
 
-    def __init__(self, size: int, at: int | None = None) -> None:
+    def __init__(self, size: int, at: int | None = None, gpu: bool | None = None) -> None:
+        """`gpu`: GPU address space (default: when the CUDA backend is on), for GPU memory."""
         g = C.MIN_GRANULARITY
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise InvalidParamError(f"size must be a positive int, got {size!r}")
         self.size = -(-size // g) * g
-        self.ptr = runtime().reserve(self.size, 0, at or 0, 0)
+        self.ptr = runtime().reserve(self.size, 0, at or 0, 0, gpu)
         self._finalizer = weakref.finalize(self, _release_quietly, self.ptr)
 
     def __repr__(self) -> str:
@@ -252,17 +255,7 @@ class VirtualRange:
         rt = runtime()
         ptr = self.ptr + offset
         flags = _ACCESS[access]
-        rt.map(ptr, memory.size, 0, memory._live(), 0,
-               C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE if flags else C.ACL_RT_MEM_ACCESS_FLAGS_NONE)
-        if flags == C.ACL_RT_MEM_ACCESS_FLAGS_READ:
-            rt.set_access(ptr, memory.size, [{"flags": flags, "location": memory.properties["location"]}])
-        if prepopulate or (prepopulate is None and rt.config.prepopulate):
-            from .backends import host
-
-            if flags == C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE:
-                host.populate(ptr, memory.size)
-            elif flags == C.ACL_RT_MEM_ACCESS_FLAGS_READ:
-                host.populate_read(ptr, memory.size)
+        rt.map(ptr, memory.size, 0, memory._live(), 0, flags, prepopulate)
         return Mapping(ptr, memory, self if owns_range else None)
 
     def close(self) -> None:
@@ -291,6 +284,12 @@ def _unmap_quietly(ptr: int, rng: VirtualRange | None) -> None:
         pass
 
 
+class _Keepalive:
+    """What a GPU DLPack capsule holds on to (there is no host buffer to hold)."""
+
+    _vmmshare_owner: Mapping
+
+
 class Mapping:
     """Physical memory mapped at `ptr`: views as memoryview, numpy array or DLPack tensor, zero-copy.
 
@@ -313,10 +312,15 @@ class Mapping:
         return not self._finalizer.alive
 
     def _buffer(self) -> Any:
+        if self.memory.on_gpu:
+            raise InvalidParamError("this mapping is GPU memory: view it with DLPack (torch/cupy.from_dlpack)")
+        return self._register((ctypes.c_char * self.size).from_address(self.ptr))
+
+    def _register(self, buf: Any) -> Any:
+        """Count `buf` as a live view: it keeps the mapping alive, and the mapping will not close under it."""
         if self.closed:
             raise InvalidParamError("this Mapping is closed")
-        buf = (ctypes.c_char * self.size).from_address(self.ptr)
-        buf._vmmshare_owner = self  # type: ignore[attr-defined]  # the view keeps the mapping alive
+        buf._vmmshare_owner = self  # the view keeps the mapping alive
         key, views = id(buf), self._views
 
         def forget(_: object) -> None:
@@ -335,11 +339,30 @@ class Mapping:
         arr = np.frombuffer(self._buffer(), dtype=np.dtype(dtype))
         return arr if shape is None else arr.reshape(shape)
 
-    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
-        return self.numpy().__dlpack__(**({"stream": stream} if stream is not None else {}), **kwargs)
+    def __dlpack__(
+        self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule of the whole mapping as uint8, zero-copy (DLPack 1.0 when the consumer takes it).
+
+        Work on the mapping is synchronous, so no `stream` needs waiting on.
+        """
+        from . import dlpack
+
+        if copy:
+            raise BufferError("a mapping is shared memory: it is exported without a copy")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"the mapping lives on {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        owner = self._register(_Keepalive()) if self.memory.on_gpu else self._buffer()
+        versioned = max_version is not None and tuple(max_version) >= dlpack.DLPACK_VERSION
+        return dlpack.capsule(self.ptr, self.size, *self.__dlpack_device__(), owner, versioned)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (1, 0)  # kDLCPU: host memory
+        from . import dlpack
+
+        if self.memory.on_gpu:
+            return (dlpack.KDL_CUDA, self.memory.device)
+        return (dlpack.KDL_CPU, 0)
 
     def set_access(self, access: str) -> None:
         if access not in _ACCESS:

@@ -32,7 +32,8 @@ class Msg(enum.IntEnum):
     CHARGE = 1  # device i32 (-1: host), size
     RELEASE = 2  # token
     MEM_INFO = 3  # device
-    EXPORT = 4  # token, size, flags, share type, server id, prop; tail: u32 pids to trust; one fd attached
+    EXPORT = 4  # token, size, flags, share type, server id, kind, prop; tail: u32 pids to trust; one fd
+    # attached (kind: 0 host memfd, 1 CUDA allocation fd)
     REVOKE = 5  # token
     SET_PIDS = 6  # handle, share type; tail: u32 pids
     IMPORT = 7  # handle, share type, 32-byte secret (zeros for DEFAULT)
@@ -44,7 +45,7 @@ class Msg(enum.IntEnum):
     TOKEN = 66  # token
     MEM = 67  # free, total
     EXPORTED = 68  # tail: the shareable handle (8 or 128 bytes)
-    IMPORTED = 69  # token, size, prop; one fd attached
+    IMPORTED = 69  # token, size, kind, prop; one fd attached
     PID = 70  # pid
     LISTING = 71  # tail: JSON text
 
@@ -83,7 +84,7 @@ SPECS: dict[Msg, Spec] = {
     Msg.CHARGE: Spec(struct.Struct("<iQ")),
     Msg.RELEASE: Spec(struct.Struct("<Q")),
     Msg.MEM_INFO: Spec(struct.Struct("<I")),
-    Msg.EXPORT: Spec(struct.Struct("<QQBBI" + PROP), Tail.U32, fds=1, max_tail=4096 * 4),
+    Msg.EXPORT: Spec(struct.Struct("<QQBBIB" + PROP), Tail.U32, fds=1, max_tail=4096 * 4),
     Msg.REVOKE: Spec(struct.Struct("<Q")),
     Msg.SET_PIDS: Spec(struct.Struct("<QB"), Tail.U32, max_tail=4096 * 4),
     Msg.IMPORT: Spec(struct.Struct("<QB32s")),
@@ -94,7 +95,7 @@ SPECS: dict[Msg, Spec] = {
     Msg.TOKEN: Spec(struct.Struct("<Q")),
     Msg.MEM: Spec(struct.Struct("<QQ")),
     Msg.EXPORTED: Spec(struct.Struct("<"), Tail.BYTES, max_tail=128),
-    Msg.IMPORTED: Spec(struct.Struct("<QQ" + PROP), fds=1),
+    Msg.IMPORTED: Spec(struct.Struct("<QQB" + PROP), fds=1),
     Msg.PID: Spec(struct.Struct("<I")),
     Msg.LISTING: Spec(struct.Struct("<"), Tail.TEXT, max_tail=MAX_BODY),
 }

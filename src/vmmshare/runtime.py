@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from . import constants as C
 from . import handles
 from .backends import host
+from .backends.cuda import CudaBackend, CudaMemory
 from .config import Config
 from .errors import (
     AclError,
@@ -127,6 +128,7 @@ class Imported:
     token: int
     size: int
     prop: PhysicalProp
+    gpu: bool = False  # the fd is a CUDA allocation's (import it with the CUDA backend)
 
 
 class Node(Protocol):
@@ -136,7 +138,8 @@ class Node(Protocol):
     def release(self, token: int) -> None: ...
     def mem_info(self, device: int) -> tuple[int, int]: ...
     def export(
-        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int]
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
+        gpu: bool = False,
     ) -> bytes: ...
     def revoke(self, token: int) -> None: ...
     def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None: ...
@@ -175,7 +178,8 @@ class LocalNode:
         return total - self._used[device], total
 
     def export(
-        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int]
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
+        gpu: bool = False,
     ) -> bytes:
         raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
 
@@ -207,7 +211,7 @@ class Allocation:
     """A physical allocation as this process sees it (made here, or imported)."""
 
     handle: int
-    mem: host.HostMemory
+    mem: host.HostMemory | CudaMemory
     prop: PhysicalProp
     size: int
     token: int  # the node's id for it (capacity, export, import)
@@ -221,6 +225,7 @@ class Allocation:
 class Reservation:
     base: int
     size: int
+    gpu: bool  # GPU address space (cuMemAddressReserve) rather than a host PROT_NONE range
     mappings: Intervals[MappingEntry] = field(default_factory=Intervals)
 
 
@@ -258,6 +263,8 @@ class Runtime:
         self._device_refs: dict[int, int] = {}
         self._peers: set[tuple[int, int]] = set()
         self._arena = host.Arena()
+        self.gpu: CudaBackend | None = _gpu_backend(config.backend)
+        self.devices = self.gpu.count if self.gpu is not None else config.devices
         self._ids = itertools.count(1)
         self.initialized = False
 
@@ -265,10 +272,10 @@ class Runtime:
 
     def _device(self, device: object) -> int:
         d = check_int("deviceId", device, -(1 << 31), (1 << 31) - 1)
-        if not 0 <= d < self.config.devices:
+        if not 0 <= d < self.devices:
             raise InvalidDeviceError(
-                f"device {d} does not exist: there are {self.config.devices} (0..{self.config.devices - 1}); "
-                "set VMMSHARE_DEVICES for more"
+                f"device {d} does not exist: there are {self.devices} (0..{self.devices - 1})"
+                + ("" if self.gpu else "; set VMMSHARE_DEVICES for more")
             )
         return d
 
@@ -406,7 +413,19 @@ class Runtime:
                     f"kind {k} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
                     f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
                 )
-            ctypes.memmove(d, s, n)
+            gpu_dev = self._gpu_device(d) if self.gpu is not None else None
+            src_gpu = self._gpu_device(s) if self.gpu is not None else None
+            if self.gpu is not None and (gpu_dev is not None or src_gpu is not None):
+                self.gpu.copy(d, s, n, gpu_dev if gpu_dev is not None else src_gpu or 0)
+            else:
+                ctypes.memmove(d, s, n)
+
+    def _gpu_device(self, ptr: int) -> int | None:
+        """The GPU whose memory is mapped at `ptr`, or None for host memory."""
+        hit = self._mappings.at(ptr)
+        if hit is not None and isinstance(hit[2].alloc.mem, CudaMemory):
+            return hit[2].alloc.mem.device
+        return None
 
     def memset(self, ptr: object, max_count: object, value: object, count: object) -> None:
         p = check_ptr("devPtr", ptr)
@@ -420,11 +439,18 @@ class Runtime:
             return
         with self._lock:
             self._classify(p, n, True, "devPtr")
-            ctypes.memset(p, v & 0xFF, n)
+            gpu_dev = self._gpu_device(p) if self.gpu is not None else None
+            if gpu_dev is not None and self.gpu is not None:
+                self.gpu.fill(p, v, n, gpu_dev)
+            else:
+                ctypes.memset(p, v & 0xFF, n)
 
     def check_readable(self, ptr: int, size: int) -> None:
+        """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot)."""
         with self._lock:
             self._classify(ptr, size, False, "ptr")
+            if self._gpu_device(ptr) is not None:
+                raise InvalidParamError(f"{ptr:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
 
     # ------------------------------------------------------------ physical memory
 
@@ -455,7 +481,10 @@ class Runtime:
 
     def granularity(self, prop: object, option: object) -> int:
         check_int("option", option, C.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, C.ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
-        return self.parse_prop(prop).granularity
+        p = self.parse_prop(prop)
+        if self.gpu is not None and p.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            return max(p.granularity, self.gpu.granularity(p.location.id))
+        return p.granularity
 
     def malloc_physical(self, size: object, prop: object, flags: object) -> int:
         n = check_int("size", size, 0, U64)
@@ -468,11 +497,18 @@ class Runtime:
         if device >= 0 and n > self.config.device_memory:
             raise MemoryAllocationError(_over_capacity(device, n, 0, self.config))
         token = self.node.charge(device, n)
+        mem: host.HostMemory | CudaMemory
         try:
-            mem = host.allocate(n, p.huge_page, f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}")
+            if device >= 0 and self.gpu is not None:
+                mem = self.gpu.allocate(n, device)
+            else:
+                mem = host.allocate(n, p.huge_page, f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}")
         except OSError as exc:
             self.node.release(token)
             raise MemoryAllocationError(f"cannot create {n} bytes of shared memory: {exc.strerror}") from None
+        except BaseException:
+            self.node.release(token)
+            raise
         return self._register(Allocation(0, mem, p, n, token))
 
     def _register(self, alloc: Allocation) -> int:
@@ -531,7 +567,10 @@ class Runtime:
 
     # ------------------------------------------------------------ reservations and mappings
 
-    def reserve(self, size: object, alignment: object, expect_ptr: object, flags: object) -> int:
+    def reserve(
+        self, size: object, alignment: object, expect_ptr: object, flags: object, gpu: bool | None = None
+    ) -> int:
+        """A reserved range; in GPU address space when the CUDA backend is on (unless `gpu` says otherwise)."""
         n = check_int("size", size, 0, host.ARENA_END - host.ARENA_START)
         check_int("alignment", alignment, 0, 0)
         want = check_ptr("expectPtr", expect_ptr)
@@ -542,8 +581,9 @@ class Runtime:
         if want % g:
             raise InvalidParamError(f"expectPtr {want:#x} must be aligned to {g} ({g >> 20} MiB)")
         align = C.HUGE1G_GRANULARITY if n % C.HUGE1G_GRANULARITY == 0 else g
+        on_gpu = self.gpu is not None if gpu is None else gpu and self.gpu is not None
         try:
-            base = self._arena.reserve(n, align, want)
+            base = self.gpu.reserve(n, align, want) if on_gpu and self.gpu else self._arena.reserve(n, align, want)
         except OSError as exc:
             if want:
                 raise InvalidParamError(
@@ -551,7 +591,7 @@ class Runtime:
                 ) from None
             raise MemoryAllocationError(f"cannot reserve {n} bytes of address space: {exc.strerror}") from None
         with self._lock:
-            self._reservations.add(base, n, Reservation(base, n))
+            self._reservations.add(base, n, Reservation(base, n, on_gpu))
         return base
 
     def release_reservation(self, ptr: object) -> None:
@@ -565,9 +605,16 @@ class Runtime:
                     f"the reservation at {p:#x} still holds {len(r.mappings)} mapping(s): unmap_mem them first"
                 )
             self._reservations.remove(p)
-            self._arena.release(p, r.size)
+            if r.gpu and self.gpu is not None:
+                self.gpu.release(p, r.size)
+            else:
+                self._arena.release(p, r.size)
 
-    def map(self, ptr: object, size: object, offset: object, handle: object, flags: object, access: int) -> None:
+    def map(
+        self, ptr: object, size: object, offset: object, handle: object, flags: object, access: int,
+        prepopulate: bool | None = None,
+    ) -> None:
+        """Map an allocation over a reserved range; `prepopulate` (default: VMMSHARE_PREPOPULATE) faults it in."""
         p = check_ptr("ptr", ptr)
         n = check_int("size", size)
         check_int("offset", offset, 0, 0)
@@ -587,14 +634,27 @@ class Runtime:
                 raise InvalidParamError(f"ptr {p:#x} must be aligned to the allocation's granularity {g}")
             if r.mappings.overlaps(p, n):
                 raise InvalidParamError(f"[{p:#x}, {p + n:#x}) overlaps an existing mapping: unmap_mem it first")
-            try:
-                host.map_shared(p, n, alloc.mem.fd, _ACCESS_PROT[access])
-            except OSError as exc:
-                raise MemoryAllocationError(f"cannot map {n} bytes at {p:#x}: {exc.strerror}") from None
-            if alloc.mem.pages == "thp":
-                host.advise_huge(p, n)
-            if access and self.config.prepopulate:
-                host.populate(p, n)
+            mem = alloc.mem
+            if isinstance(mem, CudaMemory) != r.gpu:
+                raise FeatureNotSupportedError(
+                    f"{'GPU' if isinstance(mem, CudaMemory) else 'host'} memory cannot be mapped into a "
+                    f"{'GPU' if r.gpu else 'host'} reservation: reserve the range for the memory's location"
+                )
+            if isinstance(mem, CudaMemory):
+                assert self.gpu is not None
+                self.gpu.map(p, n, mem, access)
+            else:
+                try:
+                    host.map_shared(p, n, mem.fd, _ACCESS_PROT[access])
+                except OSError as exc:
+                    raise MemoryAllocationError(f"cannot map {n} bytes at {p:#x}: {exc.strerror}") from None
+                if mem.pages == "thp":
+                    host.advise_huge(p, n)
+                if access and (self.config.prepopulate if prepopulate is None else prepopulate):
+                    if access == C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE:
+                        host.populate(p, n)
+                    else:
+                        host.populate_read(p, n)
             m = MappingEntry(p, n, alloc, r, {}, access)
             r.mappings.add(p, n, m)
             self._mappings.add(p, n, m)
@@ -613,7 +673,10 @@ class Runtime:
             if m is None:
                 raise InvalidParamError(f"{p:#x} is not the start of a mapping (map_mem returns none there)")
             try:
-                host.unmap_to_reserved(p, m.size)
+                if isinstance(m.alloc.mem, CudaMemory) and self.gpu is not None:
+                    self.gpu.unmap(p, m.size)
+                else:
+                    host.unmap_to_reserved(p, m.size)
             except OSError as exc:
                 raise InternalError(f"cannot unmap {p:#x}: {exc.strerror}") from None
             self._mappings.remove(p)
@@ -650,7 +713,11 @@ class Runtime:
             access.update(entries)
             effective = access.get(m.alloc.prop.location, entries[-1][1])
             try:
-                host.protect(p, n, _ACCESS_PROT[effective])
+                mem = m.alloc.mem
+                if isinstance(mem, CudaMemory) and self.gpu is not None:
+                    self.gpu.protect(p, n, effective, mem.device)
+                else:
+                    host.protect(p, n, _ACCESS_PROT[effective])
             except OSError as exc:
                 raise InternalError(f"mprotect failed: {exc.strerror}") from None
             m.access, m.effective = access, effective
@@ -692,7 +759,10 @@ class Runtime:
                 raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
             if alloc.shareable:
                 raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
-            alloc.shareable = self.node.export(alloc.token, alloc.mem.fd, alloc.prop, alloc.size, f, st, trust)
+            mem = alloc.mem
+            on_gpu = isinstance(mem, CudaMemory)
+            fd = self.gpu.export_fd(mem) if isinstance(mem, CudaMemory) and self.gpu else mem.fd
+            alloc.shareable = self.node.export(alloc.token, fd, alloc.prop, alloc.size, f, st, trust, on_gpu)
             return alloc.shareable
 
     def set_pids(self, shareable: bytes, share_type: int, pids: object) -> None:
@@ -743,10 +813,27 @@ class Runtime:
             Location(got.prop.location.type, device) if got.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE
             else got.prop.location,
         )
-        alloc = Allocation(0, host.adopt(got.fd), prop, got.size, got.token, imported_from=value, shareable=shareable)
+        try:
+            mem = self._adopt(got, device)
+        except BaseException:
+            with self._lock:
+                self._imports.pop(shareable, None)
+            self._safe_node_call(self.node.release, got.token)
+            raise
+        alloc = Allocation(0, mem, prop, got.size, got.token, imported_from=value, shareable=shareable)
         with self._lock:
             self._imports[shareable] = alloc
             return self._register(alloc)
+
+    def _adopt(self, got: Imported, device: int) -> host.HostMemory | CudaMemory:
+        if not got.gpu:
+            return host.adopt(got.fd)
+        if self.gpu is None:
+            os.close(got.fd)
+            raise FeatureNotSupportedError(
+                "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda"
+            )
+        return self.gpu.adopt(got.fd, got.size, device)
 
     def bare_tgid(self) -> int:
         return self.node.bare_tgid()
@@ -806,3 +893,16 @@ def check_pids(pids: object, allow_empty: bool = False) -> list[int]:
     if len(pids) > handles.MAX_TRUSTLIST:
         raise InvalidParamError(f"pid_list has {len(pids)} pids; at most {handles.MAX_TRUSTLIST} per handle")
     return [check_int(f"pid_list[{i}]", p, 1, (1 << 31) - 1) for i, p in enumerate(pids)]
+
+
+def _gpu_backend(choice: str) -> CudaBackend | None:
+    """The CUDA backend for VMMSHARE_BACKEND=cuda (errors if unusable) or auto (when a GPU is there)."""
+    if choice == "host":
+        return None
+    try:
+        return CudaBackend()
+    except AclError as exc:
+        if choice == "cuda":
+            raise
+        log.info("VMMSHARE_BACKEND=auto: no usable GPU (%s); device memory is host memory", exc.message)
+        return None

@@ -152,9 +152,10 @@ class BrokerClient:
         return int(reply.values[0]), int(reply.values[1])
 
     def export(
-        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int]
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
+        gpu: bool = False,
     ) -> bytes:
-        fields = (prop.handle_type, prop.allocation_type, prop.mem_attr, prop.location.type, prop.location.id)
+        fields = (int(gpu), prop.handle_type, prop.allocation_type, prop.mem_attr, prop.location.type, prop.location.id)
         server = self.config.server_id
         reply, _ = self.request(
             lambda r: encode(Msg.EXPORT, r, self._bt(token), size, flags, share_type, server, *fields, tail=pids), (fd,)
@@ -170,10 +171,10 @@ class BrokerClient:
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
         reply, fds = self.request(lambda r: encode(Msg.IMPORT, r, shareable, share_type, secret.ljust(32, b"\0")))
-        btoken, size, htype, atype, attr, ltype, lid = reply.ints()
+        btoken, size, kind, htype, atype, attr, ltype, lid = reply.ints()
         token = next(self._ids)
         self._broker_token[token] = btoken
-        return Imported(fds[0], token, size, PhysicalProp(htype, atype, attr, Location(ltype, lid)))
+        return Imported(fds[0], token, size, PhysicalProp(htype, atype, attr, Location(ltype, lid)), bool(kind))
 
     def bare_tgid(self) -> int:
         reply, _ = self.request(lambda r: encode(Msg.BARE_TGID, r))

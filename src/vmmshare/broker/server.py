@@ -41,6 +41,7 @@ from .wire import (
 
 log = logging.getLogger("vmmshare.broker")
 LIST_PAGE = 100
+KIND_HOST, KIND_GPU = 0, 1
 LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_BROKER_SPIN_US", "200")) / 1e6
 
@@ -83,6 +84,7 @@ class Export:
     secret: bytes
     trust: dict[int, int | None] = field(default_factory=dict)
     importers: dict[int, Conn] = field(default_factory=dict)  # token -> importer
+    kind: int = 0  # KIND_HOST (a sealed memfd) or KIND_GPU (a CUDA allocation's fd)
 
 
 @dataclass(eq=False)
@@ -340,7 +342,7 @@ class Broker:
         if f.type is Msg.IMPORT:
             token, exp = self.import_(conn, int(v[0]), int(v[1]), bytes(v[2]))
             alloc = self.holds[token].alloc
-            return encode(Msg.IMPORTED, f.req, token, alloc.size, *exp.prop), (exp.fd,)
+            return encode(Msg.IMPORTED, f.req, token, alloc.size, exp.kind, *exp.prop), (exp.fd,)
         if f.type is Msg.BARE_TGID:
             return encode(Msg.PID, f.req, conn.pid), ()
         if f.type is Msg.LIST:
@@ -407,16 +409,17 @@ class Broker:
         log.debug("handle %#x revoked", exp.handle)
 
     def export(self, conn: Conn, f: Frame, fd: int) -> bytes:
-        token, size, flags, share_type, server_id, *prop = (int(x) for x in f.values)
+        token, size, flags, share_type, server_id, kind, *prop = (int(x) for x in f.values)
         assert isinstance(f.tail, tuple)
         hold = self._own(conn, token)
         alloc = hold.alloc
         if alloc.export is not None:
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
-        if flags not in (0, 1) or share_type not in (1, 2):
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {flags} or share type {share_type}")
+        if flags not in (0, 1) or share_type not in (1, 2) or kind not in (KIND_HOST, KIND_GPU):
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {flags}, share type {share_type} "
+                              f"or memory kind {kind}")
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size or size != alloc.size:
+        if size != alloc.size or (kind == KIND_HOST and (not stat.S_ISREG(st.st_mode) or st.st_size != size)):
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
         trust = self._bind(f.tail, {})
         handle = secrets.randbits(64)
@@ -429,7 +432,7 @@ class Broker:
         else:
             shareable = default_bytes(handle)
         exp = Export(handle, alloc, fd, share_type, flags, (prop[0], prop[1], prop[2], prop[3], prop[4]), conn,
-                     shareable, secret, trust)
+                     shareable, secret, trust, kind=kind)
         alloc.export = exp
         self.exports[handle] = exp
         log.debug("pid %d exported %#x (%d bytes, share type %d, flags %d)", conn.pid, handle, size, share_type, flags)

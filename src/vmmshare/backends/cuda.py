@@ -1,0 +1,216 @@
+"""CUDA backend: device-location allocations are real GPU memory, through cuda-python's driver bindings.
+
+Physical memory comes from cuMemCreate (POSIX file-descriptor handles requested, so it can be shared),
+reservations from cuMemAddressReserve, mappings from cuMemMap + cuMemSetAccess; a shareable export is
+the fd from cuMemExportToShareableHandle, which the broker holds like a host memfd.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .. import constants as C
+from ..errors import (
+    AclError,
+    FeatureNotSupportedError,
+    InternalError,
+    InvalidParamError,
+    MemoryAllocationError,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise FeatureNotSupportedError(
+            f"VMMSHARE_BACKEND=cuda needs cuda-bindings: pip install 'vmmshare[cuda]' ({exc})"
+        ) from None
+    return driver
+
+
+@dataclass
+class CudaMemory:
+    """A GPU physical allocation (CUmemGenericAllocationHandle) on `device`."""
+
+    handle: Any
+    size: int
+    device: int
+    backend: CudaBackend
+    pages: str = "gpu"
+    fd: int = -1  # exported POSIX fd, once exported
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.backend.check(self.backend.cu.cuMemRelease(self.handle)[0], "cuMemRelease")
+            self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class CudaBackend:
+    """The process's view of the GPUs: contexts are the devices' primary contexts."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.cu = _driver()
+        try:
+            err, = self.cu.cuInit(0)
+        except Exception as exc:  # no driver library at all
+            raise FeatureNotSupportedError(f"no CUDA driver on this machine: {exc}") from None
+        self.check(err, "cuInit")
+        err, self.count = self.cu.cuDeviceGetCount()
+        self.check(err, "cuDeviceGetCount")
+        if self.count == 0:
+            raise FeatureNotSupportedError("VMMSHARE_BACKEND=cuda but no GPU is visible")
+        self._contexts: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self.fd_type = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+    # ------------------------------------------------------------ plumbing
+
+    def check(self, err: Any, what: str) -> None:
+        """Raise the AclError that matches a CUresult."""
+        if int(err) == 0:
+            return
+        cu = self.cu
+        name = getattr(err, "name", str(err))
+        message = f"{what} failed: {name}"
+        if err in (cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY,):
+            raise MemoryAllocationError(message)
+        if err in (cu.CUresult.CUDA_ERROR_INVALID_VALUE, cu.CUresult.CUDA_ERROR_INVALID_HANDLE):
+            raise InvalidParamError(message)
+        if err in (cu.CUresult.CUDA_ERROR_NOT_SUPPORTED, cu.CUresult.CUDA_ERROR_NOT_PERMITTED):
+            raise FeatureNotSupportedError(message)
+        raise InternalError(message)
+
+    def use(self, device: int) -> None:
+        """Make `device`'s primary context current in this thread."""
+        if getattr(self._tls, "device", None) == device:
+            return
+        with self._lock:
+            ctx = self._contexts.get(device)
+            if ctx is None:
+                err, dev = self.cu.cuDeviceGet(device)
+                self.check(err, "cuDeviceGet")
+                err, ctx = self.cu.cuDevicePrimaryCtxRetain(dev)
+                self.check(err, "cuDevicePrimaryCtxRetain")
+                self._contexts[device] = ctx
+        self.check(self.cu.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+        self._tls.device = device
+
+    def _prop(self, device: int) -> Any:
+        cu = self.cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        prop.requestedHandleTypes = self.fd_type
+        return prop
+
+    def granularity(self, device: int) -> int:
+        err, g = self.cu.cuMemGetAllocationGranularity(
+            self._prop(device), self.cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        )
+        self.check(err, "cuMemGetAllocationGranularity")
+        return int(g)
+
+    def total_memory(self, device: int) -> int:
+        err, dev = self.cu.cuDeviceGet(device)
+        self.check(err, "cuDeviceGet")
+        err, total = self.cu.cuDeviceTotalMem(dev)
+        self.check(err, "cuDeviceTotalMem")
+        return int(total)
+
+    # ------------------------------------------------------------ memory
+
+    def allocate(self, size: int, device: int) -> CudaMemory:
+        self.use(device)
+        g = self.granularity(device)
+        if size % g:
+            raise InvalidParamError(f"size {size} is not a multiple of the GPU's granularity {g}")
+        err, handle = self.cu.cuMemCreate(size, self._prop(device), 0)
+        self.check(err, "cuMemCreate")
+        return CudaMemory(handle, size, device, self)
+
+    def export_fd(self, mem: CudaMemory) -> int:
+        """The POSIX fd of an allocation (made once, on first export; the runtime exports once)."""
+        if mem.fd < 0:
+            self.use(mem.device)
+            err, fd = self.cu.cuMemExportToShareableHandle(mem.handle, self.fd_type, 0)
+            self.check(err, "cuMemExportToShareableHandle")
+            mem.fd = int(fd)
+        return mem.fd
+
+    def adopt(self, fd: int, size: int, device: int) -> CudaMemory:
+        """Import an exported fd (closed here either way)."""
+        try:
+            self.use(device)
+            err, handle = self.cu.cuMemImportFromShareableHandle(fd, self.fd_type)
+            self.check(err, "cuMemImportFromShareableHandle")
+        finally:
+            os.close(fd)
+        return CudaMemory(handle, size, device, self)
+
+    def reserve(self, size: int, alignment: int, expect_ptr: int) -> int:
+        err, ptr = self.cu.cuMemAddressReserve(size, alignment, expect_ptr, 0)
+        self.check(err, "cuMemAddressReserve")
+        if expect_ptr and int(ptr) != expect_ptr:
+            self.cu.cuMemAddressFree(ptr, size)
+            raise OSError(17, f"the GPU address range at {expect_ptr:#x} is not free")
+        return int(ptr)
+
+    def release(self, ptr: int, size: int) -> None:
+        self.check(self.cu.cuMemAddressFree(ptr, size)[0], "cuMemAddressFree")
+
+    def map(self, ptr: int, size: int, mem: CudaMemory, access: int) -> None:
+        self.use(mem.device)
+        self.check(self.cu.cuMemMap(ptr, size, 0, mem.handle, 0)[0], "cuMemMap")
+        if access:
+            try:
+                self.protect(ptr, size, access, mem.device)
+            except AclError:
+                self.cu.cuMemUnmap(ptr, size)
+                raise
+
+    def unmap(self, ptr: int, size: int) -> None:
+        self.check(self.cu.cuMemUnmap(ptr, size)[0], "cuMemUnmap")
+
+    def protect(self, ptr: int, size: int, access: int, device: int) -> None:
+        cu = self.cu
+        flags = {
+            C.ACL_RT_MEM_ACCESS_FLAGS_NONE: cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE,
+            C.ACL_RT_MEM_ACCESS_FLAGS_READ: cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ,
+            C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE: cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }[access]
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = device
+        desc.flags = flags
+        self.check(cu.cuMemSetAccess(ptr, size, [desc], 1)[0], "cuMemSetAccess")
+
+    def copy(self, dst: int, src: int, count: int, device: int) -> None:
+        self.use(device)
+        self.check(self.cu.cuMemcpy(dst, src, count)[0], "cuMemcpy")
+
+    def fill(self, ptr: int, value: int, count: int, device: int) -> None:
+        self.use(device)
+        self.check(self.cu.cuMemsetD8(ptr, value & 0xFF, count)[0], "cuMemsetD8")
+
+
+def available() -> bool:
+    """Whether a CUDA driver and at least one GPU are usable here."""
+    try:
+        CudaBackend()
+    except AclError:
+        return False
+    return True

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU checks in one call, for a machine with an NVIDIA GPU, cuda-bindings and torch (nothing is installed
+# from the network): the CUDA backend's tests, then the GPU benchmark. Results go to $OUT (default ./out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export VMMSHARE_SOCKET=${VMMSHARE_SOCKET:-/tmp/vmmshare-gpu-check/broker.sock}
+export VMMSHARE_BROKER_IDLE=5
+{
+  nvidia-smi -L
+  $PY -c 'import sys, cuda.bindings, torch; print(sys.version.split()[0], "cuda-bindings", cuda.bindings.__version__, "torch", torch.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt"
+test_rc=${PIPESTATUS[0]}
+VMMSHARE_BACKEND=cuda timeout 240 $PY benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "tests rc=$test_rc bench rc=$bench_rc"
+exit $(( test_rc || bench_rc ))

@@ -21,8 +21,8 @@ from typing import Any
 
 os.environ.setdefault("VMMSHARE_BACKEND", "cuda")
 
-import vmmshare.acl as acl  # noqa: E402
-from vmmshare._process import runtime  # noqa: E402
+import vmmshare.acl as acl
+from vmmshare._process import runtime
 
 MiB, GiB = 1 << 20, 1 << 30
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
@@ -104,12 +104,8 @@ def importer() -> None:
 
 def torch_ipc(size: int, reps: int) -> float:
     """Median µs: put a fresh CUDA tensor in a torch.multiprocessing queue, the child reads it and answers."""
-    code = (
-        "import sys, torch.multiprocessing as mp\n"
-        "sys.path.insert(0, %r)\n"
-        "from bench_gpu import torch_child, torch_parent\n"
-        "print(torch_parent(%d, %d))\n"
-    ) % (os.path.dirname(os.path.abspath(__file__)), size, reps)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys\nsys.path.insert(0, {here!r})\nimport bench_gpu\nprint(bench_gpu.torch_parent({size}, {reps}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise SystemExit(out.stderr)
@@ -195,8 +191,8 @@ def main() -> None:
             row["d2d_into_local_GBps"] = bw["bw_local_GBps"]
             row["d2d_ratio"] = bw["bw_imported_GBps"] / bw["bw_local_GBps"]
         results[f"{size >> 20}MiB"] = row
-        print(f"{size >> 20:>5} MiB: " + "  ".join(f"{k}={v:.1f}" if v > 10 else f"{k}={v:.3f}" for k, v in row.items()),
-              flush=True)
+        shown = "  ".join(f"{k}={v:.1f}" if v > 10 else f"{k}={v:.3f}" for k, v in row.items())
+        print(f"{size >> 20:>5} MiB: {shown}", flush=True)
     child.stdin.close()
     child.wait()
     if args.json:

@@ -195,6 +195,7 @@ def test_dlpack_cuda_with_torch_across_processes(broker: BrokerProc) -> None:
         except ImportError:
             pass
         del t
+        import gc; gc.collect()
         m.close(); mem.close()
         print("ok")
     """)

@@ -761,6 +761,9 @@ class Runtime:
                 raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
             mem = alloc.mem
             on_gpu = isinstance(mem, CudaMemory)
+            if on_gpu and st == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
+                log.info("FABRIC export of GPU memory: it travels as a POSIX fd through the node broker, in the "
+                         "broker's FABRIC format (CUDA fabric handles need an IMEX channel)")
             fd = self.gpu.export_fd(mem) if isinstance(mem, CudaMemory) and self.gpu else mem.fd
             alloc.shareable = self.node.export(alloc.token, fd, alloc.prop, alloc.size, f, st, trust, on_gpu)
             return alloc.shareable
@@ -843,8 +846,9 @@ class Runtime:
     def forget_after_fork(self) -> None:
         """In a forked child: drop the parent's tables (their mappings stay, harmlessly) and close inherited fds."""
         for alloc in self._allocs:
-            with contextlib.suppress(OSError):
-                alloc.mem.close()
+            if isinstance(alloc.mem, host.HostMemory):  # CUDA cannot be touched in a forked child
+                with contextlib.suppress(OSError):
+                    alloc.mem.close()
         self.__init__(self.config, self.node)  # type: ignore[misc]
 
     def counts(self) -> dict[str, int]:

@@ -61,12 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--idle", type=float, default=None, help="exit after this many idle seconds (default: never)")
     b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
     b.add_argument("--log-level", default=os.environ.get("VMMSHARE_LOG", "INFO"))
+    sub.add_parser("bench", help="sharing costs against shared_memory, Pipe and torch, in one run (see --help)")
     d = sub.add_parser("demo", help="share memory between three processes and check every rule on the way")
     d.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes)")
     doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")
     doc.add_argument("--json", action="store_true")
     ls = sub.add_parser("ls", help="list the exports on this node")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own options
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "version":
         print(f"vmmshare {__version__}")

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -134,7 +134,7 @@ class Imported:
 class Node(Protocol):
     """The node-wide authority (the broker): capacity accounting and the table of shareable handles."""
 
-    def charge(self, device: int, size: int) -> int: ...
+    def charge(self, device: int, size: int, meanwhile: Callable[[], None] | None = None) -> int: ...
     def release(self, token: int) -> None: ...
     def mem_info(self, device: int) -> tuple[int, int]: ...
     def export(
@@ -157,7 +157,9 @@ class LocalNode:
         self._next = itertools.count(1)
         self._lock = threading.Lock()
 
-    def charge(self, device: int, size: int) -> int:
+    def charge(self, device: int, size: int, meanwhile: Callable[[], None] | None = None) -> int:
+        if meanwhile is not None:
+            meanwhile()
         with self._lock:
             if device >= 0:
                 if self._used[device] + size > self._config.device_memory:
@@ -496,19 +498,32 @@ class Runtime:
         device = p.location.id if p.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
         if device >= 0 and n > self.config.device_memory:
             raise MemoryAllocationError(_over_capacity(device, n, 0, self.config))
-        token = self.node.charge(device, n)
-        mem: host.HostMemory | CudaMemory
+        made: list[host.HostMemory | CudaMemory] = []
+        failed: list[BaseException] = []
+
+        def create() -> None:  # runs while the broker checks the capacity
+            try:
+                if device >= 0 and self.gpu is not None:
+                    made.append(self.gpu.allocate(n, device))
+                else:
+                    name = f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}"
+                    made.append(host.allocate(n, p.huge_page, name))
+            except BaseException as exc:
+                failed.append(exc)
+
         try:
-            if device >= 0 and self.gpu is not None:
-                mem = self.gpu.allocate(n, device)
-            else:
-                mem = host.allocate(n, p.huge_page, f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}")
-        except OSError as exc:
-            self.node.release(token)
-            raise MemoryAllocationError(f"cannot create {n} bytes of shared memory: {exc.strerror}") from None
+            token = self.node.charge(device, n, create)
         except BaseException:
-            self.node.release(token)
+            for made_mem in made:
+                made_mem.close()
             raise
+        if failed:
+            self.node.release(token)
+            exc = failed[0]
+            if isinstance(exc, OSError):
+                raise MemoryAllocationError(f"cannot create {n} bytes of shared memory: {exc.strerror}") from None
+            raise exc
+        mem = made[0]
         return self._register(Allocation(0, mem, p, n, token))
 
     def _register(self, alloc: Allocation) -> int:

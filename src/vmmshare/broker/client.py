@@ -89,9 +89,14 @@ class BrokerClient:
         self._broker_token.clear()
         self._charges.clear()
 
-    def _exchange(self, sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> tuple[Frame, list[int]]:
+    def _exchange(
+        self, sock: socket.socket, data: bytes, fds: tuple[int, ...], meanwhile: Callable[[], None] | None = None
+    ) -> tuple[Frame, list[int]]:
+        """Send a request and take its reply; `meanwhile` runs while the broker works on it."""
         req = int.from_bytes(data[4:8], "little")
         send_packet(sock, data, fds)
+        if meanwhile is not None:
+            meanwhile()  # must not raise: the reply still has to be read
         packet, got, truncated = _await_reply(sock)
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
@@ -110,13 +115,24 @@ class BrokerClient:
             raise error_from_code(int(frame.values[0]), str(frame.tail))
         return frame, got
 
-    def request(self, build: Callable[[int], bytes], fds: tuple[int, ...] = ()) -> tuple[Frame, list[int]]:
-        """Send the frame `build(request_id)` and return the reply; reconnects once if the broker went away."""
+    def request(
+        self, build: Callable[[int], bytes], fds: tuple[int, ...] = (), meanwhile: Callable[[], None] | None = None
+    ) -> tuple[Frame, list[int]]:
+        """Send the frame `build(request_id)` and return the reply; reconnects once if the broker went away.
+
+        `meanwhile` (run once) overlaps local work with the broker's.
+        """
+        pending = [meanwhile] if meanwhile is not None else []
+
+        def once() -> None:  # on whichever attempt gets its request out
+            if pending:
+                pending.pop()()
+
         with self._lock:
             for attempt in (0, 1):
                 try:
                     sock = self._sock or self._reconnect()
-                    return self._exchange(sock, build(next(self._req)), fds)
+                    return self._exchange(sock, build(next(self._req)), fds, once)
                 except AclError:
                     raise
                 except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect once
@@ -131,8 +147,8 @@ class BrokerClient:
 
     # ------------------------------------------------------------ the Node protocol
 
-    def charge(self, device: int, size: int) -> int:
-        reply, _ = self.request(lambda r: encode(Msg.CHARGE, r, device, size))
+    def charge(self, device: int, size: int, meanwhile: Callable[[], None] | None = None) -> int:
+        reply, _ = self.request(lambda r: encode(Msg.CHARGE, r, device, size), meanwhile=meanwhile)
         token = next(self._ids)
         self._broker_token[token] = int(reply.values[0])
         self._charges[token] = (device, size)

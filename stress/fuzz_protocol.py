@@ -353,12 +353,15 @@ def fuzz_decoder(seed: int, count: int, seconds: float | None = None) -> dict[st
 # ---------------------------------------------------------------- atheris (coverage-guided), in a child
 
 
-def _atheris_child(runs: int, corpus: str) -> None:
+def _atheris_child(runs: int, corpus: str, extra: list[str]) -> None:
     """Runs inside the child: libFuzzer over decode (the protocol module instrumented); exits when done."""
+    import importlib
+
     import atheris  # type: ignore[import-not-found]
 
-    with atheris.instrument_imports():
-        from vmmshare import protocol as proto
+    sys.modules.pop("vmmshare.protocol", None)  # imported at the top of this script: load it again, instrumented
+    with atheris.instrument_imports(include=["vmmshare.protocol"]):
+        proto = importlib.import_module("vmmshare.protocol")
 
     def one(data: bytes) -> None:
         if not data:
@@ -369,7 +372,7 @@ def _atheris_child(runs: int, corpus: str) -> None:
             return
         assert proto.encode(frame.type, frame.req, *frame.values, tail=frame.tail) == data[1:]
 
-    atheris.Setup([sys.argv[0], f"-runs={runs}", "-max_len=66000", "-rss_limit_mb=2048", corpus], one)
+    atheris.Setup([sys.argv[0], f"-runs={runs}", "-max_len=66000", "-rss_limit_mb=2048", *extra, corpus], one)
     atheris.Fuzz()
 
 
@@ -860,7 +863,7 @@ def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = Non
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--atheris-child"]:
-        _atheris_child(int(argv[1]), argv[2])
+        _atheris_child(int(argv[1]), argv[2], argv[3:])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=100_000, help="decoder frames (default 100000)")

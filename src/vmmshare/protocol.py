@@ -146,6 +146,9 @@ def encode(kind: Msg, req: int, *values: int | bytes, tail: bytes | str | tuple[
     return HEADER.pack(MAGIC, VERSION, kind, req & 0xFFFFFFFF, len(body)) + body
 
 
+_BY_TYPE: dict[int, tuple[Msg, Spec]] = {int(k): (k, v) for k, v in SPECS.items()}
+
+
 @functools.cache
 def _byte_fields(kind: Msg) -> dict[int, int]:
     return SPECS[kind].byte_fields
@@ -169,13 +172,12 @@ def decode(packet: bytes, nfds: int = 0) -> Frame:
         raise ProtocolError(f"bad magic {magic!r}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
-    try:
-        kind = Msg(kind_raw)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {kind_raw}") from None
+    known = _BY_TYPE.get(kind_raw)
+    if known is None:
+        raise ProtocolError(f"unknown message type {kind_raw}")
+    kind, spec = known
     if length != len(packet) - HEADER.size:
         raise ProtocolError(f"body length {length} disagrees with the {len(packet) - HEADER.size} bytes received")
-    spec = SPECS[kind]
     if nfds != spec.fds:
         raise ProtocolError(f"{kind.name} carries {spec.fds} file descriptor(s), got {nfds}")
     body = packet[HEADER.size :]

@@ -258,6 +258,7 @@ class Runtime:
         self._handles: dict[int, Allocation] = {}
         self._allocs: set[Allocation] = set()
         self._imports: dict[bytes, Allocation] = {}  # imported shareable handle -> allocation
+        self._exported: set[bytes] = set()  # shareable handles this process exported and has not freed
         self._reservations: Intervals[Reservation] = Intervals()
         self._mappings: Intervals[MappingEntry] = Intervals()
         self._host_blocks: Intervals[int] = Intervals()
@@ -548,6 +549,7 @@ class Runtime:
                 return
             del self._handles[alloc.handle]
             if alloc.imported_from == 0 and alloc.shareable:
+                self._exported.discard(alloc.shareable)
                 self._safe_node_call(self.node.revoke, alloc.token)
             if alloc.imported_from:
                 self._imports.pop(alloc.shareable, None)
@@ -781,6 +783,7 @@ class Runtime:
                          "broker's FABRIC format (CUDA fabric handles need an IMEX channel)")
             fd = self.gpu.export_fd(mem) if isinstance(mem, CudaMemory) and self.gpu else mem.fd
             alloc.shareable = self.node.export(alloc.token, fd, alloc.prop, alloc.size, f, st, trust, on_gpu)
+            self._exported.add(alloc.shareable)
             return alloc.shareable
 
     def set_pids(self, shareable: bytes, share_type: int, pids: object) -> None:
@@ -814,8 +817,7 @@ class Runtime:
                 raise InvalidParamError(
                     "this shareable handle is imported in this process already: free_physical that import first"
                 )
-            mine = [a for a in self._handles.values() if a.shareable == shareable and not a.imported_from]
-            if mine:
+            if shareable in self._exported:
                 raise InvalidParamError("this process exported the handle; use its own handle instead of importing")
             self._imports[shareable] = _PENDING
         try:

@@ -398,7 +398,10 @@ def plot(res: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run(quick: bool, with_torch: bool | None = None) -> dict[str, Any]:
+def run(
+    quick: bool, with_torch: bool | None = None, sizes: list[int] | None = None, reps_override: int | None = None,
+    clients: list[int] | None = None, seconds: float | None = None,
+) -> dict[str, Any]:
     import vmmshare
 
     vmmshare.acl.rt.set_device(0)
@@ -409,14 +412,19 @@ def run(quick: bool, with_torch: bool | None = None) -> dict[str, Any]:
             with_torch = True
         except ImportError:
             with_torch = False
-    if quick:
-        sizes = [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB]
-        reps = lambda size: 10 if size <= 64 * MiB else 3  # noqa: E731
-        clients, seconds, bw_size = [1, 4, 16], 1.0, 64 * MiB
-    else:
-        sizes = [4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
-        reps = lambda size: 50 if size <= 16 * MiB else (15 if size <= 256 * MiB else 7)  # noqa: E731
-        clients, seconds, bw_size = [1, 4, 16], 3.0, 256 * MiB
+    def reps(size: int) -> int:
+        if reps_override:
+            return reps_override
+        if quick:
+            return 10 if size <= 64 * MiB else 3
+        return 50 if size <= 16 * MiB else (15 if size <= 256 * MiB else 7)
+
+    if sizes is None:
+        sizes = [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB] if quick else [
+            4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
+    clients = clients or [1, 4, 16]
+    seconds = seconds or (1.0 if quick else 3.0)
+    bw_size = min(max(sizes), 64 * MiB if quick else 256 * MiB)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     peer = ctx.Process(target=_peer, args=(b,))
@@ -425,7 +433,7 @@ def run(quick: bool, with_torch: bool | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     try:
         res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch)
-        res["bandwidth"] = bandwidth(a, peer_pid, bw_size, 5)
+        res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5)
     finally:
         a.send(("stop",))
         peer.join()
@@ -441,8 +449,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison even if torch is installed")
+    ap.add_argument("--sizes", help="comma-separated sizes to share, e.g. 4K,2M,1G")
+    ap.add_argument("--reps", type=int, help="repetitions per size (default: by size)")
+    ap.add_argument("--clients", help="comma-separated client counts for the throughput test (default 1,4,16)")
+    ap.add_argument("--seconds", type=float, help="seconds per throughput point")
     args = ap.parse_args(argv)
-    res = run(args.quick, False if args.no_torch else None)
+    from .config import parse_size
+
+    try:
+        sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
+        clients = [int(x) for x in args.clients.split(",")] if args.clients else None
+    except ValueError as exc:
+        ap.error(str(exc))
+    res = run(args.quick, False if args.no_torch else None, sizes, args.reps, clients, args.seconds)
     print_report(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,36 @@
+"""`vmmshare bench` runs end to end (tiny sizes) and writes its JSON and plot; speed itself is not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_bench_runs_and_reports(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "vmmshare.cli", "bench", "--quick", "--sizes", "4K,2M", "--reps", "2",
+           "--clients", "1,2", "--seconds", "0.2", "--no-torch", "--json", str(out_json), "--plot", str(out_png)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(out_json.read_text())
+    row = res["latency"][str(2 << 20)]
+    for step in ("allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch", "share",
+                 "shm_create", "shm_attach", "pipe"):
+        assert row[step]["p10"] <= row[step]["median"] <= row[step]["p90"], step
+    assert set(res["throughput"]) == {"1", "2"} and all(v > 0 for v in res["throughput"].values())
+    assert 0 < res["bandwidth"]["read_ratio"]
+    assert {"lazy", "prepopulated"} == set(res["bandwidth"]["first_touch"])
+    assert "share_2MiB_vs_shm" in res["targets"] and "importer_2MiB_vs_attach" in res["targets"]
+    assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
+    assert "share latency" in out.stdout and "targets:" in out.stdout
+
+
+def test_bench_rejects_bad_sizes() -> None:
+    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "bench", "--sizes", "lots"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "not a size" in out.stderr

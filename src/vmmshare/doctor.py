@@ -87,10 +87,10 @@ def kernel_features() -> list[Finding]:
     probe = ctypes.CDLL(None, use_errno=True)
     probe.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     addr = host._mmap_call(0, 4096, host.PROT_READ | host.PROT_WRITE, host.MAP_PRIVATE | host.MAP_ANONYMOUS)
-    ok = probe.madvise(addr, 4096, host.MADV_POPULATE_WRITE) == 0
+    ok = probe.madvise(addr, 4096, host.MADV_POPULATE_READ) == 0
     host._libc.munmap(addr, 4096)
     out.append(Finding("ok" if ok else "slow", "pre-populated mappings",
-                       "MADV_POPULATE_WRITE available" if ok else "MADV_POPULATE_WRITE missing (Linux < 5.14): "
+                       "MADV_POPULATE_READ available" if ok else "MADV_POPULATE_READ missing (Linux < 5.14): "
                        "pre-populate falls back to first touch", "" if ok else "upgrade to Linux 5.14 or later"))
     ns = _read("/proc/sys/user/max_user_namespaces")
     pid_ns_ok = os.geteuid() == 0 or (ns.isdigit() and int(ns) > 0)

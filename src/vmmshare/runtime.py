@@ -668,10 +668,7 @@ class Runtime:
                 if mem.pages == "thp":
                     host.advise_huge(p, n)
                 if access and (self.config.prepopulate if prepopulate is None else prepopulate):
-                    if access == C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE:
-                        host.populate(p, n)
-                    else:
-                        host.populate_read(p, n)
+                    host.populate(p, n)
             m = MappingEntry(p, n, alloc, r, {}, access)
             r.mappings.add(p, n, m)
             self._mappings.add(p, n, m)

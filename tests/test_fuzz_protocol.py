@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -180,7 +180,6 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
     class Model(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.observer = F.Conn(broker.socket)
             self.conns: list[F.Conn] = [F.Conn(broker.socket)]
             self.charged: dict[F.Conn, dict[int, tuple[int, int]]] = {self.conns[0]: {}}  # token -> (device, size)
             self.exported: dict[F.Conn, set[int]] = {self.conns[0]: set()}
@@ -188,7 +187,6 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
         def teardown(self) -> None:
             for c in self.conns:
                 c.close()
-            self.observer.close()
 
         def _used(self, device: int) -> int:
             return sum(s for tokens in self.charged.values() for d, s in tokens.values() if d == device)
@@ -204,6 +202,7 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
         @rule(i=st.integers(0, 2))
         def close_conn(self, i: int) -> None:
             c = self.conns.pop(i % len(self.conns))
+            event("close with an export" if self.exported[c] else "close")
             c.close()  # the broker releases everything the connection held and revokes its exports
             del self.charged[c], self.exported[c]
 
@@ -230,12 +229,13 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             if owner is c and token in self.charged[c]:
                 assert reply.type is Msg.OK, reply
                 del self.charged[c][token]
+                event("release of an exported token" if token in self.exported[c] else "release")
                 self.exported[c].discard(token)
             else:
                 assert reply.type is Msg.ERROR and reply.values[0] == 107017, reply
 
-        @rule(i=st.integers(0, 2), pick=st.integers(0, 1 << 16), right_size=st.booleans(),
-              flags=st.integers(0, 2), share_type=st.integers(0, 3))
+        @rule(i=st.integers(0, 2), pick=st.integers(0, 1 << 16), right_size=st.sampled_from([True, True, False]),
+              flags=st.sampled_from([0, 1, 0, 1, 2]), share_type=st.sampled_from([1, 2, 1, 2, 0, 3]))
         def export(self, i: int, pick: int, right_size: bool, flags: int, share_type: int) -> None:
             c = self.conns[i % len(self.conns)]
             tokens = sorted(self.charged[c])
@@ -256,6 +256,7 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             else:
                 assert reply.type is Msg.EXPORTED and len(reply.tail) == (8 if share_type == 1 else 128), reply
                 self.exported[c].add(token)
+                event("export")
 
         @rule(i=st.integers(0, 2), case=mutated_packets())
         def garbage(self, i: int, case: tuple[bytes, int, list[str]]) -> None:
@@ -277,14 +278,18 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
 
         @invariant()
         def broker_agrees_with_the_model(self) -> None:
-            for _ in range(2):  # two round trips: every close made before them has been processed
-                assert self.observer.call(Msg.BARE_TGID).type is Msg.PID
-            for d in range(devices):
-                reply = self.observer.call(Msg.MEM_INFO, d)
-                assert reply.values == (CAPACITY - self._used(d), CAPACITY), (d, reply)
-            listing = self.observer.call(Msg.LIST, 0)
-            exports = json.loads(str(listing.tail))["exports"]
-            assert len(exports) == sum(len(e) for e in self.exported.values())
+            # A fresh connection is the barrier: its first request is served in a select pass after the one that
+            # accepted it, which saw every close made before the connect. (A long-lived connection is not: the
+            # broker serves up to 64 of its queued requests before turning to the other ready connections.)
+            observer = F.Conn(broker.socket)
+            try:
+                for d in range(devices):
+                    reply = observer.call(Msg.MEM_INFO, d)
+                    assert reply.values == (CAPACITY - self._used(d), CAPACITY), (d, reply)
+                exports = json.loads(str(observer.call(Msg.LIST, 0).tail))["exports"]
+                assert len(exports) == sum(len(e) for e in self.exported.values())
+            finally:
+                observer.close()
 
     run_state_machine_as_test(
         Model, settings=settings(max_examples=30, stateful_step_count=25, deadline=None,

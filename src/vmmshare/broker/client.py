@@ -222,6 +222,7 @@ def _await_reply(sock: socket.socket) -> tuple[bytes, list[int], bool]:
         except BlockingIOError:
             if time.perf_counter() > deadline:
                 break
+            os.sched_yield()  # let the broker (or whoever is runnable) have this core
     if not wait_readable(sock.fileno(), REPLY_TIMEOUT):
         raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
     return recv_packet(sock, DONTWAIT)

@@ -179,6 +179,7 @@ class Broker:
             events = self.sel.select(0)
             if events:
                 return events
+            os.sched_yield()  # clients preparing their next request may need this core
         return []
 
     def _retire(self) -> bool:

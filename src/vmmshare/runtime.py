@@ -147,57 +147,6 @@ class Node(Protocol):
     def bare_tgid(self) -> int: ...
 
 
-class LocalNode:
-    """Capacity accounting inside this process alone; sharing needs the broker and is refused."""
-
-    def __init__(self, config: Config) -> None:
-        self._config = config
-        self._used = [0] * config.devices
-        self._tokens: dict[int, tuple[int, int]] = {}
-        self._next = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def charge(self, device: int, size: int, meanwhile: Callable[[], None] | None = None) -> int:
-        if meanwhile is not None:
-            meanwhile()
-        with self._lock:
-            if device >= 0:
-                if self._used[device] + size > self._config.device_memory:
-                    raise MemoryAllocationError(_over_capacity(device, size, self._used[device], self._config))
-                self._used[device] += size
-            token = next(self._next)
-            self._tokens[token] = (device, size)
-            return token
-
-    def release(self, token: int) -> None:
-        with self._lock:
-            device, size = self._tokens.pop(token)
-            if device >= 0:
-                self._used[device] -= size
-
-    def mem_info(self, device: int) -> tuple[int, int]:
-        total = self._config.device_memory
-        return total - self._used[device], total
-
-    def export(
-        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
-        gpu: bool = False,
-    ) -> bytes:
-        raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
-
-    def revoke(self, token: int) -> None:
-        return None
-
-    def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None:
-        raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
-
-    def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
-        raise FeatureNotSupportedError("sharing needs the node broker, which this runtime was built without")
-
-    def bare_tgid(self) -> int:
-        return os.getpid()
-
-
 def _over_capacity(device: int, size: int, used: int, config: Config) -> str:
     return (
         f"device {device} has {config.device_memory - used} of {config.device_memory} bytes free; "

@@ -62,3 +62,12 @@ def test_doctor_reports_each_facility() -> None:
             assert f["fix"] or f["item"] == "broker socket", f
     text = subprocess.run([sys.executable, "-m", "vmmshare.cli", "doctor"], capture_output=True, text=True, timeout=60)
     assert "hugetlb 2 MiB pool" in text.stdout
+
+
+def test_stress_entry_lists_and_refuses_unknown_runs() -> None:
+    listing = subprocess.run([sys.executable, "-m", "vmmshare.cli", "stress"], capture_output=True, text=True,
+                             timeout=60)
+    assert listing.returncode == 0 and "runs:" in listing.stdout and "fuzz_protocol" in listing.stdout
+    unknown = subprocess.run([sys.executable, "-m", "vmmshare.cli", "stress", "no-such-run"], capture_output=True,
+                             text=True, timeout=60)
+    assert unknown.returncode == 2 and "unknown run" in unknown.stderr

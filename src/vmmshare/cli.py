@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -52,6 +53,26 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+STRESS_DIR = Path(__file__).resolve().parents[2] / "stress"
+
+
+def _stress(argv: list[str]) -> int:
+    """Run `stress/NAME.py` of a source checkout with the remaining options."""
+    scripts = sorted(p.stem for p in STRESS_DIR.glob("*.py") if not p.stem.startswith("_") and p.stem != "common")
+    if not scripts:
+        print(f"vmmshare stress: no stress scripts at {STRESS_DIR} (they ship with the source checkout)",
+              file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"vmmshare stress: unknown run {argv[0]!r}", file=sys.stderr)
+        print("usage: vmmshare stress NAME [options]   (NAME --help for its options)\nruns: " + ", ".join(scripts))
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    import subprocess
+
+    return subprocess.call([sys.executable, str(STRESS_DIR / f"{argv[0]}.py"), *argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vmmshare", description="Ascend-style VMM memory sharing on Linux.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--idle", type=float, default=None, help="exit after this many idle seconds (default: never)")
     b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
     b.add_argument("--log-level", default=os.environ.get("VMMSHARE_LOG", "INFO"))
+    sub.add_parser("stress", help="the long reliability runs in stress/ (NAME [options]; no NAME lists them)")
     sub.add_parser("bench", help="sharing costs against shared_memory, Pipe and torch, in one run (see --help)")
     d = sub.add_parser("demo", help="share memory between three processes and check every rule on the way")
     d.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes)")
@@ -73,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["stress"]:
+        return _stress(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "version":
         print(f"vmmshare {__version__}")

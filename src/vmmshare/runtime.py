@@ -13,9 +13,9 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from . import constants as C
 from . import handles
@@ -33,10 +33,11 @@ from .errors import (
     MemoryAllocationError,
 )
 from .intervals import Intervals
+from .node import Imported, Node
+from .props import U64, Location, PhysicalProp, check_int, check_pids, check_ptr, field_of
 
 log = logging.getLogger(__name__)
 
-U64 = (1 << 64) - 1
 _ACCESS_PROT = {
     C.ACL_RT_MEM_ACCESS_FLAGS_NONE: host.PROT_NONE,
     C.ACL_RT_MEM_ACCESS_FLAGS_READ: host.PROT_READ,
@@ -50,101 +51,6 @@ _ALL_LOCATIONS = {
     C.ACL_MEM_LOCATION_TYPE_MANAGED,
     C.ACL_MEM_LOCATION_TYPE_HOST_NUMA,
 }
-
-
-# ---------------------------------------------------------------- argument checks
-
-
-def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
-    """`value` as an int in [lo, hi], else InvalidParamError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParamError(f"{name} must be an int, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidParamError(f"{name}={value} is out of range [{lo}, {hi}]")
-    return value
-
-
-def check_ptr(name: str, value: object) -> int:
-    """A pointer argument: a non-negative int (None counts as NULL)."""
-    return 0 if value is None else check_int(name, value, 0, U64)
-
-
-def _field(struct: object, key: str, where: str) -> object:
-    if not isinstance(struct, Mapping):
-        raise InvalidParamError(f"{where} must be a dict with the C field names, got {type(struct).__name__}")
-    if key not in struct:
-        raise InvalidParamError(f"{where} lacks the field {key!r}")
-    return struct[key]
-
-
-@dataclass(frozen=True)
-class Location:
-    type: int
-    id: int
-
-    def as_dict(self) -> dict[str, int]:
-        return {"id": self.id, "type": self.type}
-
-
-@dataclass(frozen=True)
-class PhysicalProp:
-    """A validated aclrtPhysicalMemProp."""
-
-    handle_type: int
-    allocation_type: int
-    mem_attr: int
-    location: Location
-    reserve: int = 0
-
-    @property
-    def granularity(self) -> int:
-        return C.HUGE1G_GRANULARITY if self.mem_attr in C.HUGE1G_ATTRS else C.MIN_GRANULARITY
-
-    @property
-    def huge_page(self) -> int:
-        """The huge page size this attribute asks for (0: normal pages)."""
-        if self.mem_attr in C.HUGE1G_ATTRS:
-            return C.HUGE1G_GRANULARITY
-        return C.MIN_GRANULARITY if self.mem_attr in C.HUGE_ATTRS else 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "handleType": self.handle_type,
-            "allocationType": self.allocation_type,
-            "memAttr": self.mem_attr,
-            "location": self.location.as_dict(),
-            "reserve": self.reserve,
-        }
-
-
-# ---------------------------------------------------------------- node-wide services
-
-
-@dataclass(frozen=True)
-class Imported:
-    """What the node hands an importer: the memfd, the node's token for it, and the exporter's properties."""
-
-    fd: int
-    token: int
-    size: int
-    prop: PhysicalProp
-    gpu: bool = False  # the fd is a CUDA allocation's (import it with the CUDA backend)
-
-
-class Node(Protocol):
-    """The node-wide authority (the broker): capacity accounting and the table of shareable handles."""
-
-    def charge(self, device: int, size: int, meanwhile: Callable[[], None] | None = None) -> int: ...
-    def release(self, token: int) -> None: ...
-    def mem_info(self, device: int) -> tuple[int, int]: ...
-    def export(
-        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
-        gpu: bool = False,
-    ) -> bytes: ...
-    def revoke(self, token: int) -> None: ...
-    def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None: ...
-    def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported: ...
-    def bare_tgid(self) -> int: ...
 
 
 def _over_capacity(device: int, size: int, used: int, config: Config) -> str:
@@ -407,16 +313,16 @@ class Runtime:
     # ------------------------------------------------------------ physical memory
 
     def parse_prop(self, prop: object) -> PhysicalProp:
-        handle_type = check_int("prop.handleType", _field(prop, "handleType", "prop"), 0, 0xFFFFFFFF)
+        handle_type = check_int("prop.handleType", field_of(prop, "handleType", "prop"), 0, 0xFFFFFFFF)
         if handle_type not in (C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_HANDLE_TYPE_POSIX):
             raise InvalidParamError(f"prop.handleType={handle_type}: use ACL_MEM_HANDLE_TYPE_NONE (0) or POSIX (2)")
-        alloc_type = check_int("prop.allocationType", _field(prop, "allocationType", "prop"), 0, 0xFFFFFFFF)
+        alloc_type = check_int("prop.allocationType", field_of(prop, "allocationType", "prop"), 0, 0xFFFFFFFF)
         if alloc_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
             raise InvalidParamError(f"prop.allocationType={alloc_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
-        attr = check_int("prop.memAttr", _field(prop, "memAttr", "prop"), 0, 17)
-        loc = _field(prop, "location", "prop")
-        ltype = check_int("prop.location.type", _field(loc, "type", "prop.location"), 0, 0xFFFFFFFF)
-        lid = _field(loc, "id", "prop.location")
+        attr = check_int("prop.memAttr", field_of(prop, "memAttr", "prop"), 0, 17)
+        loc = field_of(prop, "location", "prop")
+        ltype = check_int("prop.location.type", field_of(loc, "type", "prop.location"), 0, 0xFFFFFFFF)
+        lid = field_of(loc, "id", "prop.location")
         if ltype not in _ALL_LOCATIONS:
             raise InvalidParamError(f"prop.location.type={ltype} is not an aclrtMemLocationType")
         if ltype not in _LOCATIONS:
@@ -648,10 +554,10 @@ class Runtime:
             self._maybe_destroy(m.alloc)
 
     def _location(self, loc: object, where: str) -> Location:
-        ltype = check_int(f"{where}.type", _field(loc, "type", where), 0, 0xFFFFFFFF)
+        ltype = check_int(f"{where}.type", field_of(loc, "type", where), 0, 0xFFFFFFFF)
         if ltype not in _ALL_LOCATIONS:
             raise InvalidParamError(f"{where}.type={ltype} is not an aclrtMemLocationType")
-        lid = _field(loc, "id", where)
+        lid = field_of(loc, "id", where)
         if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE:
             return Location(ltype, self._device(lid))
         lid = check_int(f"{where}.id", lid, 0, (1 << 31) - 1)
@@ -663,10 +569,10 @@ class Runtime:
             raise InvalidParamError("desc_list must be a non-empty list of {'flags': ..., 'location': {...}}")
         entries: list[tuple[Location, int]] = []
         for i, desc in enumerate(desc_list):
-            flags = check_int(f"desc_list[{i}].flags", _field(desc, "flags", f"desc_list[{i}]"), 0, 0xFFFFFFFF)
+            flags = check_int(f"desc_list[{i}].flags", field_of(desc, "flags", f"desc_list[{i}]"), 0, 0xFFFFFFFF)
             if flags not in _ACCESS_PROT:
                 raise InvalidParamError(f"desc_list[{i}].flags={flags}: use ACL_RT_MEM_ACCESS_FLAGS_* (0, 1, 3)")
-            loc = self._location(_field(desc, "location", f"desc_list[{i}]"), f"desc_list[{i}].location")
+            loc = self._location(field_of(desc, "location", f"desc_list[{i}]"), f"desc_list[{i}].location")
             entries.append((loc, flags))
         with self._lock:
             m = self._mappings.exact(p)
@@ -849,17 +755,6 @@ def _process_range_ok(ptr: int, size: int, write: bool) -> bool:
     except OSError:
         return False
     return False
-
-
-def check_pids(pids: object, allow_empty: bool = False) -> list[int]:
-    """A trustlist argument: a list of positive 32-bit pids, at most MAX_TRUSTLIST of them."""
-    if not isinstance(pids, (list, tuple)):
-        raise InvalidParamError(f"pid_list must be a list of ints, got {type(pids).__name__}")
-    if not pids and not allow_empty:
-        raise InvalidParamError("pid_list is empty")
-    if len(pids) > handles.MAX_TRUSTLIST:
-        raise InvalidParamError(f"pid_list has {len(pids)} pids; at most {handles.MAX_TRUSTLIST} per handle")
-    return [check_int(f"pid_list[{i}]", p, 1, (1 << 31) - 1) for i, p in enumerate(pids)]
 
 
 def _gpu_backend(choice: str) -> CudaBackend | None:

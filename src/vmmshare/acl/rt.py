@@ -8,7 +8,7 @@ from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidParamError
 from ..handles import default_bytes
-from ..runtime import check_int
+from ..props import check_int
 from ._call import acl_call
 
 # ---------------------------------------------------------------- devices and streams

@@ -14,7 +14,7 @@ from typing import Any, ParamSpec
 
 from .._process import runtime
 from ..errors import AclError, set_recent_error
-from ..runtime import check_int
+from ..props import check_int
 
 P = ParamSpec("P")
 

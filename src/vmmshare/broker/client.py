@@ -22,8 +22,9 @@ from typing import Any
 
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
+from ..node import Imported
+from ..props import Location, PhysicalProp
 from ..protocol import Frame, Msg, ProtocolError, decode, encode
-from ..runtime import Imported, Location, PhysicalProp
 from .wire import DONTWAIT, close_fds, recv_packet, send_packet, wait_readable
 
 log = logging.getLogger("vmmshare.client")

@@ -234,9 +234,10 @@ _MUTATION_WEIGHTS = [6, 6, 3, 3, 2, 2, 1, 1, 3, 1, 2, 3, 2]
 class Case:
     packet: bytes
     nfds: int
-    origin: str  # "valid", "mutated", "random", "header+random"
+    origin: str  # "valid", "mutated", "random", "header+random" ("scripted": see fuzz_live)
     kind: int  # the type the frame was built as (-1 for random bytes)
     ops: tuple[str, ...] = ()
+    memfd_size: int | None = None  # scripted EXPORTs: send one memfd of this size
 
 
 def generate(seed: int, count: int) -> Iterator[Case]:
@@ -393,7 +394,7 @@ def fuzz_atheris(runs: int, seed: int, seconds: float) -> dict[str, Any]:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
         except subprocess.TimeoutExpired:
-            return {"available": True, "ok": False, "error": "atheris child did not finish (hang guard)"}
+            return {"available": True, "ok": False, "execs": None, "tail": "atheris child did not finish (hang guard)"}
         elapsed = time.perf_counter() - start
     out = proc.stderr
     done = re.search(r"Done (\d+) runs in (\d+) second", out)
@@ -471,19 +472,37 @@ class Broker:
 
 
 class Conn:
-    """One SOCK_SEQPACKET connection speaking raw frames."""
+    """One SOCK_SEQPACKET connection speaking raw frames.
 
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    With `foreign`, a forked helper makes the connection and hands it over (SCM_RIGHTS), then waits: the broker
+    sees (SO_PEERCRED) another process, so IMPORT from this connection of a handle exported on another one is
+    allowed and the broker's import paths are reached. The helper exits when the connection is closed.
+    """
+
+    def __init__(self, path: Path, foreign: bool = False) -> None:
+        self.helper = 0
+        self._hold = -1
+        if foreign:
+            self.sock, self.helper, self._hold = _connect_from_helper(path)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            self.sock.connect(str(path))
         self.sock.settimeout(HANG_GUARD)
         with contextlib.suppress(OSError):
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-        self.sock.connect(str(path))
         self.tokens: dict[int, int] = {}  # token -> charged size
         self.req = 1
 
+    @property
+    def pid(self) -> int:
+        return self.helper or os.getpid()
+
     def close(self) -> None:
         self.sock.close()
+        if self.helper:
+            os.close(self._hold)  # the helper reads EOF and exits
+            os.waitpid(self.helper, 0)
+            self.helper = 0
 
     def send(self, data: bytes, fds: list[int]) -> bool:
         try:
@@ -522,6 +541,44 @@ class Conn:
         frame = P.decode(data, len(got))
         assert frame.req == self.req, f"reply to {frame.req}, expected {self.req}"
         return frame
+
+
+def _connect_from_helper(path: Path) -> tuple[socket.socket, int, int]:
+    """Fork a helper that connects to `path`, passes us the socket and waits until `hold` (returned) is closed."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the helper: no Python-level cleanup, just the connection and a wait
+        try:
+            keep = {0, 1, 2, theirs.fileno(), hold_r}
+            for name in os.listdir("/proc/self/fd"):  # hold no copy of the parent's connections or pipes
+                if int(name) not in keep:
+                    with contextlib.suppress(OSError):
+                        os.close(int(name))
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(str(path))
+            theirs.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [s.fileno()]))])
+            s.close()
+            os.read(hold_r, 1)
+        finally:
+            os._exit(0)
+    theirs.close()
+    os.close(hold_r)
+    try:
+        _, anc, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
+    finally:
+        ours.close()
+    fds = array.array("i")
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if len(fds) != 1:
+        os.close(hold_w)
+        os.waitpid(pid, 0)
+        raise RuntimeError("the helper did not pass its connection")
+    sock = socket.socket(fileno=fds[0])
+    os.set_inheritable(sock.fileno(), False)
+    return sock, pid, hold_w
 
 
 def settled_fd_count(broker: Broker) -> int:
@@ -600,6 +657,9 @@ class LiveStats:
     reconnects: int = 0
     abandoned: int = 0
     exported: int = 0
+    imported: int = 0
+    fuzz_sent: int = 0
+    scripted: Counter[str] = field(default_factory=Counter)
     defects: list[dict[str, Any]] = field(default_factory=list)
     internal_messages: Counter[str] = field(default_factory=Counter)
 
@@ -624,7 +684,8 @@ def _attach_fds(rng: random.Random, n: int, size_hint: int, stats: LiveStats) ->
             stats.fd_kinds["pipe"] += 1
         elif r < 0.85:
             fd = os.memfd_create("fuzz", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size_hint if rng.random() < 0.7 else rng.choice((0, 4096, MiB2)))
+            fit = size_hint if size_hint <= 1 << 40 else MiB2  # sparse: a memfd's size costs no memory
+            os.ftruncate(fd, fit if rng.random() < 0.7 else rng.choice((0, 4096, MiB2)))
             fds.append(fd)
             stats.fd_kinds["memfd"] += 1
         else:
@@ -640,7 +701,7 @@ def _released(read_end: int) -> bool:
 
 
 def _substitute(rng: random.Random, case: Case, conn: Conn, exported: list[tuple[int, int, bytes]],
-                stats: LiveStats) -> tuple[Case, int]:
+                stats: LiveStats, foreign_pid: int) -> tuple[Case, int]:
     """Now and then, point a valid request at a live object (a token of this connection, a handle exported on
     the node), so the fuzz reaches the broker's real paths. Returns the case to send and the size hint for fds."""
     size_hint = MiB2
@@ -653,9 +714,15 @@ def _substitute(rng: random.Random, case: Case, conn: Conn, exported: list[tuple
         token = rng.choice(list(conn.tokens))
         values[0] = token
         size_hint = conn.tokens[token]
-        if frame.type is Msg.EXPORT:
+        if frame.type is Msg.EXPORT:  # mostly plausible: right size, flags, share type, a host memfd
             values[1] = size_hint if rng.random() < 0.8 else values[1]
-            values[5] = values[5] if rng.random() < 0.3 else 0  # kind: mostly a host memfd
+            values[2] = rng.choice((0, 1)) if rng.random() < 0.8 else values[2]
+            values[3] = rng.choice((1, 2)) if rng.random() < 0.8 else values[3]
+            values[5] = values[5] if rng.random() < 0.2 else 0
+            tail = list(frame.tail)[:8]  # type: ignore[arg-type]
+            if rng.random() < 0.5:
+                tail.append(foreign_pid)  # trust the other process
+            frame = Frame(frame.type, frame.req, frame.values, tuple(tail))
         stats.substituted[frame.type.name] += 1
     elif frame.type in (Msg.IMPORT, Msg.SET_PIDS) and exported and rng.random() < 0.6:
         handle, share_type, secret = rng.choice(exported)
@@ -663,6 +730,9 @@ def _substitute(rng: random.Random, case: Case, conn: Conn, exported: list[tuple
         values[1] = share_type if rng.random() < 0.8 else values[1]
         if frame.type is Msg.IMPORT:
             values[2] = secret if rng.random() < 0.8 else values[2]
+        else:
+            pids = (*list(frame.tail)[:8], foreign_pid)  # type: ignore[arg-type]
+            frame = Frame(frame.type, frame.req, frame.values, pids)
         stats.substituted[frame.type.name] += 1
     else:
         return case, size_hint
@@ -699,6 +769,8 @@ def _check_reply(case: Case, valid: Frame | None, data: bytes, got: list[int], t
     if reply.type is Msg.ERROR:
         if code not in REQUEST_ERRORS:
             stats.defect(f"valid {valid.type.name} refused with unexpected code {code}", case, str(reply.tail))
+        if code == 107017 and valid.type in (Msg.IMPORT, Msg.SET_PIDS):  # revoked (or never was): stop using it
+            exported[:] = [e for e in exported if e[0] != valid.values[0]]
         return reply
     if reply.type is not expected:
         stats.defect(f"{valid.type.name} answered with {reply.type.name}", case)
@@ -717,14 +789,52 @@ def _check_reply(case: Case, valid: Frame | None, data: bytes, got: list[int], t
         else:
             stats.defect("EXPORTED tail is neither 8 nor 128 bytes", case, raw.hex())
         del exported[:-64]
-    elif reply.type is Msg.IMPORTED and len(got) != 1:
-        stats.defect("IMPORTED without exactly one fd", case)
+    elif reply.type is Msg.IMPORTED:
+        stats.imported += 1
+        if len(got) != 1:
+            stats.defect("IMPORTED without exactly one fd", case)
+        conn.tokens[int(reply.values[0])] = int(reply.values[1])
     return reply
 
 
+def _with_scripted(cases: Iterator[Case], rng: random.Random, rate: float) -> Iterator[Case | None]:
+    """The fuzz cases, with a None (a scripted request goes there) before each one with probability `rate`."""
+    for case in cases:
+        while rng.random() < rate:
+            yield None
+        yield case
+
+
+def _scripted(rng: random.Random, conn: Conn, exported: list[tuple[int, int, bytes]], foreign_pid: int) -> Case:
+    """A well-formed request on live objects (charge, export with a memfd, import, trustlist, release, revoke),
+    interleaved with the fuzz frames so that the broker holds real state while they arrive."""
+    req = rng.randrange(1 << 32)
+    r = rng.random()
+    token = rng.choice(list(conn.tokens)) if conn.tokens else 0
+    if not token or r < 0.3:
+        device = rng.choice((-1, *range(8)))
+        return Case(P.encode(Msg.CHARGE, req, device, rng.randrange(1, 5) * MiB2), 0, "scripted", Msg.CHARGE)
+    if r < 0.55:
+        size = conn.tokens[token]
+        pids = [foreign_pid] if rng.random() < 0.5 else []
+        packet = P.encode(Msg.EXPORT, req, token, size, rng.choice((0, 1)), rng.choice((1, 2)), 0, 0, 0, 0, 5, 1, 0,
+                          tail=pids)
+        return Case(packet, 1, "scripted", Msg.EXPORT, memfd_size=size if size <= 1 << 40 else MiB2)
+    if r < 0.8 and exported:
+        handle, share_type, secret = rng.choice(exported)
+        return Case(P.encode(Msg.IMPORT, req, handle, share_type, secret), 0, "scripted", Msg.IMPORT)
+    if r < 0.88 and exported:
+        handle, share_type, _ = rng.choice(exported)
+        return Case(P.encode(Msg.SET_PIDS, req, handle, share_type, tail=[foreign_pid, os.getpid()]), 0,
+                    "scripted", Msg.SET_PIDS)
+    kind = Msg.RELEASE if rng.random() < 0.6 else Msg.REVOKE
+    return Case(P.encode(kind, req, token), 0, "scripted", kind)
+
+
 def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = None,
-              connections: int = 8) -> dict[str, Any]:
-    """Send the first `count` cases of `generate(seed, ...)` to `broker`; check every reply and the broker after."""
+              connections: int = 8, scripted_rate: float = 0.03) -> dict[str, Any]:
+    """Send the first `count` cases of `generate(seed, ...)` to `broker`, with well-formed requests on live
+    objects interleaved (`scripted_rate` per fuzz frame); check every reply, and the broker afterwards."""
     rng = random.Random(seed ^ 0x5EED)
     stats = LiveStats()
     fd_base = settled_fd_count(broker)
@@ -732,22 +842,34 @@ def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = Non
     rss_base, hwm_base = broker.status_kb("VmRSS"), broker.status_kb("VmHWM")
     held_pipes: list[int] = []  # read ends whose write end the broker kept (a successful EXPORT)
     exported: list[tuple[int, int, bytes]] = []
-    conns = [Conn(broker.socket) for _ in range(connections)]
+    # the first connection belongs (as the broker sees it) to another process, so imports can succeed
+    conns = [Conn(broker.socket, foreign=i == 0) for i in range(connections)]
     start = time.perf_counter()
     deadline = None if seconds is None else start + seconds
     try:
-        for case in generate(seed, count):
+        for next_case in _with_scripted(generate(seed, count), rng, scripted_rate):
             if deadline is not None and stats.sent % 256 == 0 and time.perf_counter() > deadline:
                 break
             i = rng.randrange(len(conns))
+            if next_case is None and rng.random() < 0.3:
+                i = 0  # the other process's connection: where imports can succeed
             conn = conns[i]
-            case, size_hint = _substitute(rng, case, conn, exported, stats)
+            if next_case is None:
+                case, size_hint = _scripted(rng, conn, exported, conns[0].pid), MiB2
+                stats.scripted[Msg(case.kind).name] += 1
+            else:
+                stats.fuzz_sent += 1
+                case, size_hint = _substitute(rng, next_case, conn, exported, stats, conns[0].pid)
             try:
                 valid: Frame | None = P.decode(case.packet, case.nfds)
             except ProtocolError:
                 valid = None
             n = min(case.nfds, 7)  # the case's fd count, as real fds (the kernel takes at most 253 per message)
-            fds, pipes = _attach_fds(rng, n, size_hint, stats) if n else ([], [])
+            if case.memfd_size is not None:
+                fds, pipes = [os.memfd_create("fuzz-export", os.MFD_CLOEXEC)], []
+                os.ftruncate(fds[0], case.memfd_size)
+            else:
+                fds, pipes = _attach_fds(rng, n, size_hint, stats) if n else ([], [])
             stats.fds_attached += len(fds)
             stats.frames_with_fds += bool(fds)
             if n != case.nfds:  # the fd count is part of the packet as the broker sees it
@@ -790,7 +912,7 @@ def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = Non
                     os.close(r)
             if data is None or rng.random() < 0.004:  # connection churn (or the broker closed it)
                 conn.close()
-                conns[i] = Conn(broker.socket)
+                conns[i] = Conn(broker.socket, foreign=i == 0)
                 stats.reconnects += 1
             if stats.sent % 2000 == 0 and not broker.alive():
                 stats.defect("the broker died", case)
@@ -800,14 +922,16 @@ def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = Non
             c.close()
     elapsed = time.perf_counter() - start
     result: dict[str, Any] = {
-        "seed": seed, "frames_sent": stats.sent, "requested": count, "connections": connections,
-        "seconds": round(elapsed, 3), "rate_per_s": round(stats.sent / elapsed) if elapsed else None,
+        "seed": seed, "frames_sent": stats.fuzz_sent, "requested": count, "connections": connections,
+        "scripted_requests": dict(stats.scripted), "packets_sent": stats.sent,
+        "seconds": round(elapsed, 3), "packets_per_s": round(stats.sent / elapsed) if elapsed else None,
         "replies": dict(stats.replies.most_common()), "error_codes": dict(stats.error_codes.most_common()),
         "closed_on_empty_packet": stats.closed_on_empty_packet, "closed_by_broker": stats.closed_by_broker,
         "reconnects": stats.reconnects, "abandoned_replies": stats.abandoned,
         "frames_with_fds": stats.frames_with_fds, "fds_attached": stats.fds_attached,
         "fd_kinds": dict(stats.fd_kinds), "live_object_substitutions": dict(stats.substituted),
-        "exports_made": stats.exported, "internal_error_messages": dict(stats.internal_messages),
+        "exports_made": stats.exported, "imports_made": stats.imported,
+        "internal_error_messages": dict(stats.internal_messages),
         "broker_fd_baseline": fd_base, "broker_rss_kb_before": rss_base, "broker_hwm_kb_before": hwm_base,
     }
     # afterwards: alive, serving, no fd kept, fd count and RSS back
@@ -873,7 +997,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--live-frames", type=int, default=None,
                     help="frames sent to the broker (default: all --frames; the first N of the same sequence)")
     ap.add_argument("--connections", type=int, default=8)
-    ap.add_argument("--atheris-runs", type=int, default=200_000, help="coverage-guided execs (0: skip)")
+    ap.add_argument("--scripted-rate", type=float, default=0.03,
+                    help="well-formed requests on live objects interleaved, per fuzz frame (default 0.03)")
+    ap.add_argument("--atheris-runs", type=int, default=2_000_000, help="coverage-guided execs (0: skip)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -899,16 +1025,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             broker = Broker(folder)
             try:
-                live = fuzz_live(broker, args.seed, args.live_frames or args.frames, args.seconds, args.connections)
+                live = fuzz_live(broker, args.seed, args.live_frames or args.frames, args.seconds, args.connections,
+                                 args.scripted_rate)
             finally:
                 broker.stop()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         result["live"] = live
-        print(f"live: {live['frames_sent']} frames in {live['seconds']} s ({live['rate_per_s']}/s) over "
+        print(f"live: {live['frames_sent']} fuzz frames + {sum(live['scripted_requests'].values())} scripted "
+              f"requests in {live['seconds']} s ({live['packets_per_s']} packets/s) over "
               f"{args.connections} connections, {live['frames_with_fds']} with fds; replies {live['replies']}; "
               f"broker fds {live['broker_fd_baseline']} -> {live.get('broker_fd_after')}, RSS "
               f"{live['broker_rss_kb_before']} -> {live.get('broker_rss_kb_after')} kB; "
+              f"exports {live['exports_made']}, imports {live['imports_made']}; "
               f"round trip {live.get('round_trip')}; {live['defects']} defects")
         ok = ok and live["defects"] == 0
     result["ok"] = ok

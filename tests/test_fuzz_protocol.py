@@ -105,7 +105,7 @@ def test_atheris_coverage_guided() -> None:
 
 
 def test_live_broker_survives_the_fuzz_frames(broker: F.Broker) -> None:
-    result = F.fuzz_live(broker, SEED, LIVE_FRAMES, connections=6)
+    result = F.fuzz_live(broker, SEED, LIVE_FRAMES, connections=6, scripted_rate=0.1)
     assert result["frames_sent"] == LIVE_FRAMES
     assert result["defects"] == 0, result["defect_samples"][:5]
     assert result["broker_alive"]
@@ -122,6 +122,15 @@ def test_live_broker_survives_the_fuzz_frames(broker: F.Broker) -> None:
     assert len(result["replies"]) >= 4, result["replies"]
     assert result["frames_with_fds"] > 50
     assert result["fd_kinds"].keys() == {"pipe", "memfd", "devnull"}
+    assert result["exports_made"] > 0 and result["imports_made"] > 0, "the broker's sharing paths were not reached"
+
+
+def test_live_harness_flags_a_wrong_reply(broker: F.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A positive control: with 107017 no longer an accepted refusal, the same traffic must show defects."""
+    monkeypatch.setattr(F, "REQUEST_ERRORS", F.REQUEST_ERRORS - {107017})
+    result = F.fuzz_live(broker, SEED, 300, connections=3, scripted_rate=0.1)
+    assert result["defects"] > 0
+    assert any("unexpected code 107017" in d["what"] for d in result["defect_samples"])
 
 
 # ---------------------------------------------------------------- hypothesis: stacked mutations
@@ -206,8 +215,8 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             c.close()  # the broker releases everything the connection held and revokes its exports
             del self.charged[c], self.exported[c]
 
-        @rule(i=st.integers(0, 2), device=st.integers(-2, devices + 1),
-              size=st.sampled_from([MiB2, 4 * MiB2, CAPACITY // 2, CAPACITY, CAPACITY + 1, 2**63]))
+        @rule(i=st.integers(0, 2), device=st.sampled_from([0, 1, 0, 1, 7, -1, -1, -2, devices, 2**31 - 1]),
+              size=st.sampled_from([MiB2, MiB2, 4 * MiB2, 4 * MiB2, CAPACITY // 2, CAPACITY, CAPACITY + 1, 2**63]))
         def charge(self, i: int, device: int, size: int) -> None:
             c = self.conns[i % len(self.conns)]
             reply = c.call(Msg.CHARGE, device, size)

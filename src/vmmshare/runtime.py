@@ -376,8 +376,9 @@ class Runtime:
         if failed:
             self.node.release(token)
             exc = failed[0]
-            if isinstance(exc, OSError):
-                raise MemoryAllocationError(f"cannot create {n} bytes of shared memory: {exc.strerror}") from None
+            if isinstance(exc, (OSError, OverflowError)):  # e.g. ENOMEM, EFBIG, or beyond off_t
+                why = exc.strerror if isinstance(exc, OSError) else "too large for a file"
+                raise MemoryAllocationError(f"cannot create {n} bytes of shared memory: {why}") from None
             raise exc
         mem = made[0]
         return self._register(Allocation(0, mem, p, n, token))

@@ -25,7 +25,7 @@ def init(config_path: str | None = None) -> None:
     runtime = _process.runtime()
     if runtime.initialized:
         raise AclError("acl.init was called already: call acl.finalize first", ACL_ERROR_REPEAT_INITIALIZE)
-    if config_path:
+    if config_path is not None and not (isinstance(config_path, str) and config_path == ""):
         if not isinstance(config_path, str) or not os.path.isfile(config_path):
             raise AclError(f"config file {config_path!r} does not exist", ACL_ERROR_INVALID_FILE)
         try:

@@ -30,6 +30,7 @@ from .wire import DONTWAIT, close_fds, recv_packet, send_packet, wait_readable
 log = logging.getLogger("vmmshare.client")
 START_TIMEOUT = 20.0
 REPLY_TIMEOUT = 60.0
+RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_SPIN_US", "100")) / 1e6
 
 
@@ -63,21 +64,22 @@ class BrokerClient:
             self._sock = None
 
     def _reconnect(self) -> socket.socket:
-        """Connect (again); after a broker restart, charge our live allocations anew."""
-        had = self._broker_token.copy()
+        """Connect (again); after a broker restart, charge every live allocation of ours anew.
+
+        If the connection dies while re-charging, the next attempt starts over from all of them.
+        """
         self._reset()
-        self._sock = self._connect()
-        self._broker_token.clear()
-        for token in had:
-            charge = self._charges.get(token)
-            if charge is None:
-                continue  # imports of a dead broker are not re-registered; the exporter re-charges the memory
+        self._broker_token.clear()  # tokens of a broker that is gone
+        sock = self._connect()
+        self._sock = sock
+        for token, charge in list(self._charges.items()):
             try:
-                reply, _ = self._exchange(self._sock, encode(Msg.CHARGE, next(self._req), *charge), ())
-                self._broker_token[token] = int(reply.values[0])
+                reply, _ = self._exchange(sock, encode(Msg.CHARGE, next(self._req), *charge), ())
             except AclError as exc:  # e.g. the new broker has less capacity: keep serving, uncharged
                 log.warning("could not charge an allocation to the restarted broker: %s", exc)
-        return self._sock
+                continue
+            self._broker_token[token] = int(reply.values[0])
+        return sock
 
     def close(self) -> None:
         with self._lock:
@@ -130,15 +132,15 @@ class BrokerClient:
                 pending.pop()()
 
         with self._lock:
-            for attempt in (0, 1):
+            for attempt in range(RETRIES):
                 try:
                     sock = self._sock or self._reconnect()
                     return self._exchange(sock, build(next(self._req)), fds, once)
                 except AclError:
                     raise
-                except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect once
+                except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
                     self._reset()
-                    if attempt:
+                    if attempt == RETRIES - 1:
                         raise IpcError(f"lost the broker at {self.path}: {exc}") from None
             raise AssertionError("unreachable")
 

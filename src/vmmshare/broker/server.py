@@ -30,11 +30,14 @@ from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, defau
 from ..protocol import MAX_BODY, MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
 from .wire import (
     DONTWAIT,
+    Identity,
     close_fds,
+    identity_of_pid,
+    identity_of_pidfd,
     peer_credentials,
     peer_pidfd,
-    process_start_time,
     recv_packet,
+    same_process,
     send_packet,
     wait_readable,
 )
@@ -58,7 +61,7 @@ class Conn:
     sock: socket.socket
     pid: int
     uid: int
-    start: int | None
+    identity: Identity
     pidfd: int
     holds: set[int] = field(default_factory=set)
 
@@ -82,7 +85,7 @@ class Export:
     owner: Conn
     shareable: bytes
     secret: bytes
-    trust: dict[int, int | None] = field(default_factory=dict)
+    trust: dict[int, Identity] = field(default_factory=dict)
     importers: dict[int, Conn] = field(default_factory=dict)  # token -> importer
     kind: int = 0  # KIND_HOST (a sealed memfd) or KIND_GPU (a CUDA allocation's fd)
 
@@ -116,11 +119,14 @@ class Broker:
     def bind(self) -> None:
         """Create the socket folder and socket with the SPEC §5 permissions, replacing a dead socket."""
         folder = self.path.parent
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = folder.stat()
-        if st.st_uid != self.uid:
-            raise PermissionError(f"{folder} belongs to uid {st.st_uid}, not to this user ({self.uid})")
-        os.chmod(folder, 0o755 if self.multi_user else 0o700)
+        try:
+            folder.mkdir(mode=0o700, parents=True)
+            os.chmod(folder, 0o755 if self.multi_user else 0o700)  # ours: exactly SPEC §5's modes
+        except FileExistsError:  # someone's folder (maybe /tmp): use it as it is, and say when it is loose
+            st = folder.stat()
+            loose = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+            if loose:
+                log.warning("%s is writable by others without the sticky bit: they could replace the socket", folder)
         if _answers(self.path):
             raise RuntimeError(f"a broker already serves {self.path}")
         tmp = folder / f".broker.{os.getpid()}.sock"
@@ -247,12 +253,12 @@ class Broker:
                 sock.close()
                 continue
             pidfd = peer_pidfd(sock)
-            start = process_start_time(pid)
+            identity = identity_of_pidfd(pid, pidfd)
             if pidfd >= 0 and wait_readable(pidfd, 0):  # exited already: its pid may be reused
                 os.close(pidfd)
                 sock.close()
                 continue
-            conn = Conn(sock, pid, uid, start, pidfd)
+            conn = Conn(sock, pid, uid, identity, pidfd)
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
             log.debug("pid %d connected", pid)
@@ -462,14 +468,14 @@ class Broker:
             )
         exp.trust = self._bind(pids, exp.trust)
 
-    def _bind(self, pids: tuple[int, ...], trust: dict[int, int | None]) -> dict[int, int | None]:
+    def _bind(self, pids: tuple[int, ...], trust: dict[int, Identity]) -> dict[int, Identity]:
         """`trust` plus `pids`, each bound to the start time of the process that has it now (pid reuse)."""
         if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
         new = {p for p in pids if p not in trust}
         if len(trust) + len(new) > MAX_TRUSTLIST:
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
-        return {**trust, **{pid: process_start_time(pid) for pid in pids}}
+        return {**trust, **{pid: identity_of_pid(pid) for pid in pids}}
 
     def import_(self, conn: Conn, handle: int, share_type: int, secret: bytes) -> tuple[int, Export]:
         exp = self._export_of(handle, share_type)
@@ -484,8 +490,7 @@ class Broker:
                     f"process {conn.pid} is not on the trustlist of {handle:#x}: the exporter must add it with "
                     "mem_set_pid_to_shareable_handle(_v2)",
                 )
-            bound = exp.trust[conn.pid]
-            if bound is not None and bound != conn.start:
+            if not same_process(exp.trust[conn.pid], conn.identity):
                 raise BrokerError(
                     C.ACL_ERROR_RT_NO_PERMISSION,
                     f"pid {conn.pid} was trustlisted for another process that had the same pid (pid reuse)",
@@ -516,7 +521,7 @@ class Broker:
             exp = exports[at]
             importers = sorted(c.pid for c in exp.importers.values())
             row = json.dumps({
-                "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else f"{exp.handle >> 48:#06x}…",
+                "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else "(hidden)",
                 "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
                 "device": exp.alloc.device,
                 "size": exp.alloc.size,

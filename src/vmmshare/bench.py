@@ -65,14 +65,15 @@ def _peer(conn: Connection) -> None:
         if kind == "stop":
             return
         if kind == "vmm":
-            _, text, size, prepopulate = msg
+            _, text, size, prepopulate, touch = msg
             t0 = _now()
             mem = vmmshare.import_handle(text)
             t1 = _now()
             m = mem.map(prepopulate=prepopulate)
             t2 = _now()
             view = m.numpy()
-            _touch(view)
+            if touch:
+                _touch(view)
             t3 = _now()
             out: dict[str, float] = {"import": _us(t0, t1), "map": _us(t1, t2), "touch": _us(t2, t3)}
             del view
@@ -91,13 +92,14 @@ def _peer(conn: Connection) -> None:
             mem.close()
             conn.send(res)
         elif kind == "shm":
-            _, name, size = msg
+            _, name, size, touch = msg
             t0 = _now()
             shm = shared_memory.SharedMemory(name)
             t1 = _now()
             assert shm.buf is not None
             view = np.frombuffer(shm.buf, dtype=np.uint8)
-            _touch(view)
+            if touch:
+                _touch(view)
             t2 = _now()
             del view
             shm.close()
@@ -135,7 +137,9 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
             "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
             "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "pipe")}
         n = reps(size)
-        for i in range(n + 1):
+        touched = min(n, 3)  # rounds that also touch every page, after the latency rounds (touching
+        for i in range(n + 1 + touched):  # 1 GiB evicts every cache, which would slow the rounds after it)
+            touch = i > n
             t0 = _now()
             mem = dev.allocate(size)
             t1 = _now()
@@ -143,31 +147,33 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
             t2 = _now()
             h = mem.export(pids=[peer_pid])  # the trustlist rides on the export: one round trip
             t4 = _now()
-            peer.send(("vmm", str(h), mem.size, False))
+            peer.send(("vmm", str(h), mem.size, False, touch))
             got = peer.recv()
             m.close()
             mem.close()
             t0s = _now()
             shm = shared_memory.SharedMemory(create=True, size=size)
             t1s = _now()
-            peer.send(("shm", shm.name, size))
+            peer.send(("shm", shm.name, size, touch))
             sgot = peer.recv()
             shm.close()
             shm.unlink()
             if i == 0:
                 continue  # warm-up round
             exporter = _us(t0, t4)
+            if touch:
+                steps["first_touch"].append(got["touch"])
+                steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
+                steps["shm_touch"].append(sgot["touch"])
+                continue
             steps["allocate"].append(_us(t0, t1))
             steps["map"].append(_us(t1, t2))
             steps["export_trustlist"].append(_us(t2, t4))
             steps["import"].append(got["import"])
             steps["reserve_map"].append(got["map"])
-            steps["first_touch"].append(got["touch"])
             steps["share"].append(exporter + got["import"] + got["map"])
-            steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
             steps["shm_create"].append(_us(t0s, t1s))
             steps["shm_attach"].append(sgot["attach"])
-            steps["shm_touch"].append(sgot["touch"])
             steps["shm_share"].append(_us(t0s, t1s) + sgot["attach"])
         pipe_reps = max(2, min(n, (64 * MiB * 8) // size))
         payload = np.ones(size, dtype=np.uint8).tobytes() if size <= 256 * MiB else None
@@ -229,16 +235,18 @@ def torch_share(sizes: list[int], reps: Callable[[int], int]) -> dict[str, dict[
 def _tp_client(text: str, seconds: float, start: Any, conn: Connection) -> None:
     import vmmshare
 
-    vmmshare.acl.rt.set_device(0)
-    h = vmmshare.ShareableHandle.parse(text)
-    mem = vmmshare.import_handle(h)  # connect and warm up
-    mem.close()
+    rt = vmmshare.acl.rt
+    rt.set_device(0)
+    value = int(vmmshare.ShareableHandle.parse(text))
+    rt.free_physical(rt.mem_import_from_shareable_handle_v2(value, 1, 0)[0])  # connect and warm up
     conn.send("ready")
     start.wait()
     n = 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        vmmshare.import_handle(h).close()
+        handle, ret = rt.mem_import_from_shareable_handle_v2(value, 1, 0)
+        if ret or rt.free_physical(handle):
+            raise SystemExit(f"import+free failed: {vmmshare.acl.get_recent_err_msg()}")
         n += 1
     conn.send(n)
 
@@ -290,7 +298,7 @@ def bandwidth(peer: Connection, peer_pid: int, size: int, reps: int) -> dict[str
         for prepopulate in (False, True):
             runs = []
             for _ in range(max(2, reps // 2)):
-                peer.send(("vmm", str(h), mem.size, prepopulate))
+                peer.send(("vmm", str(h), mem.size, prepopulate, True))
                 runs.append(peer.recv())
             med = {k: statistics.median(r[k] for r in runs) for k in ("map", "touch")}
             med["first_touch_GBps"] = size / (med["map"] + med["touch"]) / 1e3
@@ -341,8 +349,8 @@ def _fmt_size(n: int) -> str:
 
 
 def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
-    cols = ("allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch", "share",
-            "shm_create", "shm_attach", "shm_share", "pipe", "torch_share")
+    cols = ("allocate", "map", "export_trustlist", "import", "reserve_map", "share", "shm_create", "shm_attach",
+            "shm_share", "pipe", "torch_share", "first_touch", "shm_touch")
     print("share latency, µs (median):", file=out)
     print("size    " + " ".join(f"{c:>16}" for c in cols), file=out)
     for row in res["latency"].values():

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -47,6 +48,7 @@ class BrokerClient:
         self._ids = itertools.count(1)
         self._broker_token: dict[int, int] = {}  # our token -> the broker's
         self._charges: dict[int, tuple[int, int]] = {}  # our token -> (device, size), to re-charge
+        self._waiter = _Waiter()
 
     # ------------------------------------------------------------ connection
 
@@ -100,7 +102,7 @@ class BrokerClient:
         send_packet(sock, data, fds)
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
-        packet, got, truncated = _await_reply(sock)
+        packet, got, truncated = self._waiter.wait(sock)
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
         try:
@@ -215,20 +217,36 @@ class BrokerClient:
         return result
 
 
-def _await_reply(sock: socket.socket) -> tuple[bytes, list[int], bool]:
-    """The next packet: polled for a few microseconds first (a wake-up from sleep costs far more on most
-    machines than the broker takes to answer), then waited for, up to REPLY_TIMEOUT."""
-    deadline = time.perf_counter() + SPIN_SECONDS
-    while True:
-        try:
-            return recv_packet(sock, DONTWAIT)
-        except BlockingIOError:
-            if time.perf_counter() > deadline:
-                break
-            os.sched_yield()  # let the broker (or whoever is runnable) have this core
-    if not wait_readable(sock.fileno(), REPLY_TIMEOUT):
-        raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
-    return recv_packet(sock, DONTWAIT)
+class _Waiter:
+    """Waits for the broker's reply: polls for a few microseconds first (a wake-up from sleep costs far more
+    on most machines than the broker takes to answer), then sleeps in poll(2), up to REPLY_TIMEOUT.
+
+    Polling pays only while replies come quickly: after a reply that outlasted the polling window (a busy
+    broker, many clients on few cores), the next requests wait without polling, leaving the cores to others.
+    """
+
+    SKIP_AFTER_MISS = 16
+
+    def __init__(self) -> None:
+        self.skip = 0
+
+    def wait(self, sock: socket.socket) -> tuple[bytes, list[int], bool]:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        if self.skip:
+            self.skip -= 1
+        else:
+            deadline = time.perf_counter() + SPIN_SECONDS
+            while not poller.poll(0):
+                if time.perf_counter() > deadline:
+                    self.skip = self.SKIP_AFTER_MISS
+                    break
+                os.sched_yield()  # let the broker (or whoever is runnable) have this core
+            else:
+                return recv_packet(sock, DONTWAIT)
+        if not poller.poll(REPLY_TIMEOUT * 1000):
+            raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
+        return recv_packet(sock, DONTWAIT)
 
 
 def _try_connect(path: Path) -> socket.socket | None:

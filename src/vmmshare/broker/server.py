@@ -264,39 +264,39 @@ class Broker:
             log.debug("pid %d connected", pid)
 
     def _readable(self, conn: Conn) -> None:
-        for _ in range(64):  # bounded, so one busy client cannot starve the others
-            try:
-                data, fds, truncated = recv_packet(conn.sock, DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._drop(conn)
-                return
-            if not data and not fds:
-                self._drop(conn)
-                return
-            req = peek_request_id(data)
-            try:
-                if truncated:
-                    raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
-                frame = decode(data, len(fds))
-                reply, reply_fds = self.handle(conn, frame, fds)
-                fds = []  # handled: ownership of any received fd moved on
-            except ProtocolError as exc:
-                log.info("protocol error from pid %d: %s", conn.pid, exc)
-                reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}"), ()
-            except BrokerError as exc:
-                reply, reply_fds = encode(Msg.ERROR, req, exc.code, tail=exc.message), ()
-            except Exception as exc:  # a bug must not take the node's broker down
-                log.exception("internal error serving pid %d", conn.pid)
-                reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}"), ()
-            finally:
-                close_fds(fds)
-            try:
-                send_packet(conn.sock, reply, reply_fds)
-            except OSError:
-                self._drop(conn)
-                return
+        """Serve one packet of a readable connection (the selector reports it again if more are queued, so
+        every client gets its turn)."""
+        try:
+            data, fds, truncated = recv_packet(conn.sock, DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not data and not fds:
+            self._drop(conn)
+            return
+        req = peek_request_id(data)
+        try:
+            if truncated:
+                raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
+            frame = decode(data, len(fds))
+            reply, reply_fds = self.handle(conn, frame, fds)
+            fds = []  # handled: ownership of any received fd moved on
+        except ProtocolError as exc:
+            log.info("protocol error from pid %d: %s", conn.pid, exc)
+            reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}"), ()
+        except BrokerError as exc:
+            reply, reply_fds = encode(Msg.ERROR, req, exc.code, tail=exc.message), ()
+        except Exception as exc:  # a bug must not take the node's broker down
+            log.exception("internal error serving pid %d", conn.pid)
+            reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}"), ()
+        finally:
+            close_fds(fds)
+        try:
+            send_packet(conn.sock, reply, reply_fds)
+        except OSError:
+            self._drop(conn)
 
     def _drop(self, conn: Conn) -> None:
         """A client left (or died): release all it held and revoke its exports."""

@@ -98,7 +98,9 @@ Identity = tuple[int | None, int | None]  # (start time in clock ticks, pidfs in
 
 def identity_of_pidfd(pid: int, pidfd: int) -> Identity:
     """Who a connected peer is: its start time and, on pidfs kernels, its pidfd's inode."""
-    return process_start_time(pid), (_pidfs_ino(pidfd) if PIDFS and pidfd >= 0 else None)
+    if PIDFS and pidfd >= 0:
+        return None, _pidfs_ino(pidfd)
+    return process_start_time(pid), None
 
 
 def identity_of_pid(pid: int) -> Identity:
@@ -110,7 +112,7 @@ def identity_of_pid(pid: int) -> Identity:
     except OSError:
         return None, None
     try:
-        return process_start_time(pid), _pidfs_ino(fd)
+        return None, _pidfs_ino(fd)  # the inode alone decides (see same_process)
     finally:
         os.close(fd)
 
@@ -121,7 +123,7 @@ def same_process(bound: Identity, peer: Identity) -> bool:
     The pidfs inode decides where both sides have one (it is never reused); the start time otherwise,
     which cannot tell apart two processes started in the same clock tick.
     """
-    if bound[1] is not None and peer[1] is not None:
+    if bound[1] is not None:
         return bound[1] == peer[1]
     return bound[0] is None or bound[0] == peer[0]
 

@@ -132,14 +132,15 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
 
     dev = vmmshare.Device(0)
     rows: dict[str, Any] = {}
-    for size in sizes:
-        steps: dict[str, list[float]] = {k: [] for k in (
-            "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
-            "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "pipe")}
-        n = reps(size)
-        touched = min(n, 3)  # rounds that also touch every page, after the latency rounds (touching
-        for i in range(n + 1 + touched):  # 1 GiB evicts every cache, which would slow the rounds after it)
-            touch = i > n
+    all_steps: dict[int, dict[str, list[float]]] = {size: {k: [] for k in (
+        "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
+        "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "pipe")} for size in sizes}
+    # every size's latency rounds first, then the rounds that touch every page: touching 1 GiB evicts every
+    # cache and leaves the kernel freeing pages, which would slow whatever round came next
+    plan = [(size, False, reps(size)) for size in sizes] + [(size, True, min(reps(size), 3)) for size in sizes]
+    for size, touch, n in plan:
+        steps = all_steps[size]
+        for i in range(n + 1):
             t0 = _now()
             mem = dev.allocate(size)
             t1 = _now()
@@ -175,6 +176,9 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
             steps["shm_create"].append(_us(t0s, t1s))
             steps["shm_attach"].append(sgot["attach"])
             steps["shm_share"].append(_us(t0s, t1s) + sgot["attach"])
+    for size in sizes:
+        steps = all_steps[size]
+        n = reps(size)
         pipe_reps = max(2, min(n, (64 * MiB * 8) // size))
         payload = np.ones(size, dtype=np.uint8).tobytes() if size <= 256 * MiB else None
         for _ in range(pipe_reps if payload is not None else 0):

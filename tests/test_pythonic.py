@@ -228,3 +228,25 @@ def test_dlpack_legacy_capsule_with_torch() -> None:
         del t
         gc.collect()
         assert dlpack.live_count() == 0
+
+
+def test_a_finalizer_inside_a_broker_request_waits_instead_of_deadlocking() -> None:
+    """The garbage collector can run a finalizer at any allocation, also while this thread is in the middle of a
+    broker request; freeing then must not start a nested request (it would deadlock on the connection's lock, or
+    read the outer request's reply). It is deferred to the next call that talks to the broker."""
+    code = """
+        import vmmshare
+        from vmmshare._process import runtime
+        from vmmshare.protocol import Msg, encode
+        rt = runtime()
+        holder = [vmmshare.Device(0).allocate(2 << 20)]
+        before = rt.counts()["allocations"]
+        rt.node.request(lambda r: encode(Msg.BARE_TGID, r), meanwhile=holder.clear)  # finalizer runs in there
+        deferred = rt.counts()["allocations"]
+        vmmshare.Device(0).allocate(2 << 20).close()
+        print(before, deferred, rt.counts()["allocations"])
+    """
+    out = child(code)
+    assert out.returncode == 0, out.stderr
+    before, deferred, after = map(int, out.stdout.split())
+    assert (before, deferred, after) == (1, 1, 0)

@@ -152,9 +152,15 @@ class PhysicalMemory:
         self.close()
 
 
+def _quietly(fn: Any, *args: Any) -> None:
+    with contextlib.suppress(Exception):  # e.g. at interpreter exit: nothing left to free
+        fn(*args)
+
+
 def _free_quietly(handle: int) -> None:
-    with contextlib.suppress(Exception):  # at interpreter exit: nothing left to free
-        runtime().free_physical(handle)
+    with contextlib.suppress(Exception):
+        rt = runtime()
+        rt.when_safe(lambda: _quietly(rt.free_physical, handle))
 
 
 _TEXT = re.compile(r"^vmm:(default|fabric):([0-9a-f]+)$")
@@ -272,16 +278,19 @@ class VirtualRange:
 
 def _release_quietly(ptr: int) -> None:
     with contextlib.suppress(Exception):
-        runtime().release_reservation(ptr)
+        rt = runtime()
+        rt.when_safe(lambda: _quietly(rt.release_reservation, ptr))
 
 
 def _unmap_quietly(ptr: int, rng: VirtualRange | None) -> None:
-    try:
-        runtime().unmap(ptr)
+    def unmap() -> None:
+        _quietly(rt.unmap, ptr)
         if rng is not None:
-            rng.close()
-    except Exception:
-        pass
+            _quietly(rng.close)
+
+    with contextlib.suppress(Exception):
+        rt = runtime()
+        rt.when_safe(unmap)
 
 
 class _Keepalive:

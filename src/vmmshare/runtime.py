@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,7 @@ class Runtime:
         self.devices = self.gpu.count if self.gpu is not None else config.devices
         self._ids = itertools.count(1)
         self.initialized = False
+        self._deferred: list[Callable[[], None]] = []  # finalizers that came while the node was busy
 
     # ------------------------------------------------------------ devices and streams
 
@@ -345,6 +346,7 @@ class Runtime:
         return p.granularity
 
     def malloc_physical(self, size: object, prop: object, flags: object) -> int:
+        self._run_deferred()
         n = check_int("size", size, 0, U64)
         p = self.parse_prop(prop)
         check_int("flags", flags, 0, 0)
@@ -398,6 +400,7 @@ class Runtime:
         return alloc
 
     def free_physical(self, handle: object) -> None:
+        self._run_deferred()
         with self._lock:
             alloc = self.allocation(handle)
             alloc.refs -= 1
@@ -417,6 +420,20 @@ class Runtime:
         alloc.mem.close()
         self._allocs.discard(alloc)
         self._safe_node_call(self.node.release, alloc.token)
+
+    def when_safe(self, fn: Callable[[], None]) -> None:
+        """Run a finalizer's clean-up now, or, if the garbage collector called it in the middle of a broker
+        request in this thread, right after (a nested request would read the outer one's reply)."""
+        if self.node.busy_in_this_thread():
+            self._deferred.append(fn)
+        else:
+            fn()
+
+    def _run_deferred(self) -> None:
+        while self._deferred and not self.node.busy_in_this_thread():
+            fn = self._deferred.pop()
+            with contextlib.suppress(Exception):
+                fn()
 
     def _safe_node_call(self, fn: Any, *args: Any) -> None:
         try:

@@ -49,6 +49,7 @@ class BrokerClient:
         self._broker_token: dict[int, int] = {}  # our token -> the broker's
         self._charges: dict[int, tuple[int, int]] = {}  # our token -> (device, size), to re-charge
         self._waiter = _Waiter()
+        self._owner: int | None = None  # the thread in a request, if any
 
     # ------------------------------------------------------------ connection
 
@@ -134,17 +135,30 @@ class BrokerClient:
                 pending.pop()()
 
         with self._lock:
-            for attempt in range(RETRIES):
-                try:
-                    sock = self._sock or self._reconnect()
-                    return self._exchange(sock, build(next(self._req)), fds, once)
-                except AclError:
-                    raise
-                except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
-                    self._reset()
-                    if attempt == RETRIES - 1:
-                        raise IpcError(f"lost the broker at {self.path}: {exc}") from None
-            raise AssertionError("unreachable")
+            self._owner = threading.get_ident()
+            try:
+                return self._request(build, fds, once)
+            finally:
+                self._owner = None
+
+    def busy_in_this_thread(self) -> bool:
+        """Whether this thread is inside a request (a finalizer run by the garbage collector must wait)."""
+        return self._owner == threading.get_ident()
+
+    def _request(
+        self, build: Callable[[int], bytes], fds: tuple[int, ...], once: Callable[[], None]
+    ) -> tuple[Frame, list[int]]:
+        for attempt in range(RETRIES):
+            try:
+                sock = self._sock or self._reconnect()
+                return self._exchange(sock, build(next(self._req)), fds, once)
+            except AclError:
+                raise
+            except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
+                self._reset()
+                if attempt == RETRIES - 1:
+                    raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+        raise AssertionError("unreachable")
 
     def _bt(self, token: int) -> int:
         """The broker's token for ours (0 when the broker that issued it is gone)."""

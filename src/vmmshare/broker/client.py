@@ -243,10 +243,15 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.skip = 0
+        self._sock: socket.socket | None = None
+        self._poller = select.poll()
 
     def wait(self, sock: socket.socket) -> tuple[bytes, list[int], bool]:
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
+        if sock is not self._sock:  # a new connection: watch it instead
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN)
+            self._sock = sock
+        poller = self._poller
         if self.skip:
             self.skip -= 1
         else:

@@ -276,7 +276,6 @@ class Broker:
         if not data and not fds:
             self._drop(conn)
             return
-        req = peek_request_id(data)
         try:
             if truncated:
                 raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
@@ -285,12 +284,14 @@ class Broker:
             fds = []  # handled: ownership of any received fd moved on
         except ProtocolError as exc:
             log.info("protocol error from pid %d: %s", conn.pid, exc)
-            reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}"), ()
+            reply = encode(Msg.ERROR, peek_request_id(data), C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}")
+            reply_fds = ()
         except BrokerError as exc:
-            reply, reply_fds = encode(Msg.ERROR, req, exc.code, tail=exc.message), ()
+            reply, reply_fds = encode(Msg.ERROR, peek_request_id(data), exc.code, tail=exc.message), ()
         except Exception as exc:  # a bug must not take the node's broker down
             log.exception("internal error serving pid %d", conn.pid)
-            reply, reply_fds = encode(Msg.ERROR, req, C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}"), ()
+            reply = encode(Msg.ERROR, peek_request_id(data), C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}")
+            reply_fds = ()
         finally:
             close_fds(fds)
         try:

@@ -7,6 +7,7 @@ import threading
 
 from .broker.client import BrokerClient
 from .config import Config
+from .errors import InvalidParamError
 from .runtime import Runtime
 
 _lock = threading.Lock()
@@ -21,7 +22,10 @@ def runtime() -> Runtime:
         return rt
     with _lock:
         if _runtime is None:
-            config = Config.from_env()
+            try:
+                config = Config.from_env()
+            except ValueError as exc:  # a bad VMMSHARE_* variable: say which, as a parameter error
+                raise InvalidParamError(f"configuration: {exc}") from None
             _runtime = Runtime(config, BrokerClient(config))
         return _runtime
 

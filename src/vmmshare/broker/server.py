@@ -570,7 +570,11 @@ def _raise_fd_limit() -> None:
 
 def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1) -> int:
     """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle."""
-    config = Config.from_env()
+    try:
+        config = Config.from_env()
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
     broker = Broker(path or config.socket_path, config, idle, multi_user)
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)

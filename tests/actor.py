@@ -15,23 +15,25 @@ from typing import Any
 import vmmshare.acl as acl
 
 
-def _enc(value: Any) -> Any:
+def encode(value: Any) -> Any:
+    """JSON-ready: bytes as {"__bytes__": hex}, tuples as lists."""
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": bytes(value).hex()}
-    if isinstance(value, tuple):
-        return [_enc(v) for v in value]
+    if isinstance(value, (tuple, list)):
+        return [encode(v) for v in value]
     if isinstance(value, dict):
-        return {k: _enc(v) for k, v in value.items()}
+        return {k: encode(v) for k, v in value.items()}
     return value
 
 
-def _dec(value: Any) -> Any:
+def decode(value: Any, seq: Any = list) -> Any:
+    """The inverse of `encode`; JSON arrays become `seq` (the test side reads results as tuples)."""
     if isinstance(value, dict):
         if set(value) == {"__bytes__"}:
             return bytes.fromhex(value["__bytes__"])
-        return {k: _dec(v) for k, v in value.items()}
+        return {k: decode(v, seq) for k, v in value.items()}
     if isinstance(value, list):
-        return [_dec(v) for v in value]
+        return seq(decode(v, seq) for v in value)
     return value
 
 
@@ -59,7 +61,7 @@ def _special(name: str, args: list[Any]) -> Any:
 def main() -> None:
     for line in sys.stdin:
         req = json.loads(line)
-        name, args = req["call"], _dec(req.get("args", []))
+        name, args = req["call"], decode(req.get("args", []))
         try:
             if name.startswith("!"):
                 result = _special(name[1:], args)
@@ -68,7 +70,7 @@ def main() -> None:
                 for part in name.split("."):
                     fn = getattr(fn, part)
                 result = fn(*args)
-            out = {"ok": _enc(result), "err": acl.get_recent_err_msg()}
+            out = {"ok": encode(result), "err": acl.get_recent_err_msg()}
         except Exception as exc:  # report, keep serving
             out = {"exc": repr(exc)}
         sys.stdout.write(json.dumps(out) + "\n")

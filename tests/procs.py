@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from actor import decode, encode
+
 HERE = Path(__file__).resolve().parent
 ACTOR = HERE / "actor.py"
 
@@ -73,7 +75,7 @@ class Actor:
 
     def call(self, name: str, *args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"call": name, "args": [_enc(a) for a in args]}) + "\n")
+        self.proc.stdin.write(json.dumps({"call": name, "args": [encode(a) for a in args]}) + "\n")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"actor {self.pid} died (exit {self.proc.wait(10)})")
@@ -81,7 +83,7 @@ class Actor:
         if "exc" in reply:
             raise RuntimeError(f"actor raised {reply['exc']}")
         self.last_err = reply["err"]
-        return _dec(reply["ok"])
+        return decode(reply["ok"], tuple)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -93,22 +95,6 @@ class Actor:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             self.proc.wait(10)
-
-
-def _enc(value: Any) -> Any:
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes__": bytes(value).hex()}
-    return value
-
-
-def _dec(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"__bytes__"}:
-            return bytes.fromhex(value["__bytes__"])
-        return {k: _dec(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return tuple(_dec(v) for v in value)
-    return value
 
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}

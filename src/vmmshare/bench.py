@@ -360,6 +360,11 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
     for row in res["latency"].values():
         cells = [f"{row[c]['median']:16.1f}" if c in row else f"{'-':>16}" for c in cols]
         print(f"{_fmt_size(row['size']):8}" + " ".join(cells), file=out)
+    print("spread, p10–p90 µs:", file=out)
+    for row in res["latency"].values():
+        spread = "  ".join(f"{c} {row[c]['p10']:.0f}–{row[c]['p90']:.0f}" for c in ("share", "shm_share", "import",
+                                                                                 "shm_attach", "pipe") if c in row)
+        print(f"  {_fmt_size(row['size']):8}{spread}", file=out)
     if "throughput" in res:
         print("broker import+free round trips/s: " + ", ".join(
             f"{n} client(s): {v:,.0f}" for n, v in res["throughput"].items()), file=out)

@@ -481,6 +481,24 @@ def test_rule_14_exporter_free_revokes_but_importers_keep_their_memory(actor: Ma
     assert mem_free(i) == (total, total)  # the last reference went: the memory is back
 
 
+def test_rule_14_exporter_that_unmapped_first_revokes_at_free(actor: MakeActor) -> None:
+    """Unmapped before it is freed, the allocation's last reference goes at free: that one step revokes the
+    handle and returns the exporter's share, while the importer keeps the memory."""
+    e, i, late = actor(), actor(), actor()
+    s = export(e, pids=[i.pid, late.pid])
+    _, total = mem_free(e)
+    ih, ip = import_map(i, s)
+    digest = e.call("!sha256", s.ptr, s.size)
+    ok(e, "rt.unmap_mem", s.ptr)
+    ok(e, "rt.free_physical", s.handle)
+    fails(late, BAD_HANDLE, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
+    assert i.call("!sha256", ip, s.size) == digest
+    assert mem_free(i) == (total - s.size, total)  # the importer still holds it
+    ok(i, "rt.unmap_mem", ip)
+    ok(i, "rt.free_physical", ih)
+    assert mem_free(i) == (total, total)
+
+
 def test_rule_14_exporter_death_revokes_but_importers_keep_their_memory(actor: MakeActor) -> None:
     e, i, late = actor(), actor(), actor()
     s = export(e, pids=[i.pid, late.pid])

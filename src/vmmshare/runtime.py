@@ -409,7 +409,8 @@ class Runtime:
             del self._handles[alloc.handle]
             if alloc.imported_from == 0 and alloc.shareable:
                 self._exported.discard(alloc.shareable)
-                self._safe_node_call(self.node.revoke, alloc.token)
+                if alloc.maps:  # still mapped here: revoke now (unmapped, the release below revokes it too)
+                    self._safe_node_call(self.node.revoke, alloc.token)
             if alloc.imported_from:
                 self._imports.pop(alloc.shareable, None)
             self._maybe_destroy(alloc)

@@ -5,7 +5,9 @@
   — against a fresh torch CUDA tensor sent through a torch.multiprocessing queue and read in the child;
 - bandwidth of a device-to-device copy into an imported mapping against one into a local allocation.
 
-    VMMSHARE_BACKEND=cuda python benchmarks/bench_gpu.py [--json FILE]
+    VMMSHARE_BACKEND=cuda python benchmarks/bench_gpu.py [--sizes 2,1024] [--reps N] [--json FILE]
+
+The bandwidth is measured at the largest size. Without torch on a GPU the torch anchor is left out (null).
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ def torch_ipc(size: int, reps: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def torch_child(q: Any, back: Any) -> None:
     while True:
         t = q.get()
@@ -147,18 +157,23 @@ def torch_parent(size: int, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
+    ap.add_argument("--sizes", default="2,1024", help="sizes in MiB, comma-separated")
+    ap.add_argument("--reps", type=int, help="repetitions per size (default 30 below 1 GiB, else 10)")
     ap.add_argument("--importer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.importer:
         importer()
         return
+    sizes = [int(x) * MiB for x in args.sizes.split(",")]
+    with_torch = torch_cuda()
     ok(acl.rt.set_device(0))
     child = subprocess.Popen([sys.executable, __file__, "--importer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, bufsize=1)
     assert child.stdin is not None and child.stdout is not None
     pid = int(child.stdout.readline())
     results: dict[str, Any] = {}
-    for size, reps in ((2 * MiB, 30), (GiB, 10)):
+    for size in sizes:
+        reps = args.reps or (30 if size < GiB else 10)
         rows: dict[str, list[float]] = {"create_us": [], "export_us": [], "import_us": [], "round_trip_us": []}
         bw: dict[str, Any] = {}
         for i in range(reps + 2):
@@ -170,7 +185,7 @@ def main() -> None:
             ok(ret)
             ok(acl.rt.mem_set_pid_to_shareable_handle_v2(sh, 1, [pid]))
             t_export = us(t0)
-            cmd = "bw" if size == GiB and i == reps + 1 else "go"
+            cmd = "bw" if size == max(sizes) and i == reps + 1 else "go"
             child.stdin.write(f"{cmd} {sh} {size}\n")
             reply = json.loads(child.stdout.readline())
             t_round = us(t0)
@@ -184,14 +199,14 @@ def main() -> None:
                 bw = reply
             destroy(h, ptr)
         row: dict[str, Any] = {k: med(v) for k, v in rows.items() if v}
-        row["torch_ipc_round_trip_us"] = torch_ipc(size, reps)
-        row["round_trip_vs_torch"] = row["round_trip_us"] / row["torch_ipc_round_trip_us"]
+        row["torch_ipc_round_trip_us"] = torch_ipc(size, reps) if with_torch else None
+        row["round_trip_vs_torch"] = row["round_trip_us"] / row["torch_ipc_round_trip_us"] if with_torch else None
         if bw:
             row["d2d_into_imported_GBps"] = bw["bw_imported_GBps"]
             row["d2d_into_local_GBps"] = bw["bw_local_GBps"]
             row["d2d_ratio"] = bw["bw_imported_GBps"] / bw["bw_local_GBps"]
         results[f"{size >> 20}MiB"] = row
-        shown = "  ".join(f"{k}={v:.1f}" if v > 10 else f"{k}={v:.3f}" for k, v in row.items())
+        shown = "  ".join(f"{k}={'n/a' if v is None else f'{v:.1f}' if v > 10 else f'{v:.3f}'}" for k, v in row.items())
         print(f"{size >> 20:>5} MiB: {shown}", flush=True)
     child.stdin.close()
     child.wait()

@@ -9,6 +9,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export VMMSHARE_SOCKET=${VMMSHARE_SOCKET:-/tmp/vmmshare-gpu-check/broker.sock}
 export VMMSHARE_BROKER_IDLE=5
+export VMMSHARE_REQUIRE_GPU=1  # the CUDA tests must run on the GPU, never on the CPU stand-in
 {
   nvidia-smi -L
   $PY -c 'import sys, cuda.bindings, torch; print(sys.version.split()[0], "cuda-bindings", cuda.bindings.__version__, "torch", torch.__version__)'

@@ -71,7 +71,7 @@ class Actor:
         self.pid = self.proc.pid if not prefix else self.call("!pid")
         self.last_err = ""
         if device is not None:
-            assert self.call("rt.set_device", device) == 0
+            assert self.call("rt.set_device", device) == 0, self.last_err
 
     def call(self, name: str, *args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None

@@ -638,6 +638,24 @@ def test_capacity_cannot_be_overcharged_by_a_raw_client(broker: BrokerProc, base
     assert_healthy(broker, baseline)
 
 
+def test_gpu_charges_are_recorded_not_capped_and_released_with_the_connection(broker: BrokerProc,
+                                                                              baseline: int) -> None:
+    """CHARGE_GPU: GPU memory is the driver's to cap; the broker records it (ls) and frees the record on close."""
+    with Raw(broker.socket) as c:
+        assert c.refused(Msg.CHARGE_GPU, 1024, MiB2) == BAD_DEVICE
+        token = int(c.ok(Msg.CHARGE_GPU, 3, 4 * CAPACITY).values[0])
+        assert free_capacity(broker) == CAPACITY  # not the node's host-backed device memory
+        listing = json.loads(c.ok(Msg.LIST, 0).tail)
+        assert listing["gpu_used"] == {"3": 4 * CAPACITY}
+        c.ok(Msg.RELEASE, token)
+        assert json.loads(c.ok(Msg.LIST, 0).tail)["gpu_used"] == {}
+        c.ok(Msg.CHARGE_GPU, 0, MiB2)
+    with Raw(broker.socket) as c:
+        c.ok(Msg.BARE_TGID)  # a second round trip: every earlier close has been processed (settled_fd_count)
+        assert json.loads(c.ok(Msg.LIST, 0).tail)["gpu_used"] == {}
+    assert_healthy(broker, baseline)
+
+
 # ---------------------------------------------------------------- the listing always fits a frame
 
 

@@ -67,6 +67,7 @@ def test_ls_shows_an_export_its_trustlist_and_importer(broker: BrokerProc, actor
             "handle": handle,
             "share_type": "default",
             "device": 0,
+            "gpu": False,
             "size": MiB2,
             "owner_pid": e.pid,
             "pid_validation": True,

@@ -1,11 +1,17 @@
-"""The CUDA backend on a real GPU: the same rules, with device memory. Skips cleanly where no GPU is usable.
+"""The CUDA backend: the same rules, with device memory.
 
-Every actor runs with VMMSHARE_BACKEND=cuda on a broker of its own test; host-only machines skip the module.
+On a machine with a usable NVIDIA GPU these run on it. Elsewhere they run on `fakecuda/`, a CPU stand-in for
+libcuda driven through the real cuda-bindings, which checks how vmmshare uses the driver API (and nothing about a
+GPU); the tests that need torch or cupy on a GPU skip there. Without cuda-bindings or a C compiler the module skips.
+Every actor runs with VMMSHARE_BACKEND=cuda on a broker of its own test.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,25 +24,57 @@ from procs import PROP, Actor, BrokerProc, MiB2
 
 HERE = Path(__file__).resolve().parent
 SRC = str(HERE.parent / "src")
+FAKE_SOURCE = HERE / "fakecuda" / "fakecuda.c"
 
 
-def _gpu_usable() -> bool:
+def _gpu_usable(extra_env: dict[str, str] | None = None) -> bool:
     code = "from vmmshare.backends.cuda import available; print(available())"
-    env = {**os.environ, "PYTHONPATH": SRC}
+    env = {**os.environ, "PYTHONPATH": SRC, **(extra_env or {})}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     return out.stdout.strip() == "True"
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_usable(), reason="no usable NVIDIA GPU / cuda-bindings")]
+def _mode() -> str | None:
+    """'gpu' with a real GPU, 'fake' where the CPU stand-in can run, else None."""
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return None
+    if _gpu_usable():
+        return "gpu"
+    return "fake" if shutil.which(os.environ.get("CC", "cc")) else None
 
-DEFAULT, FABRIC = 1, 2
-H2D, D2H = 1, 2
+
+MODE = _mode()
+if os.environ.get("VMMSHARE_REQUIRE_GPU") == "1" and MODE != "gpu":
+    raise RuntimeError("VMMSHARE_REQUIRE_GPU=1 but no usable GPU: vmmshare.backends.cuda.available() is False")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(MODE is None, reason="no usable NVIDIA GPU, or no cuda-bindings")]
+needs_real_gpu = pytest.mark.skipif(MODE != "gpu", reason="needs a real GPU (torch / cupy CUDA tensors)")
+
+
+def build_fake(folder: Path) -> dict[str, str]:
+    """Compile the stand-in as libcuda.so.1 in `folder`; the environment that makes a new process load it."""
+    lib = folder / "libcuda.so.1"
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
+                    str(FAKE_SOURCE)], check=True, capture_output=True, timeout=120)
+    prior = os.environ.get("LD_LIBRARY_PATH")
+    return {"LD_LIBRARY_PATH": str(folder) + (os.pathsep + prior if prior else ""), "FAKECUDA_DEVICES": "2"}
+
+
+@pytest.fixture(scope="module")
+def cuda_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What a process needs in its environment to see the GPUs (nothing on a real GPU)."""
+    if MODE != "fake":
+        return {}
+    env = build_fake(tmp_path_factory.mktemp("fakecuda"))
+    assert _gpu_usable(env), "the CPU stand-in for libcuda did not load"
+    return env
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProc]:
+def broker(tmp_path: Path, cuda_env: dict[str, str]) -> Iterator[BrokerProc]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(cuda_env)
     b = BrokerProc(tmp_path, env=env)
     yield b
     b.kill()
@@ -55,6 +93,10 @@ def gpu_actor(broker: BrokerProc) -> Iterator[Callable[..., Actor]]:
     yield make
     for a in made:
         a.kill()
+
+
+DEFAULT, FABRIC = 1, 2
+H2D, D2H = 1, 2
 
 
 def alloc_map(a: Actor, size: int = MiB2, loc_type: int = 1) -> tuple[int, int]:
@@ -143,6 +185,19 @@ def test_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor], share_type: 
     assert importer.call("rt.free_physical", ih) == 0
 
 
+def test_ls_shows_gpu_memory(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
+    a = gpu_actor()
+    h, ptr = alloc_map(a, 2 * MiB2)
+    sh, ret = a.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
+    assert ret == 0
+    ls = "from vmmshare.cli import main; main(['ls'])"
+    out = subprocess.run([sys.executable, "-c", ls], env=broker.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "GPU 0: 4 MiB allocated through vmmshare" in out.stdout, out.stdout
+    assert f"{sh:#018x}" in out.stdout and " gpu0 " in out.stdout, out.stdout
+    drop(a, h, ptr)
+
+
 def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
     exporter = gpu_actor()
     host_only = Actor({**broker.env, "VMMSHARE_BACKEND": "host"})
@@ -156,6 +211,182 @@ def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Acto
         host_only.kill()
 
 
+def share_once(exporter: Actor, importer: Actor, size: int = MiB2) -> tuple[int, int, int, int]:
+    """Allocate and map in `exporter`, share with `importer`, map there: (h, ptr, imported h, imported ptr)."""
+    h, ptr = alloc_map(exporter, size)
+    sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, DEFAULT, [importer.pid]) == 0
+    ih, ret = importer.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
+    assert ret == 0, importer.last_err
+    iptr, ret = importer.call("rt.reserve_mem_address", size, 0, 0, 0)
+    assert ret == 0, importer.last_err
+    assert importer.call("rt.map_mem", iptr, size, 0, ih, 0) == 0, importer.last_err
+    return h, ptr, ih, iptr
+
+
+def drop(a: Actor, h: int, ptr: int) -> None:
+    assert a.call("rt.unmap_mem", ptr) == 0, a.last_err
+    assert a.call("rt.release_mem_address", ptr) == 0, a.last_err
+    assert a.call("rt.free_physical", h) == 0, a.last_err
+
+
+def driver_allocations(pid: int) -> int:
+    """Physical allocations the CPU stand-in holds in `pid` (its memfds show in the process's maps)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("/memfd:fakecuda-dev" in line for line in f)
+
+
+def test_share_cycles_leak_no_fd_and_no_allocation(gpu_actor: Callable[..., Actor]) -> None:
+    exporter, importer = gpu_actor(), gpu_actor()
+    h, ptr, ih, iptr = share_once(exporter, importer)  # warm both sides (contexts, broker connection)
+    drop(importer, ih, iptr)
+    drop(exporter, h, ptr)
+    fds = exporter.call("!fd_count"), importer.call("!fd_count")
+    for _ in range(20):
+        h, ptr, ih, iptr = share_once(exporter, importer)
+        drop(exporter, h, ptr)  # the exporter goes first: the importer's memory must outlive it
+        upload(importer, iptr, b"still here")
+        assert download(importer, iptr, 10) == b"still here"
+        drop(importer, ih, iptr)
+    assert (exporter.call("!fd_count"), importer.call("!fd_count")) == fds
+    if MODE == "fake":
+        assert driver_allocations(exporter.pid) == driver_allocations(importer.pid) == 0
+
+
+def test_importer_keeps_gpu_memory_when_the_exporter_dies(gpu_actor: Callable[..., Actor]) -> None:
+    exporter, importer = gpu_actor(), gpu_actor()
+    _, ptr, ih, iptr = share_once(exporter, importer, 2 * MiB2)
+    pattern = bytes(range(256)) * 16
+    upload(exporter, ptr + MiB2, pattern)
+    exporter.kill()
+    assert download(importer, iptr + MiB2, len(pattern)) == pattern
+    drop(importer, ih, iptr)
+
+
+def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor()
+    drop(a, *alloc_map(a))  # connected to the broker, the context made
+    fds = a.call("!fd_count")
+    prop = {**PROP, "location": {"id": 0, "type": 1}}
+    assert a.call("rt.malloc_physical", MiB2 + 4096, prop, 0)[-1] == 107000  # not a multiple of the granularity
+    bad = {**prop, "location": {"id": 99, "type": 1}}
+    assert a.call("rt.malloc_physical", MiB2, bad, 0)[-1] == 107001  # no such device
+    h, ptr = alloc_map(a)
+    assert a.call("rt.map_mem", ptr, MiB2, 0, h, 0) != 0  # already mapped
+    assert a.call("rt.memcpy", ptr, 16, ptr + MiB2, 16, 3) == 107000  # past the mapping
+    assert a.call("rt.mem_import_from_shareable_handle_v2", 12345, DEFAULT, 0)[-1] != 0
+    assert a.call("rt.free_physical", h) == 0  # mapped: the memory stays until the unmap
+    upload(a, ptr, b"kept")
+    assert download(a, ptr, 4) == b"kept"
+    assert a.call("rt.free_physical", h) == 107017  # the handle is gone, though
+    assert a.call("rt.unmap_mem", ptr) == 0
+    assert a.call("rt.release_mem_address", ptr) == 0
+    assert a.call("!fd_count") == fds
+    if MODE == "fake":
+        assert driver_allocations(a.pid) == 0
+
+
+@pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")
+def test_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor(FAKECUDA_MEMORY=str(4 * MiB2))
+    prop = {**PROP, "location": {"id": 0, "type": 1}}
+    h, ret = a.call("rt.malloc_physical", 3 * MiB2, prop, 0)
+    assert ret == 0, a.last_err
+    assert a.call("rt.malloc_physical", 2 * MiB2, prop, 0)[-1] == 207001
+    assert a.call("rt.free_physical", h) == 0
+    h, ret = a.call("rt.malloc_physical", 4 * MiB2, prop, 0)
+    assert ret == 0, a.last_err
+    assert a.call("rt.free_physical", h) == 0
+
+
+@pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")
+def test_gpu_capacity_is_the_gpus_not_vmmshare_device_memory(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor(FAKECUDA_MEMORY=str(200 << 30), VMMSHARE_DEVICE_MEMORY="1G")
+    prop = {**PROP, "location": {"id": 0, "type": 1}}
+    h, ret = a.call("rt.malloc_physical", 4 << 30, prop, 0)  # never touched: costs no RAM here
+    assert ret == 0, a.last_err
+    assert a.call("rt.get_mem_info", 0) == ((200 << 30) - (4 << 30), 200 << 30, 0)
+    assert a.call("rt.free_physical", h) == 0
+    assert a.call("rt.get_mem_info", 0) == (200 << 30, 200 << 30, 0)
+
+
+@pytest.mark.skipif(MODE != "fake", reason="the stand-in offers two devices")
+def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> None:
+    exporter, importer = gpu_actor(), gpu_actor()
+    assert exporter.call("rt.get_device_count") == (2, 0)
+    assert exporter.call("rt.set_device", 1) == 0 and importer.call("rt.set_device", 1) == 0
+    prop = {**PROP, "location": {"id": 1, "type": 1}}
+    h, ret = exporter.call("rt.malloc_physical", MiB2, prop, 0)
+    assert ret == 0, exporter.last_err
+    ptr, _ = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+    assert exporter.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, exporter.last_err
+    upload(exporter, ptr, b"device one")
+    sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
+    assert ret == 0
+    assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, DEFAULT, [importer.pid]) == 0
+    ih, ret = importer.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
+    assert ret == 0, importer.last_err
+    prop_back, ret = importer.call("rt.mem_get_allocation_properties_from_handle", ih)
+    assert ret == 0 and prop_back["location"] == {"id": 1, "type": 1}
+    iptr, _ = importer.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+    assert importer.call("rt.map_mem", iptr, MiB2, 0, ih, 0) == 0, importer.last_err
+    assert download(importer, iptr, 10) == b"device one"
+    drop(importer, ih, iptr)
+    drop(exporter, h, ptr)
+
+
+def test_pythonic_api_on_gpu_memory(broker: BrokerProc) -> None:
+    child = textwrap.dedent("""
+        import ctypes, sys, vmmshare
+        from vmmshare import acl
+        print(acl.rt.device_get_bare_tgid()[0], flush=True)
+        buf = ctypes.create_string_buffer(8)
+        with vmmshare.import_handle(sys.stdin.readline().strip(), device=0) as mem, mem.map() as m:
+            assert mem.on_gpu and m.__dlpack_device__() == (2, 0)
+            assert acl.rt.memcpy(ctypes.addressof(buf), 8, m.ptr + 8, 8, 2) == 0, acl.get_recent_err_msg()
+        print(buf.raw.hex(), flush=True)
+    """)
+    parent = textwrap.dedent("""
+        import subprocess, sys, vmmshare
+        from vmmshare import acl
+        child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        pid = int(child.stdout.readline())
+        with vmmshare.Device(0).allocate(2 << 20) as mem, mem.map() as m:
+            assert mem.on_gpu and m.__dlpack_device__() == (2, 0)
+            try:
+                m.memoryview()
+                raise SystemExit("the CPU was given a view of GPU memory")
+            except vmmshare.AclError as exc:
+                assert "GPU" in str(exc), exc
+            assert acl.rt.memset(m.ptr, m.size, 0x5A, m.size) == 0, acl.get_recent_err_msg()
+            child.stdin.write(f"{mem.export(pids=[pid])}\\n")
+            child.stdin.flush()
+            print(child.stdout.readline().strip())
+            assert child.wait() == 0
+    """)
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    out = subprocess.run([sys.executable, "-c", parent, child], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "5a" * 8
+
+
+def test_gpu_benchmark_script_runs(broker: BrokerProc, tmp_path: Path) -> None:
+    """The device check's benchmark, small: every step of it runs and reports (the numbers mean nothing here)."""
+    script = HERE.parent / "benchmarks" / "bench_gpu.py"
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    args = ["--sizes", "2,4", "--reps", "3", "--json", str(tmp_path / "b.json")]
+    out = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert set(rows) == {"2MiB", "4MiB"}
+    for row in rows.values():
+        assert row["create_us"] > 0 and row["import_us"] > 0 and row["round_trip_us"] > 0
+    assert rows["4MiB"]["d2d_ratio"] > 0
+
+
+@needs_real_gpu
 def test_dlpack_cuda_with_torch_across_processes(broker: BrokerProc) -> None:
     pytest.importorskip("torch")
     env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}

@@ -133,7 +133,7 @@ def test_message_numbers_are_stable() -> None:
     """Both ends of a socket may run different builds: the numbers are part of the format."""
     assert {m.name: int(m) for m in Msg} == {
         "CHARGE": 1, "RELEASE": 2, "MEM_INFO": 3, "EXPORT": 4, "REVOKE": 5, "SET_PIDS": 6, "IMPORT": 7,
-        "BARE_TGID": 8, "LIST": 9, "OK": 64, "ERROR": 65, "TOKEN": 66, "MEM": 67, "EXPORTED": 68,
+        "BARE_TGID": 8, "LIST": 9, "CHARGE_GPU": 10, "OK": 64, "ERROR": 65, "TOKEN": 66, "MEM": 67, "EXPORTED": 68,
         "IMPORTED": 69, "PID": 70, "LISTING": 71,
     }
     assert set(SPECS) == set(Msg)

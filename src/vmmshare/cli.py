@@ -36,12 +36,15 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"broker pid {listing['broker_pid']}, {listing['clients']} client(s), {len(rows)} export(s)")
     for dev, used in sorted(listing["used"].items(), key=lambda kv: int(kv[0])):
         print(f"  device {dev}: {_size(used)} used of {_size(listing['capacity'])}")
+    for dev, used in sorted(listing.get("gpu_used", {}).items(), key=lambda kv: int(kv[0])):
+        print(f"  GPU {dev}: {_size(used)} allocated through vmmshare")
     if not rows:
         return 0
     head = ("HANDLE", "TYPE", "DEV", "SIZE", "OWNER", "PIDCHECK", "TRUSTLIST", "IMPORTERS")
     table = [head] + [
         (
-            r["handle"], r["share_type"], str(r["device"]), _size(r["size"]), str(r["owner_pid"]),
+            r["handle"], r["share_type"], ("gpu" if r.get("gpu") else "") + str(r["device"]),
+            _size(r["size"]), str(r["owner_pid"]),
             "on" if r["pid_validation"] else "off",
             ",".join(map(str, r["trustlist"])) or "-", ",".join(map(str, r["importers"])) or "-",
         )

@@ -39,6 +39,7 @@ class Msg(enum.IntEnum):
     IMPORT = 7  # handle, share type, 32-byte secret (zeros for DEFAULT)
     BARE_TGID = 8
     LIST = 9  # offset
+    CHARGE_GPU = 10  # device, size: GPU memory, recorded but not capped (the driver has the capacity)
     # replies
     OK = 64
     ERROR = 65  # code; tail: message
@@ -90,6 +91,7 @@ SPECS: dict[Msg, Spec] = {
     Msg.IMPORT: Spec(struct.Struct("<QB32s")),
     Msg.BARE_TGID: Spec(struct.Struct("<")),
     Msg.LIST: Spec(struct.Struct("<I")),
+    Msg.CHARGE_GPU: Spec(struct.Struct("<IQ")),
     Msg.OK: Spec(struct.Struct("<")),
     Msg.ERROR: Spec(struct.Struct("<I"), Tail.TEXT, max_tail=4096),
     Msg.TOKEN: Spec(struct.Struct("<Q")),

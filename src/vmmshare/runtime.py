@@ -123,6 +123,7 @@ class Runtime:
         self._arena = host.Arena()
         self.gpu: CudaBackend | None = _gpu_backend(config.backend)
         self.devices = self.gpu.count if self.gpu is not None else config.devices
+        self._told_fabric = False  # the FABRIC-on-GPU log line is written once
         self._ids = itertools.count(1)
         self.initialized = False
         self._deferred: list[Callable[[], None]] = []  # finalizers that came while the node was busy
@@ -354,14 +355,15 @@ class Runtime:
         if n == 0 or n % g:
             raise InvalidParamError(f"size {n} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
         device = p.location.id if p.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
-        if device >= 0 and n > self.config.device_memory:
+        on_gpu = device >= 0 and self.gpu is not None  # the GPU's own capacity applies (the driver says)
+        if device >= 0 and not on_gpu and n > self.config.device_memory:
             raise MemoryAllocationError(_over_capacity(device, n, 0, self.config))
         made: list[host.HostMemory | CudaMemory] = []
         failed: list[BaseException] = []
 
         def create() -> None:  # runs while the broker checks the capacity
             try:
-                if device >= 0 and self.gpu is not None:
+                if on_gpu and self.gpu is not None:
                     made.append(self.gpu.allocate(n, device))
                 else:
                     name = f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}"
@@ -370,7 +372,7 @@ class Runtime:
                 failed.append(exc)
 
         try:
-            token = self.node.charge(device, n, create)
+            token = self.node.charge(device, n, create, gpu=on_gpu)
         except BaseException:
             for made_mem in made:
                 made_mem.close()
@@ -627,7 +629,10 @@ class Runtime:
 
     def mem_info(self, attr: object) -> tuple[int, int]:
         check_int("attr", attr, 0, 17)
-        return self.node.mem_info(self.current_device())
+        device = self.current_device()
+        if self.gpu is not None:
+            return self.gpu.mem_info(device)
+        return self.node.mem_info(device)
 
     def export(self, handle: object, flags: object, share_type: object, pids: object = ()) -> bytes:
         """Export an allocation made here: 8 little-endian bytes (DEFAULT) or the 128-byte FABRIC handle.
@@ -649,9 +654,11 @@ class Runtime:
                 raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
             mem = alloc.mem
             on_gpu = isinstance(mem, CudaMemory)
-            if on_gpu and st == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
-                log.info("FABRIC export of GPU memory: it travels as a POSIX fd through the node broker, in the "
-                         "broker's FABRIC format (CUDA fabric handles need an IMEX channel)")
+            if on_gpu and st == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC and not self._told_fabric:
+                self._told_fabric = True
+                log.warning("FABRIC export of GPU memory: the handle is vmmshare's FABRIC format and the memory "
+                            "travels as a POSIX fd through the node broker, not as a CUDA fabric handle (those "
+                            "need an IMEX channel)")
             fd = self.gpu.export_fd(mem) if isinstance(mem, CudaMemory) and self.gpu else mem.fd
             alloc.shareable = self.node.export(alloc.token, fd, alloc.prop, alloc.size, f, st, trust, on_gpu)
             self._exported.add(alloc.shareable)

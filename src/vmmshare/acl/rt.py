@@ -31,7 +31,7 @@ def reset_device_force(device_id: int) -> None:
 
 @acl_call(0)
 def get_device_count() -> int:
-    return runtime().config.devices
+    return runtime().devices
 
 
 @acl_call(0)

@@ -131,6 +131,13 @@ class CudaBackend:
         self.check(err, "cuDeviceTotalMem")
         return int(total)
 
+    def mem_info(self, device: int) -> tuple[int, int]:
+        """(free, total) bytes of the GPU, as its driver counts them (every process's allocations)."""
+        self.use(device)
+        err, free, total = self.cu.cuMemGetInfo()
+        self.check(err, "cuMemGetInfo")
+        return int(free), int(total)
+
     # ------------------------------------------------------------ memory
 
     def allocate(self, size: int, device: int) -> CudaMemory:
@@ -199,12 +206,16 @@ class CudaBackend:
         self.check(cu.cuMemSetAccess(ptr, size, [desc], 1)[0], "cuMemSetAccess")
 
     def copy(self, dst: int, src: int, count: int, device: int) -> None:
+        """A synchronous copy, as aclrtMemcpy is (cuMemcpy may return before a device-side copy is done)."""
         self.use(device)
         self.check(self.cu.cuMemcpy(dst, src, count)[0], "cuMemcpy")
+        self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
 
     def fill(self, ptr: int, value: int, count: int, device: int) -> None:
+        """A synchronous memset, as aclrtMemset is (cuMemsetD8 is asynchronous for device memory)."""
         self.use(device)
         self.check(self.cu.cuMemsetD8(ptr, value & 0xFF, count)[0], "cuMemsetD8")
+        self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
 
 
 def available() -> bool:

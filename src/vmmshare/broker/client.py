@@ -47,7 +47,7 @@ class BrokerClient:
         self._req = itertools.count(1)
         self._ids = itertools.count(1)
         self._broker_token: dict[int, int] = {}  # our token -> the broker's
-        self._charges: dict[int, tuple[int, int]] = {}  # our token -> (device, size), to re-charge
+        self._charges: dict[int, tuple[Msg, int, int]] = {}  # our token -> (kind, device, size), to re-charge
         self._waiter = _Waiter()
         self._owner: int | None = None  # the thread in a request, if any
 
@@ -75,9 +75,9 @@ class BrokerClient:
         self._broker_token.clear()  # tokens of a broker that is gone
         sock = self._connect()
         self._sock = sock
-        for token, charge in list(self._charges.items()):
+        for token, (kind, device, size) in list(self._charges.items()):
             try:
-                reply, _ = self._exchange(sock, encode(Msg.CHARGE, next(self._req), *charge), ())
+                reply, _ = self._exchange(sock, encode(kind, next(self._req), device, size), ())
             except AclError as exc:  # e.g. the new broker has less capacity: keep serving, uncharged
                 log.warning("could not charge an allocation to the restarted broker: %s", exc)
                 continue
@@ -166,11 +166,14 @@ class BrokerClient:
 
     # ------------------------------------------------------------ the Node protocol
 
-    def charge(self, device: int, size: int, meanwhile: Callable[[], None] | None = None) -> int:
-        reply, _ = self.request(lambda r: encode(Msg.CHARGE, r, device, size), meanwhile=meanwhile)
+    def charge(
+        self, device: int, size: int, meanwhile: Callable[[], None] | None = None, gpu: bool = False
+    ) -> int:
+        kind = Msg.CHARGE_GPU if gpu else Msg.CHARGE
+        reply, _ = self.request(lambda r: encode(kind, r, device, size), meanwhile=meanwhile)
         token = next(self._ids)
         self._broker_token[token] = int(reply.values[0])
-        self._charges[token] = (device, size)
+        self._charges[token] = (kind, device, size)
         return token
 
     def release(self, token: int) -> None:

@@ -43,6 +43,7 @@ from .wire import (
 )
 
 log = logging.getLogger("vmmshare.broker")
+MAX_GPUS = 1024  # GPU ids the broker accepts for GPU charges (it cannot see the GPUs)
 LIST_PAGE = 100
 KIND_HOST, KIND_GPU = 0, 1
 LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)
@@ -72,6 +73,7 @@ class Alloc:
     size: int
     holds: int = 0
     export: Export | None = None  # set once exported
+    gpu: bool = False  # GPU memory: the driver caps it, so it is not counted in `used`
 
 
 @dataclass(eq=False)
@@ -321,6 +323,8 @@ class Broker:
         v = f.values
         if f.type is Msg.CHARGE:
             return encode(Msg.TOKEN, f.req, self.charge(conn, int(v[0]), int(v[1]))), ()
+        if f.type is Msg.CHARGE_GPU:
+            return encode(Msg.TOKEN, f.req, self.charge_gpu(conn, int(v[0]), int(v[1]))), ()
         if f.type is Msg.RELEASE:
             self._release(conn, int(v[0]), strict=True)
             return encode(Msg.OK, f.req), ()
@@ -379,8 +383,16 @@ class Broker:
                     f"{size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)",
                 )
             self.used[device] += size
+        return self._hold_new(conn, Alloc(device, size, holds=1))
+
+    def charge_gpu(self, conn: Conn, device: int, size: int) -> int:
+        """Record GPU memory (a CUDA-backend allocation): the GPU's own capacity applies, not this node's."""
+        if device >= MAX_GPUS:
+            raise BrokerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"GPU {device} is beyond {MAX_GPUS} GPUs")
+        return self._hold_new(conn, Alloc(device, size, holds=1, gpu=True))
+
+    def _hold_new(self, conn: Conn, alloc: Alloc) -> int:
         token = self._new_token()
-        alloc = Alloc(device, size, holds=1)
         self.holds[token] = Hold(conn, alloc)
         conn.holds.add(token)
         return token
@@ -403,7 +415,7 @@ class Broker:
                 self.revoke(alloc)
             exp.importers.pop(token, None)
         alloc.holds -= 1
-        if alloc.holds == 0 and alloc.device != -1:
+        if alloc.holds == 0 and alloc.device != -1 and not alloc.gpu:
             self.used[alloc.device] -= alloc.size
 
     def revoke(self, alloc: Alloc) -> None:
@@ -513,8 +525,11 @@ class Broker:
         """
         exports = list(self.exports.values())
         used = {str(d): u for d, u in enumerate(self.used) if u}
+        gpu_used: dict[str, int] = {}
+        for alloc in {id(h.alloc): h.alloc for h in self.holds.values() if h.alloc.gpu}.values():
+            gpu_used[str(alloc.device)] = gpu_used.get(str(alloc.device), 0) + alloc.size
         head = {"broker_pid": os.getpid(), "used": used, "capacity": self.config.device_memory,
-                "clients": len(self.conns)}
+                "gpu_used": gpu_used, "clients": len(self.conns)}
         rows: list[str] = []
         budget = MAX_BODY - len(json.dumps(head)) - 128
         at = offset
@@ -525,6 +540,7 @@ class Broker:
                 "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else "(hidden)",
                 "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
                 "device": exp.alloc.device,
+                "gpu": exp.alloc.gpu,
                 "size": exp.alloc.size,
                 "owner_pid": exp.owner.pid,
                 "pid_validation": not exp.flags & 1,

@@ -13,6 +13,7 @@ export VMMSHARE_REQUIRE_GPU=1  # the CUDA tests must run on the GPU, never on th
 {
   nvidia-smi -L
   $PY -c 'import sys, cuda.bindings, torch; print(sys.version.split()[0], "cuda-bindings", cuda.bindings.__version__, "torch", torch.__version__)'
+  $PY -c 'from vmmshare.backends.cuda import CudaBackend as B; b = B(); print("GPUs", b.count, "granularity", b.granularity(0), "memory", b.total_memory(0), "free/total", b.mem_info(0))'
 } 2>&1 | tee "$OUT/env.txt"
 timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt"
 test_rc=${PIPESTATUS[0]}

@@ -372,6 +372,31 @@ def test_pythonic_api_on_gpu_memory(broker: BrokerProc) -> None:
     assert out.stdout.strip() == "5a" * 8
 
 
+def test_dlpack_capsule_of_gpu_memory_says_cuda(broker: BrokerProc) -> None:
+    """The capsule a CUDA consumer gets, read by hand (DLPack's C layout, both forms): device, pointer, shape."""
+    code = textwrap.dedent("""
+        import ctypes, struct, vmmshare
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        with vmmshare.Device(0).allocate(2 << 20) as mem, mem.map() as m:
+            for versioned in (False, True):
+                cap = m.__dlpack__(max_version=(1, 0) if versioned else None)
+                p = get(cap, b"dltensor_versioned" if versioned else b"dltensor")
+                if versioned:
+                    assert struct.unpack("<II", ctypes.string_at(p, 8)) == (1, 0)
+                    p += 32  # version, manager_ctx, deleter, flags
+                data, dev, dev_id, ndim, code, bits, lanes, shape, _, offset = struct.unpack(
+                    "<QiiiBBHQQQ", ctypes.string_at(p, 48))
+                assert (data, dev, dev_id, ndim, code, bits, lanes, offset) == (m.ptr, 2, 0, 1, 1, 8, 1, 0)
+                assert struct.unpack("<q", ctypes.string_at(shape, 8)) == (2 << 20,)
+                del cap  # never consumed: its deleter lets the mapping close
+        print("ok")
+    """)
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
 def test_gpu_benchmark_script_runs(broker: BrokerProc, tmp_path: Path) -> None:
     """The device check's benchmark, small: every step of it runs and reports (the numbers mean nothing here)."""
     script = HERE.parent / "benchmarks" / "bench_gpu.py"

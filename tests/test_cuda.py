@@ -198,6 +198,42 @@ def test_ls_shows_gpu_memory(gpu_actor: Callable[..., Actor], broker: BrokerProc
     drop(a, h, ptr)
 
 
+def test_more_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor]) -> None:
+    """Rules 5, 6, 8, 11 (no pid validation), 13 (once per process) and 14 (exporter death) with GPU memory."""
+    exporter, importer, anyone, late = gpu_actor(), gpu_actor(), gpu_actor(), gpu_actor()
+    h, ptr = alloc_map(exporter, 2 * MiB2)
+    loc = {"type": 1, "id": 0}
+    # rule 5: a READ mapping refuses writes, reads still work; the flags read back
+    assert exporter.call("rt.mem_set_access", ptr, 2 * MiB2, [{"flags": 1, "location": loc}]) == 0, exporter.last_err
+    assert exporter.call("rt.mem_get_access", ptr + MiB2, loc) == (1, 0)
+    assert exporter.call("rt.memset", ptr, 16, 0x11, 16) == 107000
+    assert len(download(exporter, ptr, 4)) == 4  # reads still work (a GPU does not promise zeroed memory)
+    assert exporter.call("rt.mem_set_access", ptr, 2 * MiB2, [{"flags": 3, "location": loc}]) == 0
+    upload(exporter, ptr + MiB2, b"rule 8")
+    # rule 6: the reservation is not released while mapped
+    assert exporter.call("rt.release_mem_address", ptr) == 107000
+    # rule 8: retain and address range inside a GPU mapping
+    rh, ret = exporter.call("rt.mem_retain_allocation_handle", ptr + MiB2 + 5)
+    assert (rh, ret) == (h, 0), exporter.last_err
+    assert exporter.call("rt.mem_get_address_range", ptr + MiB2 + 5) == (ptr, 2 * MiB2, 0)
+    assert exporter.call("rt.free_physical", rh) == 0  # the retain's reference
+    # rule 11: without pid validation anyone may import
+    sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 1, DEFAULT)
+    assert ret == 0, exporter.last_err
+    ih, ret = anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
+    assert ret == 0, anyone.last_err
+    # rule 13: once per process until freed
+    assert anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107000
+    iptr, _ = anyone.call("rt.reserve_mem_address", 2 * MiB2, 0, 0, 0)
+    assert anyone.call("rt.map_mem", iptr, 2 * MiB2, 0, ih, 0) == 0, anyone.last_err
+    # rule 14: the exporter dies: no new imports, the importer keeps the memory
+    exporter.kill()
+    assert late.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107017
+    assert download(anyone, iptr + MiB2, 6) == b"rule 8"
+    drop(anyone, ih, iptr)
+    assert importer.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107017
+
+
 def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
     exporter = gpu_actor()
     host_only = Actor({**broker.env, "VMMSHARE_BACKEND": "host"})

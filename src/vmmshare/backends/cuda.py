@@ -47,12 +47,14 @@ class CudaMemory:
     fd: int = -1  # exported POSIX fd, once exported
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.backend.check(self.backend.cu.cuMemRelease(self.handle)[0], "cuMemRelease")
-            self.handle = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        handle, fd = self.handle, self.fd
+        self.handle, self.fd = None, -1
+        try:
+            if handle is not None:
+                self.backend.check(self.backend.cu.cuMemRelease(handle)[0], "cuMemRelease")
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 class CudaBackend:

@@ -99,3 +99,16 @@ class Actor:
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
 MiB2 = 2 << 20
+
+
+def share_and_map(exporter: Actor, importer: Actor, h: int, size: int, share_type: int = 1) -> tuple[int, int, int]:
+    """Export `h` with `importer` on the trustlist, then import and map it there: (shareable, handle, ptr)."""
+    shareable, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, share_type)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", shareable, share_type, [importer.pid]) == 0
+    ih, ret = importer.call("rt.mem_import_from_shareable_handle_v2", shareable, share_type, 0)
+    assert ret == 0, importer.last_err
+    ptr, ret = importer.call("rt.reserve_mem_address", size, 0, 0, 0)
+    assert ret == 0, importer.last_err
+    assert importer.call("rt.map_mem", ptr, size, 0, ih, 0) == 0, importer.last_err
+    return shareable, ih, ptr

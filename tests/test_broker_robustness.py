@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from procs import PROP, Actor, BrokerProc, MiB2
+from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 from vmmshare import protocol as P
 from vmmshare.protocol import HEADER, MAGIC, MAX_FRAME, SPECS, VERSION, Frame, Msg, ProtocolError
 
@@ -232,14 +232,7 @@ def assert_serves(broker: BrokerProc) -> None:
         assert exporter.call("rt.map_mem", p, MiB2, 0, h, 0) == 0
         exporter.call("!write", p, 0x3C, MiB2)
         exporter.call("!write_bytes", p, b"still serving")
-        shareable, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
-        assert ret == 0, exporter.last_err
-        assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", shareable, DEFAULT, [importer.pid]) == 0
-        h2, ret = importer.call("rt.mem_import_from_shareable_handle_v2", shareable, DEFAULT, 0)
-        assert ret == 0, importer.last_err
-        p2, ret = importer.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
-        assert ret == 0
-        assert importer.call("rt.map_mem", p2, MiB2, 0, h2, 0) == 0
+        _, _, p2 = share_and_map(exporter, importer, h, MiB2, DEFAULT)
         assert importer.call("!read", p2, 13) == b"still serving"
         assert importer.call("!sha256", p2, MiB2) == exporter.call("!sha256", p, MiB2)
     finally:

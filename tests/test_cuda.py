@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2
+from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 
 HERE = Path(__file__).resolve().parent
 SRC = str(HERE.parent / "src")
@@ -250,14 +250,7 @@ def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Acto
 def share_once(exporter: Actor, importer: Actor, size: int = MiB2) -> tuple[int, int, int, int]:
     """Allocate and map in `exporter`, share with `importer`, map there: (h, ptr, imported h, imported ptr)."""
     h, ptr = alloc_map(exporter, size)
-    sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
-    assert ret == 0, exporter.last_err
-    assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, DEFAULT, [importer.pid]) == 0
-    ih, ret = importer.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
-    assert ret == 0, importer.last_err
-    iptr, ret = importer.call("rt.reserve_mem_address", size, 0, 0, 0)
-    assert ret == 0, importer.last_err
-    assert importer.call("rt.map_mem", iptr, size, 0, ih, 0) == 0, importer.last_err
+    _, ih, iptr = share_and_map(exporter, importer, h, size)
     return h, ptr, ih, iptr
 
 

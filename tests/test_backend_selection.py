@@ -60,3 +60,19 @@ def test_a_broker_with_a_bad_configuration_says_so_and_exits(tmp_path: object) -
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "VMMSHARE_DEVICES" in out.stderr
+
+
+@without_gpu
+@pytest.mark.parametrize("backend", ["cuda", "auto"])
+def test_doctor_says_why_there_is_no_gpu(backend: str) -> None:
+    import json
+
+    env = {**os.environ, "VMMSHARE_BACKEND": backend}
+    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "doctor", "--json"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    finding = next(f for f in json.loads(out.stdout) if f["item"] == "backend")
+    if backend == "cuda":
+        assert finding["status"] == "missing" and finding["fix"], finding
+        assert "no usable GPU" in finding["detail"] or "not installed" in finding["detail"], finding
+    else:
+        assert finding["status"] == "ok" and "host memory" in finding["detail"], finding

@@ -234,6 +234,16 @@ def test_more_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor]) -> None
     assert importer.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107017
 
 
+def test_doctor_lists_the_gpus(broker: BrokerProc) -> None:
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "doctor", "--json"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    finding = next(f for f in json.loads(out.stdout) if f["item"] == "backend")
+    assert finding["status"] == "ok" and "GPU 0:" in finding["detail"], finding
+    if MODE == "fake":
+        assert "GPU 1: 16384 MiB, granularity 2048 KiB" in finding["detail"], finding
+
+
 def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
     exporter = gpu_actor()
     host_only = Actor({**broker.env, "VMMSHARE_BACKEND": "host"})

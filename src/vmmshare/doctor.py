@@ -140,7 +140,19 @@ def backend(config: Config) -> list[Finding]:
     except ImportError:
         return [Finding("missing", "backend", f"VMMSHARE_BACKEND={config.backend} but cuda-bindings is not installed",
                         "pip install 'vmmshare[cuda]'")]
-    return [Finding("ok", "backend", f"{config.backend}: cuda-bindings importable")]
+    from .backends.cuda import CudaBackend
+    from .errors import AclError
+
+    try:
+        gpu = CudaBackend()
+        gpus = ", ".join(f"GPU {d}: {gpu.total_memory(d) >> 20} MiB, granularity {gpu.granularity(d) >> 10} KiB"
+                         for d in range(gpu.count))
+    except AclError as exc:
+        if config.backend == "auto":
+            return [Finding("ok", "backend", f"auto: no usable GPU ({exc.message}), device memory is host memory")]
+        return [Finding("missing", "backend", f"VMMSHARE_BACKEND=cuda but no usable GPU: {exc.message}",
+                        "install the NVIDIA driver, or use VMMSHARE_BACKEND=host")]
+    return [Finding("ok", "backend", f"{config.backend}: device memory is GPU memory ({gpus})")]
 
 
 def run(as_json: bool = False) -> int:

@@ -138,6 +138,8 @@ def backend(config: Config) -> list[Finding]:
     try:
         from cuda.bindings import driver  # noqa: F401
     except ImportError:
+        if config.backend == "auto":
+            return [Finding("ok", "backend", "auto: cuda-bindings is not installed, device memory is host memory")]
         return [Finding("missing", "backend", f"VMMSHARE_BACKEND={config.backend} but cuda-bindings is not installed",
                         "pip install 'vmmshare[cuda]'")]
     from .backends.cuda import CudaBackend

@@ -436,6 +436,14 @@ def test_dlpack_capsule_of_gpu_memory_says_cuda(broker: BrokerProc) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("path", sorted((HERE.parent / "examples").glob("gpu_*.py")), ids=lambda p: p.stem)
+def test_gpu_example_runs(broker: BrokerProc, path: Path) -> None:
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "shared 8 MiB of GPU memory" in out.stdout, out.stdout
+
+
 def test_gpu_benchmark_script_runs(broker: BrokerProc, tmp_path: Path) -> None:
     """The device check's benchmark, small: every step of it runs and reports (the numbers mean nothing here)."""
     script = HERE.parent / "benchmarks" / "bench_gpu.py"

@@ -1,4 +1,6 @@
-"""Every example runs to success as its own process (exporter and importer processes, the session broker)."""
+"""Every example runs to success as its own process (exporter and importer processes, the session broker).
+
+The GPU examples (`gpu_*.py`) run in tests/test_cuda.py, with the CUDA backend."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+EXAMPLES = sorted(p for p in (Path(__file__).resolve().parent.parent / "examples").glob("*.py")
+                  if not p.name.startswith("gpu_"))
 
 
 def test_there_are_examples() -> None:

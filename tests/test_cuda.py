@@ -303,6 +303,27 @@ def test_importer_keeps_gpu_memory_when_the_exporter_dies(gpu_actor: Callable[..
     drop(importer, ih, iptr)
 
 
+def listing(broker: BrokerProc) -> dict[str, object]:
+    code = "from vmmshare.cli import main; main(['ls', '--json'])"
+    out = subprocess.run([sys.executable, "-c", code], env=broker.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def test_gpu_memory_is_given_back_when_the_last_holder_dies(gpu_actor: Callable[..., Actor],
+                                                             broker: BrokerProc) -> None:
+    exporter, importer = gpu_actor(), gpu_actor()
+    h, ptr, _, _ = share_once(exporter, importer, 2 * MiB2)
+    assert listing(broker)["gpu_used"] == {"0": 2 * MiB2}
+    drop(exporter, h, ptr)
+    assert listing(broker)["gpu_used"] == {"0": 2 * MiB2}, "the importer still holds it"
+    importer.kill()
+    listing(broker)  # a connection made after the death: the broker has processed it (settled_fd_count)
+    after = listing(broker)
+    assert after["gpu_used"] == {} and after["exports"] == []
+
+
 def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     drop(a, *alloc_map(a))  # connected to the broker, the context made

@@ -28,7 +28,7 @@ fresh process's get_mem_info, no export listed, no process left that mentions th
 Known defects are told apart from other violations by their signature and listed under "defects" (the run still
 exits 1): D1, a call under way when the broker dies fails with 507022 (at most one per client and death); D2, after
 a reconnection that failed mid-way (D1, or a double kill) the restarted broker no longer charges some live
-allocations. Both are pinned by regression tests in tests/test_faults.py; see docs/reliability-part2.md §6.
+allocations. Both are pinned by regression tests in tests/test_faults.py; see docs/reliability.md §6.
 
 Worker roles (internal): `--role exporter|importer --progress FILE --seed S`, driven by JSON lines on stdin.
 """
@@ -613,7 +613,7 @@ class Run:
             state = {"looped": False}
             # what a broker death may cost a client: the trustlist call of a handle that the dead broker exported
             # (107017 from the new one), an import of such a handle (107017), and the one call that was under way
-            # when the broker died, which fails with 507022 (defect D1 in docs/reliability-part2.md: the client's
+            # when the broker died, which fails with 507022 (defect D1 in docs/reliability.md: the client's
             # single retry connects into the dying broker's listener and is reset): at most one per client and kill
             kills = 2 if double else 1
             lost: Counter[str] = Counter()

@@ -1,4 +1,4 @@
-"""Faults, CI-sized (the full run is `stress/faults.py`, see docs/reliability-part2.md §3): SIGKILL of an exporter,
+"""Faults, CI-sized (the full run is `stress/faults.py`, see docs/reliability.md §3): SIGKILL of an exporter,
 of an importer and of the broker at random points of export / import / map, ten trials of each, and the defect
 those runs found in the client's reconnection.
 
@@ -9,7 +9,7 @@ node capacity, exports, processes). The seed is fixed (VMMSHARE_STRESS_SEED over
 the message carries the seed and the violation.
 
 Two defects of the client's reconnection show up in the random broker kills only when the timing is right
-(docs/reliability-part2.md §6, D1 and D2); the random trials record them apart from other violations, and the
+(docs/reliability.md §6, D1 and D2); the random trials record them apart from other violations, and the
 last two tests here reproduce each one deterministically.
 """
 

@@ -1,4 +1,4 @@
-"""Identity, CI-sized (the full run is `stress/identity.py`, see docs/reliability-part2.md §5): who may import is
+"""Identity, CI-sized (the full run is `stress/identity.py`, see docs/reliability.md §5): who may import is
 decided by the kernel's view of the peer (SO_PEERCRED pid and uid, the process start time), never by a claim.
 
 (a) pid reuse forced with /proc/sys/kernel/ns_last_pid, on the host and inside a fresh pid namespace; (b) processes

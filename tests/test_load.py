@@ -1,4 +1,4 @@
-"""Load, CI-sized (the full run is `stress/load.py`: 64 clients x 1,000 cycles, see docs/reliability-part2.md §4).
+"""Load, CI-sized (the full run is `stress/load.py`: 64 clients x 1,000 cycles, see docs/reliability.md §4).
 
 Eight client processes in four pairs each run fifty export / import / map / free cycles against one broker,
 through `vmmshare.acl`: trustlisted imports must succeed and show the partner's marker, imports by a process that

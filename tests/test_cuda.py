@@ -324,6 +324,22 @@ def test_gpu_memory_is_given_back_when_the_last_holder_dies(gpu_actor: Callable[
     assert after["gpu_used"] == {} and after["exports"] == []
 
 
+def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..., Actor],
+                                                          broker: BrokerProc) -> None:
+    a = gpu_actor()
+    h, ptr = alloc_map(a, 2 * MiB2)
+    upload(a, ptr, b"survives")
+    broker.kill()
+    broker.start()
+    h2, ptr2 = alloc_map(a)  # the client reconnects and charges its live allocations again, as GPU memory
+    after = listing(broker)
+    assert after["gpu_used"] == {"0": 3 * MiB2} and after["used"] == {}, after
+    assert download(a, ptr, 8) == b"survives"
+    drop(a, h2, ptr2)
+    drop(a, h, ptr)
+    assert listing(broker)["gpu_used"] == {}
+
+
 def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     drop(a, *alloc_map(a))  # connected to the broker, the context made

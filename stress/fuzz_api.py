@@ -979,6 +979,25 @@ def verdict(r: dict[str, Any]) -> list[str]:
     return bad
 
 
+@contextlib.contextmanager
+def backend_env(backend: str) -> Any:
+    """The variables that give the child `backend` (building the CPU stand-in for the driver if asked)."""
+    if backend == "host":
+        yield {}
+        return
+    if backend == "cuda":
+        yield {"VMMSHARE_BACKEND": "cuda"}
+        return
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import fakecuda
+
+    folder = Path(tempfile.mkdtemp(prefix="vmmshare-fakecuda-"))
+    try:
+        yield {"VMMSHARE_BACKEND": "cuda", **fakecuda.build(folder)}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=100_000)
@@ -986,12 +1005,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=20251130)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--trace", type=Path, default=None, help="write each call before it runs (to find a crash)")
+    ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
+                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                         "the CUDA driver, built with $CC)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child_main(args.calls, args.seconds, args.seed, args.result, args.trace)
-    r = run(args.calls, args.seed, args.seconds, args.trace)
+    with backend_env(args.backend) as extra:
+        r = run(args.calls, args.seed, args.seconds, args.trace, extra_env=extra)
     if args.json:
         args.json.write_text(json.dumps(r, indent=2, default=str))
     print(f"{r.get('calls')} calls of {r.get('functions')} functions in {r.get('seconds')} s "

@@ -14,11 +14,13 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ SRC = ROOT / "src"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+import fakecuda  # noqa: E402
 from procs import PROP, Actor, BrokerProc, MiB2  # noqa: E402
 from vmmshare import protocol as P  # noqa: E402
 
@@ -52,6 +55,22 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_") and k != "PYTHONFAULTHANDLER"}
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def backend_env(backend: str) -> Iterator[dict[str, str]]:
+    """The variables that give the child `backend` (building the CPU stand-in for the driver if asked)."""
+    if backend == "host":
+        yield {}
+        return
+    if backend == "cuda":
+        yield {"VMMSHARE_BACKEND": "cuda"}
+        return
+    folder = Path(tempfile.mkdtemp(prefix="vmmshare-fakecuda-"))
+    try:
+        yield {"VMMSHARE_BACKEND": "cuda", **fakecuda.build(folder)}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Deadline:

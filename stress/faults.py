@@ -92,6 +92,7 @@ class _WorkerBase:
         self.rt = acl.rt
         self.prog = c.Progress(progress)
         self.run_seed = run_seed
+        self.gpu = os.environ.get("VMMSHARE_BACKEND") == "cuda"  # device memory is GPU memory: no CPU access
         assert self.rt.set_device(0) == 0
         tgid, ret = self.rt.device_get_bare_tgid()  # connects to the broker
         assert ret == 0, acl.get_recent_err_msg()
@@ -104,7 +105,23 @@ class _WorkerBase:
         _emit({"ev": "fail", "phase": phase, "code": code, "msg": self.acl.get_recent_err_msg()[:300], **extra})
 
     def check(self, ptr: int, seed: int) -> bool:
-        return ctypes.string_at(ptr, SIZE) == c.pattern(seed, SIZE)
+        return self.read(ptr, SIZE) == c.pattern(seed, SIZE)
+
+    def read(self, ptr: int, n: int) -> bytes:
+        """The bytes at `ptr`: read directly, or for GPU memory copied to the host (b"" if the copy fails)."""
+        if not self.gpu:
+            return ctypes.string_at(ptr, n)
+        buf = ctypes.create_string_buffer(n)
+        return buf.raw if self.rt.memcpy(ctypes.addressof(buf), n, ptr, n, 2) == 0 else b""
+
+    def write(self, ptr: int, data: bytes) -> None:
+        if not self.gpu:
+            ctypes.memmove(ptr, data, len(data))
+            return
+        buf = ctypes.create_string_buffer(data, len(data))
+        ret = self.rt.memcpy(ptr, len(data), ctypes.addressof(buf), len(data), 1)
+        if ret:
+            self.fail("write", ret)
 
     def unmap_free(self, h: int, p: int) -> None:
         self.step("unmap")
@@ -169,7 +186,7 @@ class ExporterWorker(_WorkerBase):
             rt.release_mem_address(p)
             return None
         self.step("write")
-        ctypes.memmove(p, c.pattern(seed, SIZE), SIZE)
+        self.write(p, c.pattern(seed, SIZE))
         self.live.append((i, h, p, seed))
         self.step("export")
         sh, ret = rt.mem_export_to_shareable_handle_v2(h, flags, c.DEFAULT)
@@ -308,7 +325,11 @@ class ImporterWorker(_WorkerBase):
 class Run:
     """One faults run: counters, kill points and the violations of the invariants, per kind."""
 
-    def __init__(self, seed: int, workdir: Path, capacity: int = 1 << 30) -> None:
+    def __init__(self, seed: int, workdir: Path, capacity: int = 1 << 30,
+                 backend_env: dict[str, str] | None = None) -> None:
+        self.backend_env = backend_env or {}
+        self.gpu = self.backend_env.get("VMMSHARE_BACKEND") == "cuda"
+        self.used_key = "gpu_used" if self.gpu else "used"  # where `vmmshare ls` counts the memory
         self.seed = seed
         self.rng = random.Random(seed)
         self.workdir = workdir
@@ -326,13 +347,20 @@ class Run:
         hello, _ = w.until("hello")
         return w, prog, hello
 
+    def mem_info(self, broker: c.BrokerProc) -> tuple[int, int]:
+        """(free, total) as the broker accounts them; for GPU memory, which it records but does not cap, the total
+        is this run's capacity and free what the recorded allocations leave of it."""
+        if not self.gpu:
+            return c.raw_mem_info(broker.socket)
+        return self.capacity - sum(c.raw_listing(broker.socket)["gpu_used"].values()), self.capacity
+
     def violate(self, kind: str, trial: int, what: str, **detail: Any) -> None:
         self.violations.append({"kind": kind, "trial": trial, "what": what, **detail})
 
     def new_broker(self, kind: str) -> tuple[c.BrokerProc, dict[str, str], Path]:
         folder = self.workdir / kind
         folder.mkdir(parents=True, exist_ok=True)
-        env = c.clean_env(VMMSHARE_DEVICE_MEMORY=str(self.capacity), VMMSHARE_BROKER_IDLE="600")
+        env = c.clean_env(VMMSHARE_DEVICE_MEMORY=str(self.capacity), VMMSHARE_BROKER_IDLE="600", **self.backend_env)
         broker = c.BrokerProc(folder / "run", env=env)
         return broker, broker.env, folder
 
@@ -348,7 +376,7 @@ class Run:
         fds = c.settled_fd_count(broker)
         if fds != fds0:
             self.violate(kind, -1, "broker fds not back to baseline after all clients exited", fds=fds, baseline=fds0)
-        free, total = c.actor_mem_info(env)
+        free, total = self.mem_info(broker) if self.gpu else c.actor_mem_info(env)
         if free != total:
             self.violate(kind, -1, "capacity not full after all clients exited", free=free, total=total)
         exports = c.raw_listing(broker.socket)["exports"]
@@ -427,7 +455,7 @@ class Run:
         imp, _iprog, ihello = self.worker("importer", env, folder / "imp.progress")
         fds_base = c.settled_fd_count(broker)
         imp_fds = imp.call({"op": "counts"}, "counts")["fds"]
-        _, total = c.raw_mem_info(broker.socket)
+        _, total = self.mem_info(broker)
         t = -1
         for t in range(trials):
             if deadline.passed():
@@ -480,7 +508,7 @@ class Run:
                 if ret != c.BAD_HANDLE:
                     self.violate(kind, t, "a dead exporter's handle was not revoked", sh=int(sh), ret=ret)
             imp.call({"op": "free_all"}, "freed")
-            free, _ = c.raw_mem_info(broker.socket)
+            free, _ = self.mem_info(broker)
             if free != total:
                 self.violate(kind, t, "capacity leaked", free=free, total=total)
             fds = c.settled_fd_count(broker)
@@ -505,7 +533,7 @@ class Run:
         exp, _eprog, _ = self.worker("exporter", env, folder / "exp.progress")
         sur, _sprog, shello = self.worker("importer", env, folder / "sur.progress")
         fds_base = c.settled_fd_count(broker)
-        _, total = c.raw_mem_info(broker.socket)
+        _, total = self.mem_info(broker)
         for t in range(trials):
             if deadline.passed():
                 break
@@ -560,8 +588,8 @@ class Run:
                     self.violate(kind, t, "an export vanished when an importer died", sh=sh)
                 elif row["importers"] != [shello["tgid"]]:
                     self.violate(kind, t, "the dead importer is still counted", sh=sh, importers=row["importers"])
-            if listing["used"] != {"0": SIZE * k}:
-                self.violate(kind, t, "charged bytes are not exactly the exporter's", used=listing["used"])
+            if listing[self.used_key] != {"0": SIZE * k}:
+                self.violate(kind, t, "charged bytes are not exactly the exporter's", used=listing[self.used_key])
             # the exports are untouched: the survivor imports them again, with the right bytes
             sur.call({"op": "free_all"}, "freed")
             sur.send({"op": "import", "handles": [[sh, seed, False] for sh, seed in handles]})
@@ -570,7 +598,7 @@ class Run:
                 assert ev is not None
                 self.check_imp_event(kind, t, ev, stats, kept, allowed=())
             exp.call({"op": "free_all"}, "freed")
-            free, _ = c.raw_mem_info(broker.socket)
+            free, _ = self.mem_info(broker)
             if free != total:
                 self.violate(kind, t, "capacity leaked", free=free, total=total)
             fds = c.settled_fd_count(broker)
@@ -601,7 +629,7 @@ class Run:
         fds_base = c.settled_fd_count(broker)
         imp_fds = imp.call({"op": "counts"}, "counts")["fds"]
         exp_fds = exp.call({"op": "counts"}, "counts")["fds"]
-        _, total = c.raw_mem_info(broker.socket)
+        _, total = self.mem_info(broker)
         for t in range(trials):
             if deadline.passed():
                 break
@@ -699,7 +727,7 @@ class Run:
             # the restarted broker charges exactly what is alive: the exporter's allocations
             imp.call({"op": "free_all"}, "freed")
             live = exp.call({"op": "counts"}, "counts")["live"]
-            free, _ = c.raw_mem_info(broker.socket)
+            free, _ = self.mem_info(broker)
             if free != total - live * SIZE:
                 detail = {"free": free, "expected": total - live * SIZE, "live": live, "double_kill": double}
                 if double or lost[exp.name]:  # the exporter's reconnection failed mid-way: defect D2
@@ -709,7 +737,7 @@ class Run:
                     self.violate(kind, t, "the restarted broker does not charge exactly the live allocations",
                                  **detail)
             exp.call({"op": "free_all"}, "freed")
-            free, _ = c.raw_mem_info(broker.socket)
+            free, _ = self.mem_info(broker)
             if free != total:
                 self.violate(kind, t, "capacity not full after everything was freed", free=free, total=total)
             fds = c.settled_fd_count(broker)
@@ -725,12 +753,12 @@ class Run:
 
 
 def run(kinds: list[str], trials: int, seconds: float | None, seed: int, double_kill: float = 0.0,
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, backend_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `trials` trials of each kind (each kind bounded by its share of `seconds`); returns the result."""
     own = workdir is None
     base = Path(tempfile.mkdtemp(prefix="vmmshare-faults-")) if workdir is None else workdir
     started = time.monotonic()
-    r = Run(seed, base)
+    r = Run(seed, base, backend_env=backend_env)
     try:
         for kind in kinds:
             share = None if seconds is None else seconds / len(kinds)
@@ -770,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--double-kill", type=float, default=0.0,
                     help="fraction of broker trials that kill the restarted broker again while clients reconnect")
     ap.add_argument("--json", help="write the result here ('-': stdout)")
+    ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
+                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                         "the CUDA driver, built with $CC)")
     ap.add_argument("--role", choices=["exporter", "importer"], help=argparse.SUPPRESS)
     ap.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -778,11 +809,13 @@ def main(argv: list[str] | None = None) -> int:
         cls(args.progress, args.seed or 0).serve()
         return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    result = run(args.kinds.split(","), args.trials, args.seconds, seed, args.double_kill)
+    with c.backend_env(args.backend) as extra:
+        result = run(args.kinds.split(","), args.trials, args.seconds, seed, args.double_kill, backend_env=extra)
+    result["backend"] = args.backend
     c.write_json(args.json, result)
     summary = {k: {"trials": v.get("trials"), "wall_s": v.get("wall_s")} for k, v in result["kinds"].items()}
-    print(f"faults: seed {seed}, {summary}, {len(result['violations'])} violation(s), known defects seen: "
-          f"{result['defect_counts']}", file=sys.stderr)
+    print(f"faults: {args.backend} backend, seed {seed}, {summary}, {len(result['violations'])} violation(s), "
+          f"known defects seen: {result['defect_counts']}", file=sys.stderr)
     for v in result["violations"][:20]:
         print("  VIOLATION", json.dumps(v)[:400], file=sys.stderr)
     return 1 if result["violations"] or result["defects"] else 0

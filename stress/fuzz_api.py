@@ -47,6 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import common as c  # noqa: E402
 from fuzz_protocol import Broker, broker_state, settled_fd_count  # noqa: E402
 
 DOCUMENTED = {0, 100002, 100003, 100037, 107000, 107001, 107002, 107017, 207000, 207001, 207006}
@@ -979,25 +980,6 @@ def verdict(r: dict[str, Any]) -> list[str]:
     return bad
 
 
-@contextlib.contextmanager
-def backend_env(backend: str) -> Any:
-    """The variables that give the child `backend` (building the CPU stand-in for the driver if asked)."""
-    if backend == "host":
-        yield {}
-        return
-    if backend == "cuda":
-        yield {"VMMSHARE_BACKEND": "cuda"}
-        return
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    import fakecuda
-
-    folder = Path(tempfile.mkdtemp(prefix="vmmshare-fakecuda-"))
-    try:
-        yield {"VMMSHARE_BACKEND": "cuda", **fakecuda.build(folder)}
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=100_000)
@@ -1013,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return child_main(args.calls, args.seconds, args.seed, args.result, args.trace)
-    with backend_env(args.backend) as extra:
+    with c.backend_env(args.backend) as extra:
         r = run(args.calls, args.seed, args.seconds, args.trace, extra_env=extra)
     if args.json:
         args.json.write_text(json.dumps(r, indent=2, default=str))

@@ -415,6 +415,20 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
         assert result["ok_per_function"].get(name, 0) > 0, f"{name} never succeeded"
 
 
+def test_sigkill_faults_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str]) -> None:
+    """stress/faults.py, CI-sized, under the CUDA backend: exporter, importer and broker killed at random points."""
+    sys.path.insert(0, str(HERE.parent / "stress"))
+    import faults
+
+    result = faults.run(["exporter", "importer", "broker"], 8, 240, 20261130,
+                        backend_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
+    assert not result["violations"] and not result["defects"], result["violations"] + result["defects"]
+    kinds = result["kinds"]
+    assert kinds["exporter"]["counters"]["kept_checked_after_kill"] > 0
+    assert kinds["importer"]["counters"]["imports_ok"] > 0
+    assert kinds["broker"]["counters"]["imports_after_restart"] == 2 * kinds["broker"]["trials"]
+
+
 def test_pythonic_api_on_gpu_memory(broker: BrokerProc) -> None:
     child = textwrap.dedent("""
         import ctypes, sys, vmmshare

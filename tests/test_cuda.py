@@ -498,6 +498,14 @@ def test_gpu_example_runs(broker: BrokerProc, path: Path) -> None:
     assert "shared 8 MiB of GPU memory" in out.stdout, out.stdout
 
 
+def test_demo_shares_gpu_memory(broker: BrokerProc) -> None:
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "demo", "--size", "8M"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "8 MiB of GPU memory (CUDA backend) shared" in out.stdout and "all steps behaved" in out.stdout, out.stdout
+
+
 def test_gpu_benchmark_script_runs(broker: BrokerProc, tmp_path: Path) -> None:
     """The device check's benchmark, small: every step of it runs and reports (the numbers mean nothing here)."""
     script = HERE.parent / "benchmarks" / "bench_gpu.py"

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from . import acl
+from ._process import runtime
 from .config import parse_size
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": acl.ACL_HBM_MEM_NORMAL,
@@ -34,6 +35,7 @@ class Role:
         self.handle = 0
         self.ptr = 0
         self.size = 0
+        self.gpu = False  # GPU memory (the CUDA backend): the CPU reaches it through memcpy only
 
     def _ok(self, ret: int, what: str) -> None:
         if ret != acl.ACL_SUCCESS:
@@ -43,7 +45,8 @@ class Role:
         self._ok(acl.rt.set_device(0), "set_device")
         pid, ret = acl.rt.device_get_bare_tgid()
         self._ok(ret, "device_get_bare_tgid")
-        return {"pid": pid}
+        self.gpu = runtime().gpu is not None
+        return {"pid": pid, "gpu": self.gpu}
 
     def _map(self, size: int) -> None:
         self.ptr, ret = acl.rt.reserve_mem_address(size, 0, 0, 0)
@@ -77,13 +80,27 @@ class Role:
 
     def fill(self, seed: int) -> dict[str, Any]:
         block = hashlib.shake_256(seed.to_bytes(8, "little")).digest(CHUNK)
+        bounce = ctypes.create_string_buffer(block, CHUNK)
         for off in range(0, self.size, CHUNK):
-            ctypes.memmove(self.ptr + off, block, min(CHUNK, self.size - off))
+            n = min(CHUNK, self.size - off)
+            if self.gpu:
+                self._ok(acl.rt.memcpy(self.ptr + off, n, ctypes.addressof(bounce), n, acl.ACL_MEMCPY_HOST_TO_DEVICE),
+                         "memcpy")
+            else:
+                ctypes.memmove(self.ptr + off, block, n)
         return self.checksum()
 
     def checksum(self) -> dict[str, Any]:
-        view = (ctypes.c_char * self.size).from_address(self.ptr)
-        return {"sha256": hashlib.sha256(memoryview(view)).hexdigest()}
+        if not self.gpu:
+            view = (ctypes.c_char * self.size).from_address(self.ptr)
+            return {"sha256": hashlib.sha256(memoryview(view)).hexdigest()}
+        digest, bounce = hashlib.sha256(), ctypes.create_string_buffer(CHUNK)
+        for off in range(0, self.size, CHUNK):
+            n = min(CHUNK, self.size - off)
+            self._ok(acl.rt.memcpy(ctypes.addressof(bounce), n, self.ptr + off, n, acl.ACL_MEMCPY_DEVICE_TO_HOST),
+                     "memcpy")
+            digest.update(memoryview(bounce)[:n])
+        return {"sha256": digest.hexdigest()}
 
     def release(self) -> dict[str, Any]:
         self._ok(acl.rt.unmap_mem(self.ptr), "unmap_mem")
@@ -163,9 +180,12 @@ def conduct(size: int, out: Any = sys.stdout) -> int:
     procs = {name: Proc(name) for name in ("exporter", "importer-A", "importer-B")}
     e, a, b = procs["exporter"], procs["importer-A"], procs["importer-B"]
     try:
+        gpu = False
         for p in procs.values():
-            p.pid = p.do("hello")["pid"]
-        say(f"vmmshare demo: {_human(size)} shared between three processes on the node broker")
+            hello = p.do("hello")
+            p.pid, gpu = hello["pid"], gpu or hello["gpu"]
+        kind = " of GPU memory (CUDA backend)" if gpu else ""
+        say(f"vmmshare demo: {_human(size)}{kind} shared between three processes on the node broker")
         say("   " + ", ".join(f"{n} pid {p.pid}" for n, p in procs.items()))
 
         r = e.do("create", size, 1)

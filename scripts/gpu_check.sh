@@ -17,7 +17,7 @@ export VMMSHARE_REQUIRE_GPU=1  # the CUDA tests must run on the GPU, never on th
 } 2>&1 | tee "$OUT/env.txt"
 timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt"
 test_rc=${PIPESTATUS[0]}
-VMMSHARE_BACKEND=cuda timeout 240 $PY benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
+timeout 240 $PY -m vmmshare.cli bench --gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "tests rc=$test_rc bench rc=$bench_rc"
 exit $(( test_rc || bench_rc ))

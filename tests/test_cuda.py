@@ -506,12 +506,11 @@ def test_demo_shares_gpu_memory(broker: BrokerProc) -> None:
     assert "8 MiB of GPU memory (CUDA backend) shared" in out.stdout and "all steps behaved" in out.stdout, out.stdout
 
 
-def test_gpu_benchmark_script_runs(broker: BrokerProc, tmp_path: Path) -> None:
-    """The device check's benchmark, small: every step of it runs and reports (the numbers mean nothing here)."""
-    script = HERE.parent / "benchmarks" / "bench_gpu.py"
-    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
-    args = ["--sizes", "2,4", "--reps", "3", "--json", str(tmp_path / "b.json")]
-    out = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+def test_gpu_benchmark_runs(broker: BrokerProc, tmp_path: Path) -> None:
+    """`vmmshare bench --gpu`, small: every step of it runs and reports (on the stand-in the numbers mean nothing)."""
+    args = ["bench", "--gpu", "--sizes", "2M,4M", "--reps", "3", "--json", str(tmp_path / "b.json")]
+    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", *args], env=broker.env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads((tmp_path / "b.json").read_text())
     assert set(rows) == {"2MiB", "4MiB"}

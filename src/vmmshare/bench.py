@@ -460,8 +460,16 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--gpu" in argv or os.environ.get("VMMSHARE_BACKEND", "").strip().lower() == "cuda":
+        from . import bench_gpu  # device memory is GPU memory: the CPU-side measurements below do not apply
+
+        return bench_gpu.main([a for a in argv if a != "--gpu"])
     ap = argparse.ArgumentParser(prog="vmmshare bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", action="store_true",
+                    help="GPU memory with the CUDA backend instead, against torch CUDA IPC (see --gpu --help); "
+                         "the default under VMMSHARE_BACKEND=cuda")
     ap.add_argument("--quick", action="store_true", help="CI-sized: fewer sizes and repetitions")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")

@@ -244,6 +244,13 @@ def test_more_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor]) -> None
     assert importer.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107017
 
 
+def test_auto_backend_picks_the_gpu(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor(VMMSHARE_BACKEND="auto")
+    h, ptr = alloc_map(a)
+    assert a.call("util.ptr_to_bytes", ptr, 16) is None and "GPU" in a.last_err  # GPU memory, not a memfd
+    drop(a, h, ptr)
+
+
 def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
     exporter = gpu_actor()
     host_only = Actor({**broker.env, "VMMSHARE_BACKEND": "host"})

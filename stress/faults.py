@@ -597,6 +597,7 @@ class Run:
                 ev = sur.next()
                 assert ev is not None
                 self.check_imp_event(kind, t, ev, stats, kept, allowed=())
+            sur.call({"op": "ping"}, "pong")  # it reports each import before freeing it: wait for the last free
             exp.call({"op": "free_all"}, "freed")
             free, _ = self.mem_info(broker)
             if free != total:

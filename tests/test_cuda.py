@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -321,6 +322,32 @@ def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..
     drop(a, h2, ptr2)
     drop(a, h, ptr)
     assert listing(broker)["gpu_used"] == {}
+
+
+def test_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
+    """A client hands the broker a pipe as a GPU export: the importer's driver refuses it, and nothing leaks."""
+    from vmmshare import protocol as P
+
+    r, w = os.pipe()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(str(broker.socket))
+        sock.send(P.encode(P.Msg.CHARGE_GPU, 1, 0, MiB2))
+        token = P.decode(sock.recv(P.MAX_FRAME)).values[0]
+        fields = (token, MiB2, 1, DEFAULT, 0, 1, 0, 0, 5, 1, 0)  # no pid validation; kind 1: a GPU export
+        socket.send_fds(sock, [P.encode(P.Msg.EXPORT, 2, *fields)], [r])
+        shareable = int.from_bytes(P.decode(sock.recv(P.MAX_FRAME)).tail, "little")  # type: ignore[arg-type]
+        a = gpu_actor()
+        drop(a, *alloc_map(a))  # connected, context made
+        fds = a.call("!fd_count")
+        assert a.call("rt.mem_import_from_shareable_handle_v2", shareable, DEFAULT, 0)[-1] == 107000
+        assert "cuMemImportFromShareableHandle" in a.last_err, a.last_err
+        assert a.call("!fd_count") == fds
+        assert a.call("rt.mem_import_from_shareable_handle_v2", shareable, DEFAULT, 0)[-1] == 107000  # again
+    finally:
+        sock.close()
+        os.close(r)
+        os.close(w)
 
 
 def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) -> None:

@@ -161,10 +161,16 @@ class CudaBackend:
         return mem.fd
 
     def adopt(self, fd: int, size: int, device: int) -> CudaMemory:
-        """Import an exported fd (closed here either way)."""
+        """Import an exported fd (closed here either way). A fd the driver does not take is a bad handle (107000):
+        the broker cannot look inside a GPU export, so this is where a forged one is caught."""
         try:
             self.use(device)
             err, handle = self.cu.cuMemImportFromShareableHandle(fd, self.fd_type)
+            if int(err) and err != self.cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                raise InvalidParamError(
+                    f"cuMemImportFromShareableHandle failed: {getattr(err, 'name', err)} "
+                    "(the exporter's fd is not a CUDA allocation this GPU can import)"
+                )
             self.check(err, "cuMemImportFromShareableHandle")
         finally:
             os.close(fd)

@@ -427,6 +427,40 @@ def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> 
     drop(exporter, h, ptr)
 
 
+def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broker: BrokerProc) -> None:
+    """torch.cuda.set_device(1) / cupy make device 1's context current in the thread; vmmshare's calls on device 0
+    must still run in device 0's context."""
+    code = textwrap.dedent("""
+        import ctypes, sys
+        import vmmshare.acl as acl
+        from cuda.bindings import driver as cu
+        rt = acl.rt
+        if rt.get_device_count()[0] < 2:
+            print("one GPU"); sys.exit(0)
+        assert rt.set_device(0) == 0
+        prop = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
+        h, ret = rt.malloc_physical(4 << 20, prop, 0)
+        p, _ = rt.reserve_mem_address(4 << 20, 0, 0, 0)
+        assert rt.map_mem(p, 4 << 20, 0, h, 0) == 0
+        free0 = rt.get_mem_info(0)[0]
+        _, dev1 = cu.cuDeviceGet(1)
+        _, ctx1 = cu.cuDevicePrimaryCtxRetain(dev1)
+        assert cu.cuCtxSetCurrent(ctx1)[0] == 0  # what torch.cuda.set_device(1) does
+        assert rt.get_mem_info(0)[0] == free0, "device 1's memory was reported for device 0"
+        assert rt.memset(p, 4 << 20, 7, 4 << 20) == 0, acl.get_recent_err_msg()
+        buf = ctypes.create_string_buffer(4)
+        assert rt.memcpy(ctypes.addressof(buf), 4, p, 4, 2) == 0 and buf.raw == b"\x07" * 4
+        assert rt.unmap_mem(p) == 0 and rt.release_mem_address(p) == 0 and rt.free_physical(h) == 0
+        print("ok")
+    """)
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if out.stdout.strip() == "one GPU":
+        pytest.skip("one GPU only")
+    assert out.stdout.strip() == "ok"
+
+
 # ---------------------------------------------------------------- the reliability suites, CI-sized
 
 

@@ -144,6 +144,13 @@ CUresult cuCtxSetCurrent(CUctx *ctx) {
     return SUCCESS;
 }
 
+CUresult cuCtxGetCurrent(CUctx **ctx) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!ctx) return INVALID_VALUE;
+    *ctx = current;
+    return SUCCESS;
+}
+
 CUresult cuCtxSynchronize(void) {
     if (!initialized) return NOT_INITIALIZED;
     return current ? SUCCESS : INVALID_CONTEXT;
@@ -454,7 +461,7 @@ CUresult cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t count) {
 static const struct { const char *name; void *fn; } table[] = {
 #define F(name) {#name, (void *)name}
     F(cuDriverGetVersion), F(cuInit), F(cuDeviceGetCount), F(cuDeviceGet), F(cuDeviceTotalMem),
-    F(cuDevicePrimaryCtxRetain), F(cuCtxSetCurrent), F(cuCtxSynchronize), F(cuMemGetInfo), F(cuMemGetAllocationGranularity),
+    F(cuDevicePrimaryCtxRetain), F(cuCtxSetCurrent), F(cuCtxGetCurrent), F(cuCtxSynchronize), F(cuMemGetInfo), F(cuMemGetAllocationGranularity),
     F(cuMemCreate), F(cuMemRelease), F(cuMemExportToShareableHandle), F(cuMemImportFromShareableHandle),
     F(cuMemAddressReserve), F(cuMemAddressFree), F(cuMemMap), F(cuMemUnmap), F(cuMemSetAccess), F(cuMemcpy),
     F(cuMemsetD8),

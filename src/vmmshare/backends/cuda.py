@@ -75,7 +75,6 @@ class CudaBackend:
             raise FeatureNotSupportedError("VMMSHARE_BACKEND=cuda but no GPU is visible")
         self._contexts: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._tls = threading.local()
         self.fd_type = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
     # ------------------------------------------------------------ plumbing
@@ -96,19 +95,22 @@ class CudaBackend:
         raise InternalError(message)
 
     def use(self, device: int) -> None:
-        """Make `device`'s primary context current in this thread."""
-        if getattr(self._tls, "device", None) == device:
-            return
-        with self._lock:
-            ctx = self._contexts.get(device)
-            if ctx is None:
-                err, dev = self.cu.cuDeviceGet(device)
-                self.check(err, "cuDeviceGet")
-                err, ctx = self.cu.cuDevicePrimaryCtxRetain(dev)
-                self.check(err, "cuDevicePrimaryCtxRetain")
-                self._contexts[device] = ctx
-        self.check(self.cu.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
-        self._tls.device = device
+        """Make `device`'s primary context current in this thread. Asked of the driver each time, not cached:
+        other code in the thread (torch.cuda.set_device, cupy) may have made another context current."""
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.get(device)
+                if ctx is None:
+                    err, dev = self.cu.cuDeviceGet(device)
+                    self.check(err, "cuDeviceGet")
+                    err, ctx = self.cu.cuDevicePrimaryCtxRetain(dev)
+                    self.check(err, "cuDevicePrimaryCtxRetain")
+                    self._contexts[device] = ctx
+        err, current = self.cu.cuCtxGetCurrent()
+        self.check(err, "cuCtxGetCurrent")
+        if int(current) != int(ctx):
+            self.check(self.cu.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
 
     def _prop(self, device: int) -> Any:
         cu = self.cu

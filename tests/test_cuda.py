@@ -429,7 +429,7 @@ def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> 
 
 def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broker: BrokerProc) -> None:
     """torch.cuda.set_device(1) / cupy make device 1's context current in the thread; vmmshare's calls on device 0
-    must still run in device 0's context."""
+    must still run in device 0's context, and leave device 1's current for the code that chose it."""
     code = textwrap.dedent("""
         import ctypes, sys
         import vmmshare.acl as acl
@@ -450,6 +450,7 @@ def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broke
         assert rt.memset(p, 4 << 20, 7, 4 << 20) == 0, acl.get_recent_err_msg()
         buf = ctypes.create_string_buffer(4)
         assert rt.memcpy(ctypes.addressof(buf), 4, p, 4, 2) == 0 and buf.raw == b"\x07" * 4
+        assert int(cu.cuCtxGetCurrent()[1]) == int(ctx1), "the other code's context was not given back"
         assert rt.unmap_mem(p) == 0 and rt.release_mem_address(p) == 0 and rt.free_physical(h) == 0
         print("ok")
     """)

@@ -7,9 +7,11 @@ the fd from cuMemExportToShareableHandle, which the broker holds like a host mem
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +96,28 @@ class CudaBackend:
             raise FeatureNotSupportedError(message)
         raise InternalError(message)
 
-    def use(self, device: int) -> None:
-        """Make `device`'s primary context current in this thread. Asked of the driver each time, not cached:
-        other code in the thread (torch.cuda.set_device, cupy) may have made another context current."""
+    @contextlib.contextmanager
+    def on(self, device: int) -> Iterator[None]:
+        """Run with `device`'s primary context current in this thread, then give back the one that was current.
+
+        The driver is asked each time (nothing cached per thread), and another context is restored afterwards:
+        other code in the thread (torch.cuda.set_device, cupy) keeps the device it chose. When none was current,
+        ours stays, so the next call need not switch again.
+        """
+        ctx = self._context(device)
+        err, previous = self.cu.cuCtxGetCurrent()
+        self.check(err, "cuCtxGetCurrent")
+        switch = int(previous) != int(ctx)
+        if switch:
+            self.check(self.cu.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+        try:
+            yield
+        finally:
+            if switch and int(previous):
+                self.cu.cuCtxSetCurrent(previous)
+
+    def _context(self, device: int) -> Any:
+        """The primary context of `device` (retained once, kept for the process's life)."""
         ctx = self._contexts.get(device)
         if ctx is None:
             with self._lock:
@@ -107,10 +128,7 @@ class CudaBackend:
                     err, ctx = self.cu.cuDevicePrimaryCtxRetain(dev)
                     self.check(err, "cuDevicePrimaryCtxRetain")
                     self._contexts[device] = ctx
-        err, current = self.cu.cuCtxGetCurrent()
-        self.check(err, "cuCtxGetCurrent")
-        if int(current) != int(ctx):
-            self.check(self.cu.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+        return ctx
 
     def _prop(self, device: int) -> Any:
         cu = self.cu
@@ -137,27 +155,27 @@ class CudaBackend:
 
     def mem_info(self, device: int) -> tuple[int, int]:
         """(free, total) bytes of the GPU, as its driver counts them (every process's allocations)."""
-        self.use(device)
-        err, free, total = self.cu.cuMemGetInfo()
+        with self.on(device):
+            err, free, total = self.cu.cuMemGetInfo()
         self.check(err, "cuMemGetInfo")
         return int(free), int(total)
 
     # ------------------------------------------------------------ memory
 
     def allocate(self, size: int, device: int) -> CudaMemory:
-        self.use(device)
         g = self.granularity(device)
         if size % g:
             raise InvalidParamError(f"size {size} is not a multiple of the GPU's granularity {g}")
-        err, handle = self.cu.cuMemCreate(size, self._prop(device), 0)
+        with self.on(device):
+            err, handle = self.cu.cuMemCreate(size, self._prop(device), 0)
         self.check(err, "cuMemCreate")
         return CudaMemory(handle, size, device, self)
 
     def export_fd(self, mem: CudaMemory) -> int:
         """The POSIX fd of an allocation (made once, on first export; the runtime exports once)."""
         if mem.fd < 0:
-            self.use(mem.device)
-            err, fd = self.cu.cuMemExportToShareableHandle(mem.handle, self.fd_type, 0)
+            with self.on(mem.device):
+                err, fd = self.cu.cuMemExportToShareableHandle(mem.handle, self.fd_type, 0)
             self.check(err, "cuMemExportToShareableHandle")
             mem.fd = int(fd)
         return mem.fd
@@ -166,8 +184,8 @@ class CudaBackend:
         """Import an exported fd (closed here either way). A fd the driver does not take is a bad handle (107000):
         the broker cannot look inside a GPU export, so this is where a forged one is caught."""
         try:
-            self.use(device)
-            err, handle = self.cu.cuMemImportFromShareableHandle(fd, self.fd_type)
+            with self.on(device):
+                err, handle = self.cu.cuMemImportFromShareableHandle(fd, self.fd_type)
             if int(err) and err != self.cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 raise InvalidParamError(
                     f"cuMemImportFromShareableHandle failed: {getattr(err, 'name', err)} "
@@ -190,14 +208,14 @@ class CudaBackend:
         self.check(self.cu.cuMemAddressFree(ptr, size)[0], "cuMemAddressFree")
 
     def map(self, ptr: int, size: int, mem: CudaMemory, access: int) -> None:
-        self.use(mem.device)
-        self.check(self.cu.cuMemMap(ptr, size, 0, mem.handle, 0)[0], "cuMemMap")
-        if access:
-            try:
-                self.protect(ptr, size, access, mem.device)
-            except AclError:
-                self.cu.cuMemUnmap(ptr, size)
-                raise
+        with self.on(mem.device):
+            self.check(self.cu.cuMemMap(ptr, size, 0, mem.handle, 0)[0], "cuMemMap")
+            if access:
+                try:
+                    self.protect(ptr, size, access, mem.device)
+                except AclError:
+                    self.cu.cuMemUnmap(ptr, size)
+                    raise
 
     def unmap(self, ptr: int, size: int) -> None:
         self.check(self.cu.cuMemUnmap(ptr, size)[0], "cuMemUnmap")
@@ -213,19 +231,20 @@ class CudaBackend:
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = device
         desc.flags = flags
-        self.check(cu.cuMemSetAccess(ptr, size, [desc], 1)[0], "cuMemSetAccess")
+        with self.on(device):
+            self.check(cu.cuMemSetAccess(ptr, size, [desc], 1)[0], "cuMemSetAccess")
 
     def copy(self, dst: int, src: int, count: int, device: int) -> None:
         """A synchronous copy, as aclrtMemcpy is (cuMemcpy may return before a device-side copy is done)."""
-        self.use(device)
-        self.check(self.cu.cuMemcpy(dst, src, count)[0], "cuMemcpy")
-        self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
+        with self.on(device):
+            self.check(self.cu.cuMemcpy(dst, src, count)[0], "cuMemcpy")
+            self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
 
     def fill(self, ptr: int, value: int, count: int, device: int) -> None:
         """A synchronous memset, as aclrtMemset is (cuMemsetD8 is asynchronous for device memory)."""
-        self.use(device)
-        self.check(self.cu.cuMemsetD8(ptr, value & 0xFF, count)[0], "cuMemsetD8")
-        self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
+        with self.on(device):
+            self.check(self.cu.cuMemsetD8(ptr, value & 0xFF, count)[0], "cuMemsetD8")
+            self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
 
 
 def available() -> bool:

@@ -427,6 +427,22 @@ def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> 
     drop(exporter, h, ptr)
 
 
+@pytest.mark.parametrize("peer_path", [True, False], ids=["peers", "no_peers"])
+def test_peer_access_is_the_gpus_topology(gpu_actor: Callable[..., Actor], peer_path: bool) -> None:
+    if MODE == "gpu" and not peer_path:
+        pytest.skip("the stand-in's setting")
+    a = gpu_actor(**({} if peer_path else {"FAKECUDA_NO_PEER": "1"}))
+    count, _ = a.call("rt.get_device_count")
+    if count < 2:
+        pytest.skip("one GPU only")
+    assert a.call("rt.device_can_access_peer", 0, 0) == (0, 0)
+    can, ret = a.call("rt.device_can_access_peer", 0, 1)
+    assert ret == 0 and (can == 1 if MODE == "fake" and peer_path else can in (0, 1))
+    if MODE == "fake" and not peer_path:
+        assert can == 0
+    assert a.call("rt.device_enable_peer_access", 1, 0) == (0 if can else 207000)
+
+
 def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broker: BrokerProc) -> None:
     """torch.cuda.set_device(1) / cupy make device 1's context current in the thread; vmmshare's calls on device 0
     must still run in device 0's context, and leave device 1's current for the code that chose it."""

@@ -192,6 +192,8 @@ class Runtime:
 
     def can_access_peer(self, device: object, peer: object) -> int:
         d, p = self._device(device), self._device(peer)
+        if self.gpu is not None and d != p:
+            return int(self.gpu.can_access_peer(d, p))  # the GPUs' topology says
         return int(d != p)
 
     def enable_peer_access(self, peer: object, flags: object) -> None:
@@ -200,6 +202,8 @@ class Runtime:
         d = self.current_device()
         if p == d:
             raise InvalidParamError(f"device {d} cannot enable peer access to itself")
+        if self.gpu is not None and not self.gpu.can_access_peer(d, p):
+            raise FeatureNotSupportedError(f"GPU {d} cannot access GPU {p}'s memory (cuDeviceCanAccessPeer says no)")
         with self._lock:
             self._peers.add((d, p))
 

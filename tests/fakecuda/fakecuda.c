@@ -14,7 +14,8 @@
  * - FABRIC handles are refused with CUDA_ERROR_NOT_PERMITTED, as on a node without an IMEX channel;
  * - copies and memsets need a current context.
  *
- * Settings: FAKECUDA_DEVICES (default 1), FAKECUDA_MEMORY per device in bytes (default 16 GiB).
+ * Settings: FAKECUDA_DEVICES (default 1), FAKECUDA_MEMORY per device in bytes (default 16 GiB), FAKECUDA_NO_PEER
+ * (set: no two GPUs can access each other's memory).
  * The bindings find the functions through cuGetProcAddress_v2, as they do with the real driver.
  */
 #define _GNU_SOURCE
@@ -126,6 +127,14 @@ CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev) {
     if (!bytes) return INVALID_VALUE;
     if (dev < 0 || dev >= device_count) return INVALID_DEVICE;
     *bytes = device_memory;
+    return SUCCESS;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!can) return INVALID_VALUE;
+    if (dev < 0 || dev >= device_count || peer < 0 || peer >= device_count) return INVALID_DEVICE;
+    *can = dev != peer && !getenv("FAKECUDA_NO_PEER");  /* FAKECUDA_NO_PEER: GPUs without a peer path */
     return SUCCESS;
 }
 
@@ -460,7 +469,7 @@ CUresult cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t count) {
 
 static const struct { const char *name; void *fn; } table[] = {
 #define F(name) {#name, (void *)name}
-    F(cuDriverGetVersion), F(cuInit), F(cuDeviceGetCount), F(cuDeviceGet), F(cuDeviceTotalMem),
+    F(cuDriverGetVersion), F(cuInit), F(cuDeviceGetCount), F(cuDeviceGet), F(cuDeviceTotalMem), F(cuDeviceCanAccessPeer),
     F(cuDevicePrimaryCtxRetain), F(cuCtxSetCurrent), F(cuCtxGetCurrent), F(cuCtxSynchronize), F(cuMemGetInfo), F(cuMemGetAllocationGranularity),
     F(cuMemCreate), F(cuMemRelease), F(cuMemExportToShareableHandle), F(cuMemImportFromShareableHandle),
     F(cuMemAddressReserve), F(cuMemAddressFree), F(cuMemMap), F(cuMemUnmap), F(cuMemSetAccess), F(cuMemcpy),

@@ -153,6 +153,12 @@ class CudaBackend:
         self.check(err, "cuDeviceTotalMem")
         return int(total)
 
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        """Whether `device` can map and access memory that lives on `peer` (NVLink or PCIe peer-to-peer)."""
+        err, can = self.cu.cuDeviceCanAccessPeer(device, peer)
+        self.check(err, "cuDeviceCanAccessPeer")
+        return bool(can)
+
     def mem_info(self, device: int) -> tuple[int, int]:
         """(free, total) bytes of the GPU, as its driver counts them (every process's allocations)."""
         with self.on(device):

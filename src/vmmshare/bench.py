@@ -459,9 +459,19 @@ def run(
     return res
 
 
+def _gpu_backend() -> bool:
+    """Whether this process's device memory would be GPU memory (VMMSHARE_BACKEND=cuda, or auto with a GPU)."""
+    backend = os.environ.get("VMMSHARE_BACKEND", "").strip().lower()
+    if backend == "auto":
+        from .backends.cuda import available
+
+        return available()
+    return backend == "cuda"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--gpu" in argv or os.environ.get("VMMSHARE_BACKEND", "").strip().lower() == "cuda":
+    if "--gpu" in argv or _gpu_backend():
         from . import bench_gpu  # device memory is GPU memory: the CPU-side measurements below do not apply
 
         return bench_gpu.main([a for a in argv if a != "--gpu"])
@@ -469,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu", action="store_true",
                     help="GPU memory with the CUDA backend instead, against torch CUDA IPC (see --gpu --help); "
-                         "the default under VMMSHARE_BACKEND=cuda")
+                         "the default when VMMSHARE_BACKEND gives GPU memory (cuda, or auto with a GPU)")
     ap.add_argument("--quick", action="store_true", help="CI-sized: fewer sizes and repetitions")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")

@@ -70,6 +70,22 @@ def worker(index: int, rx: int, tx: int, seed: int, refuse: float) -> int:
         return line.decode().split()
 
     assert rt.set_device(0) == 0
+    gpu = os.environ.get("VMMSHARE_BACKEND") == "cuda"  # GPU memory: the CPU reaches it through memcpy only
+    bounce = ctypes.create_string_buffer(MARK.size)
+
+    def put(ptr: int, data: bytes) -> None:
+        if not gpu:
+            ctypes.memmove(ptr, data, len(data))
+            return
+        ctypes.memmove(bounce, data, len(data))
+        if rt.memcpy(ptr, len(data), ctypes.addressof(bounce), len(data), 1):
+            error("memcpy to the device")
+
+    def get(ptr: int, size: int) -> bytes:
+        if not gpu:
+            return ctypes.string_at(ptr, size)
+        return bounce.raw[:size] if rt.memcpy(ctypes.addressof(bounce), size, ptr, size, 2) == 0 else b""
+
     me, ret = rt.device_get_bare_tgid()  # connects to the broker
     assert ret == 0, acl.get_recent_err_msg()
     mine, ret = rt.reserve_mem_address(SIZE, 0, 0, 0)
@@ -111,8 +127,8 @@ def worker(index: int, rx: int, tx: int, seed: int, refuse: float) -> int:
             if rt.map_mem(mine, SIZE, 0, h, 0):
                 error("map own")
             mark = MARK.pack(b"vmmload1", me, i, seed)
-            ctypes.memmove(mine, mark, MARK.size)
-            ctypes.memmove(mine + SIZE - MARK.size, mark, MARK.size)
+            put(mine, mark)
+            put(mine + SIZE - MARK.size, mark)
             sh, ret = timed("export", rt.mem_export_to_shareable_handle_v2, h, 0, c.DEFAULT)
             if ret:
                 error("export", ret)
@@ -148,8 +164,8 @@ def worker(index: int, rx: int, tx: int, seed: int, refuse: float) -> int:
                 error("import+map", ret or mret)
             else:
                 want = MARK.pack(b"vmmload1", partner, i, seed)
-                head = ctypes.string_at(theirs, MARK.size)
-                tail = ctypes.string_at(theirs + SIZE - MARK.size, MARK.size)
+                head = get(theirs, MARK.size)
+                tail = get(theirs + SIZE - MARK.size, MARK.size)
                 if head != want or tail != want:
                     n["data_errors"] += 1
                     error("wrong marker in the partner's memory")
@@ -187,13 +203,15 @@ def worker(index: int, rx: int, tx: int, seed: int, refuse: float) -> int:
 
 
 def run(clients: int, cycles: int, seconds: float | None, seed: int, refuse: float = 0.25,
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, backend_env: dict[str, str] | None = None) -> dict[str, Any]:
     if clients < 2 or clients % 2:
         raise ValueError("--clients must be an even number >= 2 (clients work in pairs)")
     own = workdir is None
     base = Path(tempfile.mkdtemp(prefix="vmmshare-load-")) if workdir is None else workdir
     folder = base / "run"
-    env = c.clean_env(VMMSHARE_BROKER_IDLE="600")
+    backend_env = backend_env or {}
+    gpu = backend_env.get("VMMSHARE_BACKEND") == "cuda"
+    env = c.clean_env(VMMSHARE_BROKER_IDLE="600", **backend_env)
     broker = c.BrokerProc(folder, env=env)
     workers: list[c.Worker] = []
     violations: list[dict[str, Any]] = []
@@ -230,7 +248,8 @@ def run(clients: int, cycles: int, seconds: float | None, seed: int, refuse: flo
         fds = c.settled_fd_count(broker)
         free_raw, _ = c.raw_mem_info(broker.socket)
         free, total2 = c.actor_mem_info(broker.env)
-        exports = c.raw_listing(broker.socket)["exports"]
+        listing = c.raw_listing(broker.socket)
+        exports, gpu_used = listing["exports"], listing["gpu_used"]
         broker.kill()
         stray = c.processes_mentioning(str(base))
     finally:
@@ -250,8 +269,10 @@ def run(clients: int, cycles: int, seconds: float | None, seed: int, refuse: flo
         violations.append({"what": "unexpected errors", "count": totals["errors"], "first": errors})
     if fds != fds0:
         violations.append({"what": "broker fds not back to baseline", "fds": fds, "baseline": fds0})
-    if (free, total2) != (total, total) or free_raw != total:
+    if not gpu and ((free, total2) != (total, total) or free_raw != total):
         violations.append({"what": "capacity not full at the end", "free": free, "total": total2})
+    if gpu_used:
+        violations.append({"what": "GPU memory still recorded at the end", "gpu_used": gpu_used})
     if exports:
         violations.append({"what": "exports still listed at the end", "count": len(exports)})
     if stray:
@@ -285,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: random, and recorded)")
     ap.add_argument("--refuse", type=float, default=0.25, help="fraction of cycles whose import must be refused")
     ap.add_argument("--json", help="write the result here ('-': stdout)")
+    ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
+                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                         "the CUDA driver, built with $CC)")
     ap.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rx", type=int, help=argparse.SUPPRESS)
@@ -293,9 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.role:
         return worker(args.index, args.rx, args.tx, args.seed or 0, args.refuse)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    result = run(args.clients, args.cycles, args.seconds, seed, args.refuse)
+    with c.backend_env(args.backend) as extra:
+        result = run(args.clients, args.cycles, args.seconds, seed, args.refuse, backend_env=extra)
+    result["backend"] = args.backend
     c.write_json(args.json, result)
-    print(f"load: seed {seed}, {args.clients} clients, {result['cycles_done']} client cycles in {result['wall_s']} s "
+    print(f"load: {args.backend} backend, seed {seed}, {args.clients} clients, {result['cycles_done']} client cycles "
+          f"in {result['wall_s']} s "
           f"({result['throughput']['client_cycles_per_s']}/s), {result['counts']['errors']} unexpected error(s), "
           f"{len(result['violations'])} violation(s)", file=sys.stderr)
     for m, p in result["latency_us"].items():

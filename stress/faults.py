@@ -364,8 +364,28 @@ class Run:
         broker = c.BrokerProc(folder / "run", env=env)
         return broker, broker.env, folder
 
+    def start_kind(self, broker: c.BrokerProc) -> tuple[Counter[str], Counter[str], int]:
+        """A kind's counters (trial outcomes, kill phases) and the broker's fd count before any client."""
+        return Counter(), Counter(), c.settled_fd_count(broker)
+
+    def verify(self, kind: str, t: int, w: c.Worker, what: str) -> int:
+        """Have `w` re-check every mapping it keeps (a violation, `what`, if any changed); how many it checked."""
+        got = w.call({"op": "verify"}, "verified")
+        if got["bad"]:
+            self.violate(kind, t, what, bad=got["bad"])
+        return int(got["n"])
+
+    def check_nothing_held(self, kind: str, t: int, broker: c.BrokerProc, fds_base: int) -> None:
+        """After a trial, with everything freed: full capacity, and the broker's fds at the trial baseline."""
+        free, total = self.mem_info(broker)
+        if free != total:
+            self.violate(kind, t, "capacity not full after everything was freed", free=free, total=total)
+        fds = c.settled_fd_count(broker)
+        if fds != fds_base:
+            self.violate(kind, t, "broker fds not at the baseline", fds=fds, baseline=fds_base)
+
     def finish_kind(self, kind: str, broker: c.BrokerProc, env: dict[str, str], folder: Path, fds0: int,
-                    workers: list[c.Worker], stats: dict[str, Any]) -> None:
+                    workers: list[c.Worker], counters: Counter[str], phases: Counter[str]) -> None:
         """Close the kind's clients; then the broker is back to its no-client fds, capacity is full, nothing is
         listed, and no process mentions the kind's folder."""
         for w in workers:
@@ -389,9 +409,11 @@ class Run:
             for pid, _ in stray:
                 with contextlib.suppress(OSError):
                     os.kill(pid, 9)
-        stats["leak_checks"] = stats.get("leak_checks", 0) + 1
-        stats["final"] = {"broker_fds": fds, "baseline_fds": fds0, "free": free, "total": total,
-                          "stray_processes": len(stray)}
+        self.kinds[kind] = {
+            "trials": counters.pop("trials", 0), "counters": dict(counters), "kill_phases": dict(phases),
+            "leak_checks": 1, "final": {"broker_fds": fds, "baseline_fds": fds0, "free": free, "total": total,
+                                        "stray_processes": len(stray)},
+        }
 
     def check_imp_event(self, kind: str, t: int, ev: dict[str, Any], stats: Counter[str], kept: set[int],
                         allowed: tuple[int, ...] = (c.BAD_HANDLE,)) -> None:
@@ -449,13 +471,10 @@ class Run:
     def exporter_kills(self, trials: int, deadline: c.Deadline) -> None:
         kind = "exporter"
         broker, env, folder = self.new_broker(kind)
-        stats: Counter[str] = Counter()
-        phases: Counter[str] = Counter()
-        fds0 = c.settled_fd_count(broker)
+        stats, phases, fds0 = self.start_kind(broker)
         imp, _iprog, ihello = self.worker("importer", env, folder / "imp.progress")
         fds_base = c.settled_fd_count(broker)
         imp_fds = imp.call({"op": "counts"}, "counts")["fds"]
-        _, total = self.mem_info(broker)
         t = -1
         for t in range(trials):
             if deadline.passed():
@@ -498,42 +517,29 @@ class Run:
                 on_event(exp, ev)
             self.drain(imp, on_event)
             c.barrier(broker.socket)  # the broker has dropped the dead exporter
-            got = imp.call({"op": "verify"}, "verified")
-            stats["kept_checked_after_kill"] += got["n"]
-            if got["bad"]:
-                self.violate(kind, t, "kept mappings changed after the exporter died", bad=got["bad"])
+            stats["kept_checked_after_kill"] += self.verify(kind, t, imp, "kept mappings changed as the exporter died")
             probe = imp.call({"op": "probe", "handles": [sh for sh in published if sh not in kept]}, "probed")
             for sh, ret in probe["rets"].items():
                 stats["probes"] += 1
                 if ret != c.BAD_HANDLE:
                     self.violate(kind, t, "a dead exporter's handle was not revoked", sh=int(sh), ret=ret)
             imp.call({"op": "free_all"}, "freed")
-            free, _ = self.mem_info(broker)
-            if free != total:
-                self.violate(kind, t, "capacity leaked", free=free, total=total)
-            fds = c.settled_fd_count(broker)
-            if fds != fds_base:
-                self.violate(kind, t, "broker fds leaked", fds=fds, baseline=fds_base)
+            self.check_nothing_held(kind, t, broker, fds_base)
             if imp.call({"op": "counts"}, "counts")["fds"] != imp_fds:
                 self.violate(kind, t, "importer fds leaked")
             prog.close()
             stats["trials"] += 1
-        self.finish_kind(kind, broker, env, folder, fds0, [imp], self.kinds.setdefault(kind, {}))
-        self.kinds[kind].update({"trials": stats.pop("trials", 0), "counters": dict(stats),
-                                 "kill_phases": dict(phases)})
+        self.finish_kind(kind, broker, env, folder, fds0, [imp], stats, phases)
 
     # ------------------------------------------------------------ importer kills
 
     def importer_kills(self, trials: int, deadline: c.Deadline) -> None:
         kind = "importer"
         broker, env, folder = self.new_broker(kind)
-        stats: Counter[str] = Counter()
-        phases: Counter[str] = Counter()
-        fds0 = c.settled_fd_count(broker)
+        stats, phases, fds0 = self.start_kind(broker)
         exp, _eprog, _ = self.worker("exporter", env, folder / "exp.progress")
         sur, _sprog, shello = self.worker("importer", env, folder / "sur.progress")
         fds_base = c.settled_fd_count(broker)
-        _, total = self.mem_info(broker)
         for t in range(trials):
             if deadline.passed():
                 break
@@ -573,13 +579,8 @@ class Run:
             vic.kill()
             phases["after_loop" if state["looped"] else PHASES[phase]] += 1
             c.barrier(broker.socket)
-            got = sur.call({"op": "verify"}, "verified")
-            stats["kept_checked_after_kill"] += got["n"]
-            if got["bad"]:
-                self.violate(kind, t, "a surviving importer's bytes changed", bad=got["bad"])
-            got = exp.call({"op": "verify"}, "verified")
-            if got["bad"]:
-                self.violate(kind, t, "the exporter's bytes changed", bad=got["bad"])
+            stats["kept_checked_after_kill"] += self.verify(kind, t, sur, "a surviving importer's bytes changed")
+            self.verify(kind, t, exp, "the exporter's bytes changed")
             listing = c.raw_listing(broker.socket)
             rows = {int(r["handle"], 16): r for r in listing["exports"]}
             for sh, _ in handles:
@@ -599,17 +600,10 @@ class Run:
                 self.check_imp_event(kind, t, ev, stats, kept, allowed=())
             sur.call({"op": "ping"}, "pong")  # it reports each import before freeing it: wait for the last free
             exp.call({"op": "free_all"}, "freed")
-            free, _ = self.mem_info(broker)
-            if free != total:
-                self.violate(kind, t, "capacity leaked", free=free, total=total)
-            fds = c.settled_fd_count(broker)
-            if fds != fds_base:
-                self.violate(kind, t, "broker fds leaked", fds=fds, baseline=fds_base)
+            self.check_nothing_held(kind, t, broker, fds_base)
             prog.close()
             stats["trials"] += 1
-        self.finish_kind(kind, broker, env, folder, fds0, [exp, sur], self.kinds.setdefault(kind, {}))
-        self.kinds[kind].update({"trials": stats.pop("trials", 0), "counters": dict(stats),
-                                 "kill_phases": dict(phases)})
+        self.finish_kind(kind, broker, env, folder, fds0, [exp, sur], stats, phases)
 
     # ------------------------------------------------------------ broker kills
 
@@ -622,9 +616,7 @@ class Run:
     def broker_kills(self, trials: int, deadline: c.Deadline, double_kill: float = 0.0) -> None:
         kind = "broker"
         broker, env, folder = self.new_broker(kind)
-        stats: Counter[str] = Counter()
-        phases: Counter[str] = Counter()
-        fds0 = c.settled_fd_count(broker)
+        stats, phases, fds0 = self.start_kind(broker)
         exp, eprog, _ = self.worker("exporter", env, folder / "exp.progress")
         imp, iprog, ihello = self.worker("importer", env, folder / "imp.progress")
         fds_base = c.settled_fd_count(broker)
@@ -706,13 +698,8 @@ class Run:
                 self.violate(kind, t, "the exporter's loop did not finish after the restart")
                 exp.until("looped", 60)
             self.drain(imp, on_event)
-            got = imp.call({"op": "verify"}, "verified")
-            stats["kept_checked_after_kill"] += got["n"]
-            if got["bad"]:
-                self.violate(kind, t, "mappings changed across the broker's death", bad=got["bad"])
-            got = exp.call({"op": "verify"}, "verified")
-            if got["bad"]:
-                self.violate(kind, t, "the exporter's bytes changed across the broker's death", bad=got["bad"])
+            stats["kept_checked_after_kill"] += self.verify(kind, t, imp, "mappings changed across the broker's death")
+            self.verify(kind, t, exp, "the exporter's bytes changed across the broker's death")
             # the same clients go on: two fresh exports import, with the right bytes
             exp.send({"op": "loop", "n": 2, "keep": max(keep, 2), "flags": 0, "trust": [ihello["tgid"]]})
             _, events = exp.until("looped")
@@ -738,19 +725,12 @@ class Run:
                     self.violate(kind, t, "the restarted broker does not charge exactly the live allocations",
                                  **detail)
             exp.call({"op": "free_all"}, "freed")
-            free, _ = self.mem_info(broker)
-            if free != total:
-                self.violate(kind, t, "capacity not full after everything was freed", free=free, total=total)
-            fds = c.settled_fd_count(broker)
-            if fds != fds_base:
-                self.violate(kind, t, "broker fds not at the baseline", fds=fds, baseline=fds_base)
+            self.check_nothing_held(kind, t, broker, fds_base)
             if imp.call({"op": "counts"}, "counts")["fds"] != imp_fds or \
                     exp.call({"op": "counts"}, "counts")["fds"] != exp_fds:
                 self.violate(kind, t, "a client's fds leaked across the restart")
             stats["trials"] += 1
-        self.finish_kind(kind, broker, env, folder, fds0, [exp, imp], self.kinds.setdefault(kind, {}))
-        self.kinds[kind].update({"trials": stats.pop("trials", 0), "counters": dict(stats),
-                                 "kill_phases": dict(phases)})
+        self.finish_kind(kind, broker, env, folder, fds0, [exp, imp], stats, phases)
 
 
 def run(kinds: list[str], trials: int, seconds: float | None, seed: int, double_kill: float = 0.0,

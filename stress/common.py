@@ -34,6 +34,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 import fakecuda  # noqa: E402
+import rawsock  # noqa: E402
 from procs import PROP, Actor, BrokerProc, MiB2  # noqa: E402
 from vmmshare import protocol as P  # noqa: E402
 
@@ -136,12 +137,8 @@ class Raw:
         self.sock.close()
 
     def recv(self) -> tuple[P.Frame, list[int]]:
-        data, anc, _flags, _ = self.sock.recvmsg(P.MAX_FRAME + 1, socket.CMSG_SPACE(4 * 8))
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4]))
-        if not data and not fds:
+        data, fds, _ = rawsock.recv(self.sock)
+        if data is None:
             raise ConnectionResetError("the broker closed the connection")
         return P.decode(data, len(fds)), fds
 

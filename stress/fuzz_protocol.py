@@ -46,6 +46,11 @@ from vmmshare import protocol as P
 from vmmshare.protocol import HEADER, MAGIC, MAX_BODY, MAX_FRAME, SPECS, VERSION, Frame, Msg, ProtocolError, Tail
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+import rawsock  # noqa: E402  (the test side's own packet code)
+
 U32_MAX = (1 << 32) - 1
 MiB2 = 2 << 20
 HANG_GUARD = 30.0  # seconds: only a guard against a hang, never part of a result
@@ -505,30 +510,11 @@ class Conn:
             self.helper = 0
 
     def send(self, data: bytes, fds: list[int]) -> bool:
-        try:
-            if fds:
-                self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-            else:
-                self.sock.send(data)
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-        return True
+        return rawsock.send(self.sock, data, fds)
 
     def recv(self) -> tuple[bytes | None, list[int], bool]:
         """(packet, fds, truncated); packet None when the broker closed the connection."""
-        try:
-            data, anc, flags, _ = self.sock.recvmsg(MAX_FRAME + 1, socket.CMSG_SPACE(4 * 8))
-        except ConnectionResetError:
-            return None, [], False
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                fds.extend(got)
-        if not data and not fds:
-            return None, [], False
-        return data, fds, bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+        return rawsock.recv(self.sock)
 
     def call(self, kind: Msg, *values: int | bytes, tail: Any = b"", fds: tuple[int, ...] = ()) -> Frame:
         """A well-formed request of our own; returns the reply (any fds it carries are closed)."""
@@ -611,7 +597,6 @@ def broker_state(broker: Broker, devices: int = 8) -> dict[str, Any]:
 def round_trip(env: dict[str, str]) -> str:
     """Two real processes through the broker: malloc, map, write, export with a trustlist, import, map, read the
     same bytes. Returns "" on success, else what failed."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from procs import PROP, Actor  # the test suite's second-process helper
 
     exporter, importer = Actor(env), Actor(env)

@@ -8,7 +8,6 @@ close has been processed, and checks that it returns there once the test's conne
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 import os
@@ -26,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import rawsock
 from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 from vmmshare import protocol as P
 from vmmshare.protocol import HEADER, MAGIC, MAX_FRAME, SPECS, VERSION, Frame, Msg, ProtocolError
@@ -81,30 +81,14 @@ class Raw:
 
     def send(self, data: bytes, fds: tuple[int, ...] | list[int] = ()) -> bool:
         """Send one packet; False when the broker had closed the connection."""
-        try:
-            if fds:
-                self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-            else:
-                self.sock.send(data)
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-        return True
+        return rawsock.send(self.sock, data, fds)
 
     def recv(self) -> tuple[Frame | None, list[int]]:
         """The next reply and the fds that came with it; (None, []) when the broker closed the connection."""
-        try:
-            data, anc, flags, _ = self.sock.recvmsg(MAX_FRAME + 1, socket.CMSG_SPACE(4 * 8))
-        except ConnectionResetError:
+        data, fds, truncated = rawsock.recv(self.sock)
+        if data is None:
             return None, []
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                fds.extend(got)
-        if not data and not fds:
-            return None, []
-        assert not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC), "the broker sent an over-long reply"
+        assert not truncated, "the broker sent an over-long reply"
         try:
             frame = P.decode(data, len(fds))
         except ProtocolError:

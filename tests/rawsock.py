@@ -1,0 +1,39 @@
+"""Packets to and from a broker by hand: the test side's own socket code, independent of `vmmshare.broker.wire`
+so that the suites can catch its bugs. Used by the raw clients of tests/test_broker_robustness.py and stress/."""
+
+from __future__ import annotations
+
+import array
+import socket
+
+from vmmshare.protocol import MAX_FRAME
+
+
+def send(sock: socket.socket, data: bytes, fds: tuple[int, ...] | list[int] = ()) -> bool:
+    """Send one packet (with `fds` attached); False when the broker had closed the connection."""
+    try:
+        if fds:
+            sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            sock.send(data)
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
+def recv(sock: socket.socket) -> tuple[bytes | None, list[int], bool]:
+    """(packet, fds, truncated) of the next packet; packet None when the broker closed the connection."""
+    try:
+        data, anc, flags, _ = sock.recvmsg(MAX_FRAME + 1, socket.CMSG_SPACE(4 * 8))  # room for more fds than
+        # the broker may send, so that an extra one shows
+    except ConnectionResetError:
+        return None, [], False
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    if not data and not fds:
+        return None, [], False
+    return data, fds, bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))

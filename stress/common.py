@@ -35,10 +35,10 @@ if str(TESTS) not in sys.path:
 
 import fakecuda  # noqa: E402
 import rawsock  # noqa: E402
-from procs import PROP, Actor, BrokerProc, MiB2  # noqa: E402
+from procs import PROP, Actor, BrokerProc, MiB2, host_children  # noqa: E402
 from vmmshare import protocol as P  # noqa: E402
 
-__all__ = ["PROP", "Actor", "BrokerProc", "MiB2"]
+__all__ = ["PROP", "Actor", "BrokerProc", "MiB2", "host_children"]
 
 MiB = 1 << 20
 DEFAULT, FABRIC = 1, 2

@@ -174,26 +174,10 @@ def run_reuse(trials: int, mode: str, seed: int, in_pidns: bool = False, limit: 
 UNSHARE_PID = ["unshare", "--pid", "--fork", "--kill-child"]
 
 
-def host_children(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (scanning /proc)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                st = f.read()
-        except OSError:
-            continue
-        if int(st[st.rfind(b")") + 2 :].split()[1]) == pid:
-            out.append(int(name))
-    return out
-
-
 def container_actor(env: dict[str, str]) -> tuple[c.Actor, int]:
     """An Actor in a pid namespace of its own, and its host pid (the one child of `unshare`)."""
     a = c.Actor(env, prefix=UNSHARE_PID)
-    kids = host_children(a.proc.pid)
+    kids = c.host_children(a.proc.pid)
     if len(kids) != 1:
         a.kill()
         raise RuntimeError(f"unshare {a.proc.pid} has children {kids}, expected one")

@@ -112,3 +112,19 @@ def share_and_map(exporter: Actor, importer: Actor, h: int, size: int, share_typ
     assert ret == 0, importer.last_err
     assert importer.call("rt.map_mem", ptr, size, 0, ih, 0) == 0, importer.last_err
     return shareable, ih, ptr
+
+
+def host_children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (scanning /proc, so it works without CONFIG_PROC_CHILDREN)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(b")") + 2 :].split()[1]) == pid:  # the field after the state: the parent's pid
+            out.append(int(name))
+    return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2
+from procs import PROP, Actor, BrokerProc, MiB2, host_children
 
 PARAM = 107000
 BAD_DEVICE = 107001
@@ -157,23 +157,6 @@ def check_shared_both_ways(e: Actor, e_ptr: int, i: Actor, i_ptr: int, size: int
 def mem_free(a: Actor) -> tuple[int, int]:
     free, total = ok(a, "rt.get_mem_info", 0)
     return free, total
-
-
-def host_children(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (scanning /proc, so it works without CONFIG_PROC_CHILDREN)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
-        if ppid == pid:
-            out.append(int(name))
-    return out
 
 
 def spawn_with_pid(make: MakeActor, target: int, tries: int = 8) -> Actor:

@@ -191,12 +191,13 @@ def memfd_of(size: int, fill: bytes = b"") -> int:
     return fd
 
 
-def export_values(token: int, size: int = MiB2, flags: int = NO_PID_CHECK) -> tuple[int, ...]:
+def export_values(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, kind: int = 0) -> tuple[int, ...]:
     """EXPORT's fixed fields for a DEFAULT export on device 0: token, size, flags, share type, then whatever the
-    format carries before the five prop fields (the exporter's server id: 0 here), then the prop."""
+    format carries before the five prop fields (the exporter's server id: 0 here; last, the memory kind: 0 host,
+    1 GPU), then the prop."""
     head = (token, size, flags, DEFAULT)
     n = len(re.findall(r"[a-zA-Z]", SPECS[Msg.EXPORT].fixed.format.replace("32s", "s")))
-    return (*head, *(0,) * (n - len(head) - len(PROP_FIELDS)), *PROP_FIELDS)
+    return (*head, *(0,) * (n - len(head) - len(PROP_FIELDS) - 1), kind, *PROP_FIELDS)
 
 
 def charge(conn: Raw, size: int = MiB2, device: int = 0) -> int:
@@ -465,8 +466,8 @@ def test_too_many_fds(broker: BrokerProc, baseline: int) -> None:
     assert_healthy(broker, baseline)
 
 
-def _export_frame(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, req: int = 0xE0) -> bytes:
-    return P.encode(Msg.EXPORT, req, *export_values(token, size, flags))
+def _export_frame(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, req: int = 0xE0, kind: int = 0) -> bytes:
+    return P.encode(Msg.EXPORT, req, *export_values(token, size, flags, kind))
 
 
 def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
@@ -520,6 +521,28 @@ def test_export_of_a_pipe_with_a_valid_token(broker: BrokerProc, baseline: int) 
         finally:
             os.close(wrong)
         assert c.ok(Msg.LIST, 0).tail and not json.loads(c.ok(Msg.LIST, 0).tail)["exports"]  # type: ignore[arg-type]
+    assert_healthy(broker, baseline)
+
+
+def test_export_must_be_of_the_memory_kind_charged(broker: BrokerProc, baseline: int) -> None:
+    """The broker cannot look inside a GPU export's fd, so host memory must not pass as GPU memory (a pipe would then
+    reach importers), nor GPU memory as host memory: the kind is the one the allocation was charged as."""
+    with Raw(broker.socket) as c:
+        host = charge(c)
+        gpu = int(c.ok(Msg.CHARGE_GPU, 0, MiB2).values[0])
+        r, w = pipe_for_broker()
+        try:
+            assert expect_error_or_close(c, _export_frame(host, kind=1), (w,), code=PARAM)
+        finally:
+            os.close(w)
+        assert_released(r)
+        memfd = memfd_of(MiB2)
+        try:
+            assert expect_error_or_close(c, _export_frame(gpu, kind=0), (memfd,), code=PARAM)
+            assert c.ok(Msg.EXPORT, *export_values(host), fds=(memfd,)).type is Msg.EXPORTED  # the right kind
+        finally:
+            os.close(memfd)
+        assert len(json.loads(c.ok(Msg.LIST, 0).tail)["exports"]) == 1  # type: ignore[arg-type]
     assert_healthy(broker, baseline)
 
 

@@ -21,6 +21,7 @@ import signal
 import socket
 import stat
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,7 @@ class Alloc:
     size: int
     holds: int = 0
     export: Export | None = None  # set once exported
-    gpu: bool = False  # GPU memory: the driver caps it, so it is not counted in `used`
+    kind: int = KIND_HOST  # a sealed memfd, counted against the capacity; or KIND_GPU, which the driver caps
 
 
 @dataclass(eq=False)
@@ -85,11 +86,9 @@ class Export:
     flags: int
     prop: tuple[int, int, int, int, int]
     owner: Conn
-    shareable: bytes
     secret: bytes
     trust: dict[int, Identity] = field(default_factory=dict)
     importers: dict[int, Conn] = field(default_factory=dict)  # token -> importer
-    kind: int = 0  # KIND_HOST (a sealed memfd) or KIND_GPU (a CUDA allocation's fd)
 
 
 @dataclass(eq=False)
@@ -106,7 +105,8 @@ class Broker:
         self.config = config
         self.idle = idle
         self.multi_user = multi_user
-        self.used = [0] * config.devices
+        self.used = [0] * config.devices  # host-backed device memory, per device (capped by device_memory)
+        self.gpu_used: Counter[int] = Counter()  # GPU memory, per GPU (recorded only)
         self.holds: dict[int, Hold] = {}
         self.exports: dict[int, Export] = {}
         self.conns: dict[int, Conn] = {}
@@ -353,8 +353,7 @@ class Broker:
             return encode(Msg.OK, f.req), ()
         if f.type is Msg.IMPORT:
             token, exp = self.import_(conn, int(v[0]), int(v[1]), bytes(v[2]))
-            alloc = self.holds[token].alloc
-            return encode(Msg.IMPORTED, f.req, token, alloc.size, exp.kind, *exp.prop), (exp.fd,)
+            return encode(Msg.IMPORTED, f.req, token, exp.alloc.size, exp.alloc.kind, *exp.prop), (exp.fd,)
         if f.type is Msg.BARE_TGID:
             return encode(Msg.PID, f.req, conn.pid), ()
         if f.type is Msg.LIST:
@@ -389,7 +388,8 @@ class Broker:
         """Record GPU memory (a CUDA-backend allocation): the GPU's own capacity applies, not this node's."""
         if device >= MAX_GPUS:
             raise BrokerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"GPU {device} is beyond {MAX_GPUS} GPUs")
-        return self._hold_new(conn, Alloc(device, size, holds=1, gpu=True))
+        self.gpu_used[device] += size
+        return self._hold_new(conn, Alloc(device, size, holds=1, kind=KIND_GPU))
 
     def _hold_new(self, conn: Conn, alloc: Alloc) -> int:
         token = self._new_token()
@@ -415,8 +415,11 @@ class Broker:
                 self.revoke(alloc)
             exp.importers.pop(token, None)
         alloc.holds -= 1
-        if alloc.holds == 0 and alloc.device != -1 and not alloc.gpu:
-            self.used[alloc.device] -= alloc.size
+        if alloc.holds == 0:
+            if alloc.kind == KIND_GPU:
+                self.gpu_used[alloc.device] -= alloc.size
+            elif alloc.device != -1:
+                self.used[alloc.device] -= alloc.size
 
     def revoke(self, alloc: Alloc) -> None:
         """The exporter freed the allocation (or died): no new imports; importers keep what they hold."""
@@ -435,9 +438,9 @@ class Broker:
         alloc = hold.alloc
         if alloc.export is not None:
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
-        if flags not in (0, 1) or share_type not in (1, 2) or kind not in (KIND_HOST, KIND_GPU):
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {flags}, share type {share_type} "
-                              f"or memory kind {kind}")
+        if flags not in (0, 1) or share_type not in (1, 2) or kind != alloc.kind:
+            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {flags} or share type {share_type}, or "
+                              f"memory kind {kind} for an allocation charged as kind {alloc.kind}")
         st = os.fstat(fd)
         if size != alloc.size or (kind == KIND_HOST and (not stat.S_ISREG(st.st_mode) or st.st_size != size)):
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
@@ -447,12 +450,12 @@ class Broker:
             handle = secrets.randbits(64)
         secret = secrets.token_bytes(32) if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else bytes(32)
         if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
-            shareable = FabricHandle(server_id, max(prop[4], 0), handle, size, secret,
+            shareable = FabricHandle(server_id, max(alloc.device, 0), handle, size, secret,
                                      FLAG_NO_PID_VALIDATION if flags else 0).pack()
         else:
             shareable = default_bytes(handle)
         exp = Export(handle, alloc, fd, share_type, flags, (prop[0], prop[1], prop[2], prop[3], prop[4]), conn,
-                     shareable, secret, trust, kind=kind)
+                     secret, trust)
         alloc.export = exp
         self.exports[handle] = exp
         log.debug("pid %d exported %#x (%d bytes, share type %d, flags %d)", conn.pid, handle, size, share_type, flags)
@@ -508,11 +511,8 @@ class Broker:
                     C.ACL_ERROR_RT_NO_PERMISSION,
                     f"pid {conn.pid} was trustlisted for another process that had the same pid (pid reuse)",
                 )
-        alloc = exp.alloc
-        token = self._new_token()
-        self.holds[token] = Hold(conn, alloc)
-        conn.holds.add(token)
-        alloc.holds += 1
+        token = self._hold_new(conn, exp.alloc)
+        exp.alloc.holds += 1
         exp.importers[token] = conn
         log.debug("pid %d imported %#x", conn.pid, handle)
         return token, exp
@@ -525,9 +525,7 @@ class Broker:
         """
         exports = list(self.exports.values())
         used = {str(d): u for d, u in enumerate(self.used) if u}
-        gpu_used: dict[str, int] = {}
-        for alloc in {id(h.alloc): h.alloc for h in self.holds.values() if h.alloc.gpu}.values():
-            gpu_used[str(alloc.device)] = gpu_used.get(str(alloc.device), 0) + alloc.size
+        gpu_used = {str(d): u for d, u in sorted(self.gpu_used.items()) if u}
         head = {"broker_pid": os.getpid(), "used": used, "capacity": self.config.device_memory,
                 "gpu_used": gpu_used, "clients": len(self.conns)}
         rows: list[str] = []
@@ -540,7 +538,7 @@ class Broker:
                 "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else "(hidden)",
                 "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
                 "device": exp.alloc.device,
-                "gpu": exp.alloc.gpu,
+                "gpu": exp.alloc.kind == KIND_GPU,
                 "size": exp.alloc.size,
                 "owner_pid": exp.owner.pid,
                 "pid_validation": not exp.flags & 1,

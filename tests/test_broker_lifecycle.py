@@ -9,6 +9,7 @@ the death was pending when the broker accepted the new connection.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -465,3 +466,71 @@ def test_signal_stops_an_idle_broker(procs: Procs, tmp_path: Path, sig: int) -> 
         pytest.fail(f"the broker ignored {signal.Signals(sig).name} while idle")
     assert code == 0
     assert not broker.socket.exists(), "a broker that stopped cleanly left its socket behind"
+
+
+
+# ---------------------------------------------------------------- every wait of a client is bounded
+
+BOUNDED = """
+import os, signal, socket, sys
+import vmmshare.broker.client as cl
+from vmmshare.config import Config
+from vmmshare.errors import AclError
+
+cl.REPLY_TIMEOUT = cl.CONNECT_TIMEOUT = cl.START_TIMEOUT = 0.3
+connects = []
+_try_connect = cl._try_connect
+cl._try_connect = lambda path: connects.append(path) or _try_connect(path)
+case, broker = sys.argv[1], int(sys.argv[2])
+client = cl.BrokerClient(Config.from_env(), autostart=case == "start_lock")
+queued = []
+try:
+    if case != "start_lock":
+        client.bare_tgid()  # connected and answered; then the broker stops
+        os.kill(broker, signal.SIGSTOP)
+    if case == "full_queue":  # and its listen queue fills up
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+            try:
+                s.connect(os.environ["VMMSHARE_SOCKET"])
+            except BlockingIOError:  # the queue is full
+                s.close()
+                break
+            queued.append(s)
+        client._reset()  # the next request connects anew
+    client.bare_tgid()
+    print("answered")
+except AclError as exc:
+    print(exc.code, len(connects), exc.message)
+finally:
+    if case != "start_lock":
+        os.kill(broker, signal.SIGCONT)
+"""
+
+
+@pytest.mark.parametrize("case", ["no_reply", "full_queue", "start_lock"])
+def test_a_stuck_broker_costs_a_client_one_bounded_wait(procs: Procs, tmp_path: Path, case: str) -> None:
+    """A broker that stopped answering, or stopped accepting, or a start lock held forever by a stuck starter:
+    the client's call fails with 507022 after one bounded wait (no reconnect storm, no hang)."""
+    if case == "start_lock":
+        folder = tmp_path / "nobroker"
+        folder.mkdir(mode=0o700)
+        env = clean_env(VMMSHARE_SOCKET=str(folder / "broker.sock"))
+        lock = os.open(folder / "broker.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held by this test for the whole call
+        pid = 0
+    else:
+        broker = procs.broker(tmp_path)
+        env, pid, lock = broker.env, broker.pid, -1
+    try:
+        out = subprocess.run([sys.executable, "-c", BOUNDED, case, str(pid)], env=env, capture_output=True,
+                             text=True, timeout=HANG_GUARD)
+    finally:
+        if lock >= 0:
+            os.close(lock)
+    code, connects, message = out.stdout.split(maxsplit=2)
+    assert code == "507022", out.stdout + out.stderr
+    expected = {"no_reply": ("1", "no reply"), "full_queue": ("2", "does not take connections"),
+                "start_lock": ("1", "stayed locked")}[case]
+    assert connects == expected[0], out.stdout  # one connection attempt for the failing call: no retries
+    assert expected[1] in message, message

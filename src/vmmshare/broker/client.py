@@ -25,12 +25,13 @@ from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..node import Imported
 from ..props import Location, PhysicalProp
-from ..protocol import Frame, Msg, ProtocolError, decode, encode
-from .wire import DONTWAIT, close_fds, recv_packet, send_packet, wait_readable
+from ..protocol import Frame, Msg, ProtocolError, decode, encode, peek_request_id
+from .wire import DONTWAIT, close_fds, connect, recv_packet, send_packet, wait_readable
 
 log = logging.getLogger("vmmshare.client")
 START_TIMEOUT = 20.0
 REPLY_TIMEOUT = 60.0
+CONNECT_TIMEOUT = 10.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_SPIN_US", "100")) / 1e6
 
@@ -99,7 +100,7 @@ class BrokerClient:
         self, sock: socket.socket, data: bytes, fds: tuple[int, ...], meanwhile: Callable[[], None] | None = None
     ) -> tuple[Frame, list[int]]:
         """Send a request and take its reply; `meanwhile` runs while the broker works on it."""
-        req = int.from_bytes(data[4:8], "little")
+        req = peek_request_id(data)
         send_packet(sock, data, fds)
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
@@ -154,6 +155,9 @@ class BrokerClient:
                 return self._exchange(sock, build(next(self._req)), fds, once)
             except AclError:
                 raise
+            except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries on it
+                self._reset()
+                raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
             except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
                 self._reset()
                 if attempt == RETRIES - 1:
@@ -272,15 +276,15 @@ class _Waiter:
 
 
 def _try_connect(path: Path) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    """A connection to the broker at `path`, or None when no broker listens there."""
     try:
-        sock.connect(str(path))
-        return sock
+        return connect(path, CONNECT_TIMEOUT)
     except (FileNotFoundError, ConnectionRefusedError):
-        sock.close()
         return None
+    except TimeoutError:
+        raise IpcError(f"the broker at {path} does not take connections (stopped, or overloaded) "
+                       f"within {CONNECT_TIMEOUT:.0f} s") from None
     except OSError as exc:
-        sock.close()
         raise IpcError(f"cannot reach the broker at {path}: {exc.strerror}") from None
 
 
@@ -293,7 +297,7 @@ def start_broker(path: Path) -> socket.socket:
     except OSError as exc:
         raise IpcError(f"cannot prepare {folder} for the broker: {exc.strerror}") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock_within(lock, START_TIMEOUT, folder / "broker.lock")
         sock = _try_connect(path)  # somebody else may have started one while we waited
         if sock is not None:
             return sock
@@ -304,6 +308,20 @@ def start_broker(path: Path) -> socket.socket:
         return sock
     finally:
         os.close(lock)
+
+
+def _lock_within(fd: int, seconds: float, what: Path) -> None:
+    """Take the start lock, waiting at most `seconds` for whoever holds it (flock itself has no timeout)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise IpcError(f"{what} stayed locked for {seconds:.0f} s: another process is stuck starting "
+                               "the broker") from None
+            time.sleep(0.005)
 
 
 def _spawn(path: Path) -> None:

@@ -7,6 +7,8 @@ import contextlib
 import os
 import select
 import socket
+import time
+from pathlib import Path
 
 from ..protocol import MAX_FDS, MAX_FRAME
 
@@ -40,6 +42,33 @@ def send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> 
         sock.sendmsg([data], [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))])
     else:
         sock.send(data)
+
+
+def connect(path: Path | str, timeout: float) -> socket.socket:
+    """A blocking SOCK_SEQPACKET connection to the broker at `path` (or OSError; TimeoutError after `timeout`).
+
+    A blocking connect would wait forever on a broker that stopped accepting, once its listen queue is full. A
+    non-blocking one to a Unix socket completes at once or fails with EAGAIN while the queue is full, so it is
+    tried again until the queue has room or the time is up.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(str(path))
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{path}: the listen queue stayed full for {timeout:g} s") from None
+            time.sleep(pause)  # the queue has no wake-up to wait on: try again shortly
+            pause = min(pause * 2, 0.05)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(True)
+        return sock
 
 
 def wait_readable(fd: int, timeout: float | None) -> bool:

@@ -376,6 +376,20 @@ def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) 
 # ---------------------------------------------------------------- capacity and devices
 
 
+def test_device_mem_info_is_the_gpus(broker: BrokerProc) -> None:
+    code = textwrap.dedent("""
+        import vmmshare, vmmshare.acl as acl
+        assert acl.rt.set_device(0) == 0
+        with vmmshare.Device(0).allocate(4 << 20):
+            free, total, ret = acl.rt.get_mem_info(0)
+            assert ret == 0 and vmmshare.Device(0).mem_info() == (free, total), (vmmshare.Device(0).mem_info(), free)
+        print("ok")
+    """)
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda", "VMMSHARE_DEVICE_MEMORY": "1G"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
 @pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")
 def test_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor(FAKECUDA_MEMORY=str(4 * MiB2))

@@ -192,6 +192,35 @@ def test_virtual_range_at_a_chosen_address() -> None:
             m.close()
 
 
+@pytest.mark.parametrize("offset", [-2 * MiB, 4 * MiB, 3 * MiB, "x", None])
+def test_virtual_range_maps_only_inside_itself(offset: object) -> None:
+    """An offset that would put the memory outside the range (before it, past it, straddling its end) or that is
+    not an int is refused with 107000, and nothing is mapped: a neighbouring range stays untouched."""
+    before = counts()
+    with vmmshare.VirtualRange(4 * MiB) as lo, vmmshare.VirtualRange(4 * MiB) as hi, \
+            vmmshare.Device(0).allocate(2 * MiB) as mem:
+        with pytest.raises(vmmshare.InvalidParamError) as err:
+            hi.map(mem, offset=offset)  # type: ignore[arg-type]
+        assert err.value.code == C.ACL_ERROR_RT_PARAM_INVALID
+        with pytest.raises(vmmshare.InvalidParamError):
+            hi.map(object())  # type: ignore[arg-type]
+        assert counts()["mappings"] == before["mappings"]
+        lo.map(mem).close()  # the neighbour is free for its own mapping
+    assert counts() == before
+
+
+def test_device_mem_info_is_what_get_mem_info_says() -> None:
+    import vmmshare.acl as acl
+
+    assert acl.rt.set_device(0) == 0
+    try:
+        with vmmshare.Device(0).allocate(2 * MiB):
+            free, total, ret = acl.rt.get_mem_info(0)
+            assert ret == 0 and vmmshare.Device(0).mem_info() == (free, total)
+    finally:
+        assert acl.rt.reset_device(0) == 0
+
+
 def test_dlpack_capsules_are_released_and_hold_the_mapping() -> None:
     from vmmshare import dlpack
 

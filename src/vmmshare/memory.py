@@ -19,6 +19,7 @@ from ._process import runtime
 from .backends.host import HostMemory
 from .errors import InvalidParamError
 from .handles import decode_fabric, default_bytes
+from .props import check_int
 
 _ATTRS = {
     "normal": C.ACL_HBM_MEM_NORMAL,
@@ -67,8 +68,8 @@ class Device:
         return runtime().granularity(self._prop(attr, "device"), C.ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
 
     def mem_info(self) -> tuple[int, int]:
-        """(free, total) bytes of this device across the node."""
-        return runtime().node.mem_info(self.id)
+        """(free, total) bytes of this device across the node (the GPU's own figures under the CUDA backend)."""
+        return runtime().device_mem_info(self.id)
 
     def allocate(self, size: int, attr: str | int = "normal", location: str = "device") -> PhysicalMemory:
         """Physical memory of at least `size` bytes (rounded up to the granularity)."""
@@ -258,6 +259,11 @@ class VirtualRange:
         """Map `memory` at `self.ptr + offset`."""
         if access not in _ACCESS:
             raise InvalidParamError(f"access {access!r}: use 'rw', 'r' or 'none'")
+        if not isinstance(memory, PhysicalMemory):
+            raise InvalidParamError(f"memory must be a PhysicalMemory, not {type(memory).__name__}")
+        offset = check_int("offset", offset)
+        if offset + memory.size > self.size:
+            raise InvalidParamError(f"{memory.size} bytes at offset {offset} do not fit this {self.size}-byte range")
         rt = runtime()
         ptr = self.ptr + offset
         flags = _ACCESS[access]

@@ -633,10 +633,14 @@ class Runtime:
 
     def mem_info(self, attr: object) -> tuple[int, int]:
         check_int("attr", attr, 0, 17)
-        device = self.current_device()
+        return self.device_mem_info(self.current_device())
+
+    def device_mem_info(self, device: int) -> tuple[int, int]:
+        """(free, total) bytes of `device`: the GPU's, as its driver counts them, or the node's capacity."""
+        d = self._device(device)
         if self.gpu is not None:
-            return self.gpu.mem_info(device)
-        return self.node.mem_info(device)
+            return self.gpu.mem_info(d)
+        return self.node.mem_info(d)
 
     def export(self, handle: object, flags: object, share_type: object, pids: object = ()) -> bytes:
         """Export an allocation made here: 8 little-endian bytes (DEFAULT) or the 128-byte FABRIC handle.

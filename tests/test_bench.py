@@ -34,3 +34,14 @@ def test_bench_rejects_bad_sizes() -> None:
     out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "bench", "--sizes", "lots"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "not a size" in out.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--sizes", "0"], "--sizes"), (["--sizes", "4K", "--reps", "-1"], "--reps"), (["--clients", "0"], "--clients"),
+    (["--seconds", "-1"], "--seconds"), (["--gpu", "--reps", "0"], "--reps"), (["--gpu", "--sizes", "0"], "--sizes"),
+])
+def test_bench_rejects_bad_numbers_before_starting(args: list[str], says: str) -> None:
+    """A bad count or size is an argument error (exit 2), not a traceback from a helper process or a hang."""
+    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "bench", *args], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -12,6 +12,7 @@ Measured side by side (medians over repetitions, with the 10th–90th percentile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -446,13 +447,15 @@ def run(
     a, b = ctx.Pipe()
     peer = ctx.Process(target=_peer, args=(b,))
     peer.start()
+    b.close()  # the peer's end lives in the peer: if it dies, recv() here sees the pipe close instead of waiting
     peer_pid = a.recv()
     res: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     try:
         res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch)
         res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5)
     finally:
-        a.send(("stop",))
+        with contextlib.suppress(OSError):  # a peer that died has closed its end
+            a.send(("stop",))
         peer.join()
     res["throughput"] = throughput(clients, seconds)
     res["targets"] = targets(res)
@@ -490,13 +493,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, help="seconds per throughput point")
     args = ap.parse_args(argv)
     from .config import parse_size
+    from .errors import AclError
 
     try:
         sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
         clients = [int(x) for x in args.clients.split(",")] if args.clients else None
     except ValueError as exc:
         ap.error(str(exc))
-    res = run(args.quick, False if args.no_torch else None, sizes, args.reps, clients, args.seconds)
+    if sizes is not None and min(sizes) <= 0:
+        ap.error("--sizes: every size must be positive")
+    if clients is not None and min(clients) < 1:
+        ap.error("--clients: every count must be at least 1")
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be at least 1")
+    if args.seconds is not None and args.seconds <= 0:
+        ap.error("--seconds must be positive")
+    try:
+        res = run(args.quick, False if args.no_torch else None, sizes, args.reps, clients, args.seconds)
+    except (AclError, EOFError) as exc:
+        print(f"vmmshare bench: failed: {exc}", file=sys.stderr)
+        return 1
     print_report(res)
     if args.json:
         with open(args.json, "w") as f:

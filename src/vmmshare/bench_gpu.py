@@ -217,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [parse_size(x) for x in ("2M,64M" if args.quick else args.sizes).split(",")]
     except ValueError as exc:
         ap.error(str(exc))
+    if min(sizes) <= 0:
+        ap.error("--sizes: every size must be positive")
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be at least 1")
     results = run(sizes, args.reps or (5 if args.quick else None))
     if args.json:
         with open(args.json, "w") as f:

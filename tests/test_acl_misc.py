@@ -102,14 +102,14 @@ def test_init_with_a_broken_config_file_fails_and_stays_uninitialized(fresh_init
     cfg.write_text("{not json")
     clear_err()
     ret = fresh_init.init(str(cfg))
-    assert ret != 0 and "bad.json" in fresh_init.get_recent_err_msg()
+    assert ret == 100003 and "bad.json" in fresh_init.get_recent_err_msg()  # ACL_ERROR_INVALID_FILE
     assert fresh_init.init() == 0
 
 
 @pytest.mark.parametrize("bad", [5, 1.5, ["a.json"]], ids=repr)
 def test_init_with_a_non_string_path_fails(fresh_init, bad):
     clear_err()
-    assert fresh_init.init(bad) != 0
+    assert fresh_init.init(bad) == 100003
     assert fresh_init.get_recent_err_msg()
     assert not runtime().initialized
 

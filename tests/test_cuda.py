@@ -265,6 +265,75 @@ def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Acto
         host_only.kill()
 
 
+def test_rule_1_gpu_granularity_is_at_least_the_drivers(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor()
+    prop = {**PROP, "location": {"id": 0, "type": 1}}
+    g, ret = a.call("rt.mem_get_allocation_granularity", prop, 0)
+    assert ret == 0 and g >= MiB2 and g % MiB2 == 0
+    huge1g, ret = a.call("rt.mem_get_allocation_granularity", {**prop, "memAttr": 17}, 0)  # ACL_HBM_MEM_HUGE1G
+    assert (huge1g, ret) == (1 << 30, 0)
+    assert a.call("rt.malloc_physical", g + 4096, prop, 0)[-1] == 107000
+
+
+def test_rule_3_gpu_reservation_at_a_taken_address_is_refused(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor()
+    ptr, ret = a.call("rt.reserve_mem_address", 2 * MiB2, 0, 0, 0)
+    assert ret == 0
+    assert a.call("rt.reserve_mem_address", MiB2, 0, ptr, 0) == (0, 107000)
+    assert "not free" in a.last_err
+    assert a.call("rt.release_mem_address", ptr) == 0
+
+
+def test_rule_4_gpu_map_no_access_is_inaccessible_until_set_access(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor()
+    h, _ = a.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    ptr, _ = a.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+    assert a.call("rt.mem_map_no_access", ptr, MiB2, 0, h, 0) == 0, a.last_err
+    host, _ = a.call("rt.malloc_host", 16)
+    assert a.call("rt.memcpy", host, 16, ptr, 16, D2H) == 107000 and "not readable" in a.last_err
+    loc = {"type": 1, "id": 0}
+    assert a.call("rt.mem_set_access", ptr, MiB2, [{"flags": 3, "location": loc}]) == 0
+    upload(a, ptr, b"now mapped")
+    assert download(a, ptr, 10) == b"now mapped"
+    assert a.call("rt.free_host", host) == 0
+    drop(a, h, ptr)
+
+
+def test_rule_5_gpu_access_flags_take_effect_at_once(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor()
+    h, ptr = alloc_map(a)
+    upload(a, ptr, b"before")
+    loc = {"type": 1, "id": 0}
+    host, _ = a.call("rt.malloc_host", 16)
+    assert a.call("rt.mem_set_access", ptr, MiB2, [{"flags": 1, "location": loc}]) == 0  # READ
+    assert a.call("rt.mem_get_access", ptr, loc) == (1, 0)
+    assert a.call("rt.memcpy", ptr, 16, host, 16, H2D) == 107000  # no write through a READ mapping
+    assert download(a, ptr, 6) == b"before"
+    assert a.call("rt.mem_set_access", ptr, MiB2, [{"flags": 0, "location": loc}]) == 0  # NONE
+    assert a.call("rt.memcpy", host, 16, ptr, 16, D2H) == 107000  # nor a read through a NONE one
+    assert a.call("rt.free_host", host) == 0
+    drop(a, h, ptr)
+
+
+def test_rule_6_gpu_unmap_returns_the_range_to_reserved(gpu_actor: Callable[..., Actor]) -> None:
+    a = gpu_actor()
+    h, ptr = alloc_map(a)
+    assert a.call("rt.release_mem_address", ptr) == 107000  # a mapping is inside
+    assert a.call("rt.unmap_mem", ptr) == 0
+    assert a.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, a.last_err  # the same range, mapped again
+    upload(a, ptr, b"again")
+    assert download(a, ptr, 5) == b"again"
+    drop(a, h, ptr)
+
+
+def test_rule_10_an_imported_gpu_handle_cannot_be_exported(gpu_actor: Callable[..., Actor]) -> None:
+    exporter, importer = gpu_actor(), gpu_actor()
+    h, ptr, ih, iptr = share_once(exporter, importer)
+    assert importer.call("rt.mem_export_to_shareable_handle_v2", ih, 0, DEFAULT)[-1] == 107000
+    drop(importer, ih, iptr)
+    drop(exporter, h, ptr)
+
+
 # ---------------------------------------------------------------- lifetimes, failures and leaks
 
 
@@ -324,7 +393,8 @@ def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..
     assert listing(broker)["gpu_used"] == {}
 
 
-def test_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Callable[..., Actor], broker: BrokerProc) -> None:
+def test_rule_16_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Callable[..., Actor],
+                                                                 broker: BrokerProc) -> None:
     """A client hands the broker a pipe as a GPU export: the importer's driver refuses it, and nothing leaks."""
     from vmmshare import protocol as P
 
@@ -391,8 +461,10 @@ def test_device_mem_info_is_the_gpus(broker: BrokerProc) -> None:
 
 
 @pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")
-def test_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor]) -> None:
+def test_rule_2_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor(FAKECUDA_MEMORY=str(4 * MiB2))
+    drop(a, *alloc_map(a))  # connected, context made
+    fds = a.call("!fd_count")
     prop = {**PROP, "location": {"id": 0, "type": 1}}
     h, ret = a.call("rt.malloc_physical", 3 * MiB2, prop, 0)
     assert ret == 0, a.last_err
@@ -401,6 +473,7 @@ def test_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor
     h, ret = a.call("rt.malloc_physical", 4 * MiB2, prop, 0)
     assert ret == 0, a.last_err
     assert a.call("rt.free_physical", h) == 0
+    assert a.call("!fd_count") == fds and driver_allocations(a.pid) == 0  # the failed call left nothing
 
 
 @pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")

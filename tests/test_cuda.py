@@ -47,6 +47,8 @@ def _mode() -> str | None:
 MODE = _mode()
 if os.environ.get("VMMSHARE_REQUIRE_GPU") == "1" and MODE != "gpu":
     raise RuntimeError("VMMSHARE_REQUIRE_GPU=1 but no usable GPU: vmmshare.backends.cuda.available() is False")
+if os.environ.get("VMMSHARE_REQUIRE_CUDA_TESTS") == "1" and MODE is None:  # CI: never skip the backend's tests
+    raise RuntimeError("VMMSHARE_REQUIRE_CUDA_TESTS=1 but neither a GPU nor the CPU stand-in (cuda-bindings + cc)")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(MODE is None, reason="no usable NVIDIA GPU, or no cuda-bindings")]
 needs_real_gpu = pytest.mark.skipif(MODE != "gpu", reason="needs a real GPU (torch / cupy CUDA tensors)")
 

@@ -209,6 +209,26 @@ def test_virtual_range_maps_only_inside_itself(offset: object) -> None:
     assert counts() == before
 
 
+@pytest.mark.parametrize("location, device", [("host", 0), ("device", 1)])
+def test_set_access_after_the_memory_is_closed(location: str, device: int) -> None:
+    """A mapping outlives its PhysicalMemory's close(); its access can still be changed, for its own location."""
+    out = child(f"""
+        import vmmshare
+        mem = vmmshare.Device({device}).allocate(2 << 20, location={location!r})
+        m = mem.map()
+        m.set_access("r")
+        mem.close()
+        m.set_access("rw")
+        view = m.memoryview()
+        view[0] = 7
+        assert view[0] == 7
+        del view
+        m.close()
+        print("ok")
+    """)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
 def test_device_mem_info_is_what_get_mem_info_says() -> None:
     import vmmshare.acl as acl
 

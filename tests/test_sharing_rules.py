@@ -400,6 +400,21 @@ def test_rule_13_a_process_imports_a_handle_once_until_it_frees_it(actor: MakeAc
     check_shared_both_ways(e, s.ptr, i, p, s.size)
 
 
+@pytest.mark.parametrize("byte", [6, 12, 24], ids=["flags", "device", "size"])
+def test_rule_13_a_fabric_handle_with_other_unchecked_bytes_is_still_the_same_handle(actor: MakeActor,
+                                                                                     byte: int) -> None:
+    """The FABRIC layout carries fields besides the handle value and the secret (flags, device, size); changing one
+    does not make a second import of the same handle possible, in the importer or in the exporter itself."""
+    e, i = actor(), actor()
+    s = export(e, share_type=FABRIC, pids=[i.pid])
+    h = ok(i, "rt.mem_import_from_shareable_handle_v2", s.shareable, FABRIC, 0)
+    changed = bytearray(s.shareable)
+    changed[byte] ^= 0x01
+    fails(i, PARAM, "rt.mem_import_from_shareable_handle_v2", bytes(changed), FABRIC, 0)
+    fails(e, PARAM, "rt.mem_import_from_shareable_handle_v2", bytes(changed), FABRIC, 0)
+    ok(i, "rt.free_physical", h)
+
+
 def test_rule_13_freeing_a_still_mapped_import_allows_importing_again(actor: MakeActor) -> None:
     e, i = actor(), actor()
     s = export(e, pids=[i.pid])

@@ -227,3 +227,48 @@ def test_threads_sharing_one_allocation_see_each_others_writes(vmm):
     assert errors == []
     expected = b"".join(_pattern(t, 0) for t in range(THREADS))
     assert seen == dict.fromkeys(range(THREADS), expected)
+
+
+def test_a_forked_child_starts_empty_and_the_parent_keeps_its_memory() -> None:
+    """After fork(), the child has none of the parent's handles, mappings or memfds and a broker connection of its
+    own; it allocates and exports by itself; the parent's allocation, mapping and export are untouched."""
+    child_ok("""
+        import json
+        ok(acl.rt.set_device(0))
+        h = ok(acl.rt.malloc_physical(2 * M, P(), 0))
+        p = ok(acl.rt.reserve_mem_address(2 * M, 0, 0, 0))
+        ok(acl.rt.map_mem(p, 2 * M, 0, h, 0))
+        ctypes.memset(p, 0x5A, 16)
+        sh = ok(acl.rt.mem_export_to_shareable_handle_v2(h, 1, 1))
+        def memfds():
+            n = 0
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    n += "memfd:vmmshare" in os.readlink(f"/proc/self/fd/{fd}")
+                except FileNotFoundError:  # the listing's own fd
+                    pass
+            return n
+        assert memfds() == 1
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            c = runtime().counts()
+            report = {"counts": c, "memfds": memfds(), "tgid": acl.rt.device_get_bare_tgid()[0]}
+            acl.rt.set_device(0)
+            h2, ret = acl.rt.malloc_physical(2 * M, P(), 0)
+            report["malloc"] = ret
+            report["export"] = acl.rt.mem_export_to_shareable_handle_v2(h2, 1, 1)[-1]
+            report["free"] = acl.rt.free_physical(h2)
+            os.write(w, json.dumps(report).encode())
+            os._exit(0)
+        os.close(w)
+        report = json.loads(os.read(r, 65536))
+        assert os.waitpid(pid, 0)[1] == 0
+        assert all(v == 0 for v in report["counts"].values()), report
+        assert report["memfds"] == 0 and report["tgid"] == pid, report
+        assert (report["malloc"], report["export"], report["free"]) == (0, 0, 0), report
+        assert ctypes.string_at(p, 16) == b"\\x5a" * 16
+        assert runtime().counts()["allocations"] == 1
+        ok(acl.rt.unmap_mem(p)); ok(acl.rt.release_mem_address(p)); ok(acl.rt.free_physical(h))
+    """)

@@ -90,6 +90,7 @@ class PhysicalMemory:
         self.handle = handle
         self.size = alloc.size
         self.device = alloc.prop.location.id
+        self.location = {"type": alloc.prop.location.type, "id": alloc.prop.location.id}  # outlives close()
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
         self.on_gpu = not isinstance(alloc.mem, HostMemory)
@@ -382,8 +383,7 @@ class Mapping:
     def set_access(self, access: str) -> None:
         if access not in _ACCESS:
             raise InvalidParamError(f"access {access!r}: use 'rw', 'r' or 'none'")
-        loc = self.memory.properties["location"] if not self.memory.closed else {"type": 1, "id": 0}
-        runtime().set_access(self.ptr, self.size, [{"flags": _ACCESS[access], "location": loc}])
+        runtime().set_access(self.ptr, self.size, [{"flags": _ACCESS[access], "location": self.memory.location}])
 
     def close(self) -> None:
         """Unmap (and release the range it owns); BufferError while views of it are alive."""

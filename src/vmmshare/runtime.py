@@ -108,23 +108,28 @@ class Runtime:
     def __init__(self, config: Config, node: Node) -> None:
         self.config = config
         self.node = node
+        self.gpu: CudaBackend | None = _gpu_backend(config.backend)
+        self.devices = self.gpu.count if self.gpu is not None else config.devices
+        self._told_fabric = False  # the FABRIC-on-GPU log line is written once
+        self._ids = itertools.count(1)
+        self._reset_tables()
+
+    def _reset_tables(self) -> None:
+        """Empty tables (and a fresh lock): at start, and in a forked child, which must not use the parent's."""
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._handles: dict[int, Allocation] = {}
         self._allocs: set[Allocation] = set()
-        self._imports: dict[bytes, Allocation] = {}  # imported shareable handle -> allocation
-        self._exported: set[bytes] = set()  # shareable handles this process exported and has not freed
+        # keyed by the node's handle value, not the handle's bytes: bytes a FABRIC handle carries besides the value
+        # (flags, device, size) must not make the same handle look like another one (rule 13)
+        self._imports: dict[int, Allocation] = {}  # handle value imported here -> allocation
+        self._exported: set[int] = set()  # handle values this process exported and has not freed
         self._reservations: Intervals[Reservation] = Intervals()
         self._mappings: Intervals[MappingEntry] = Intervals()
         self._host_blocks: Intervals[int] = Intervals()
         self._streams: dict[int, Stream] = {}
         self._device_refs: dict[int, int] = {}
-        self._peers: set[tuple[int, int]] = set()
         self._arena = host.Arena()
-        self.gpu: CudaBackend | None = _gpu_backend(config.backend)
-        self.devices = self.gpu.count if self.gpu is not None else config.devices
-        self._told_fabric = False  # the FABRIC-on-GPU log line is written once
-        self._ids = itertools.count(1)
         self.initialized = False
         self._deferred: list[Callable[[], None]] = []  # finalizers that came while the node was busy
 
@@ -160,7 +165,6 @@ class Runtime:
             if refs == 0:
                 for s in [s for s in self._streams.values() if s.device == d]:
                     del self._streams[s.handle]
-                self._peers = {p for p in self._peers if p[0] != d}
         if refs == 0 and getattr(self._tls, "device", None) == d:
             self._tls.device = None
 
@@ -204,8 +208,8 @@ class Runtime:
             raise InvalidParamError(f"device {d} cannot enable peer access to itself")
         if self.gpu is not None and not self.gpu.can_access_peer(d, p):
             raise FeatureNotSupportedError(f"GPU {d} cannot access GPU {p}'s memory (cuDeviceCanAccessPeer says no)")
-        with self._lock:
-            self._peers.add((d, p))
+        # nothing to record: host memory is reachable from every device, and a GPU mapping's access is granted
+        # per mapping (mem_set_access), as the runtime's VMM memory is
 
     # ------------------------------------------------------------ host memory, copies
 
@@ -382,7 +386,7 @@ class Runtime:
                 made_mem.close()
             raise
         if failed:
-            self.node.release(token)
+            self._safe_node_call(self.node.release, token)  # the allocation's own error is the one to report
             exc = failed[0]
             if isinstance(exc, (OSError, OverflowError)):  # e.g. ENOMEM, EFBIG, or beyond off_t
                 why = exc.strerror if isinstance(exc, OSError) else "too large for a file"
@@ -414,19 +418,21 @@ class Runtime:
                 return
             del self._handles[alloc.handle]
             if alloc.imported_from == 0 and alloc.shareable:
-                self._exported.discard(alloc.shareable)
+                self._exported.discard(self._shareable_value(alloc.shareable, _share_type_of(alloc.shareable)))
                 if alloc.maps:  # still mapped here: revoke now (unmapped, the release below revokes it too)
                     self._safe_node_call(self.node.revoke, alloc.token)
             if alloc.imported_from:
-                self._imports.pop(alloc.shareable, None)
+                self._imports.pop(alloc.imported_from, None)
             self._maybe_destroy(alloc)
 
     def _maybe_destroy(self, alloc: Allocation) -> None:
         if alloc.refs or alloc.maps:
             return
-        alloc.mem.close()
         self._allocs.discard(alloc)
-        self._safe_node_call(self.node.release, alloc.token)
+        try:
+            alloc.mem.close()
+        finally:  # the node's hold goes even if the memory would not close (a driver error): it is not ours any more
+            self._safe_node_call(self.node.release, alloc.token)
 
     def when_safe(self, fn: Callable[[], None]) -> None:
         """Run a finalizer's clean-up now, or, if the garbage collector called it in the middle of a broker
@@ -501,11 +507,11 @@ class Runtime:
                 raise InvalidParamError(
                     f"the reservation at {p:#x} still holds {len(r.mappings)} mapping(s): unmap_mem them first"
                 )
-            self._reservations.remove(p)
-            if r.gpu and self.gpu is not None:
+            if r.gpu and self.gpu is not None:  # released first: a range that fails to go stays tracked
                 self.gpu.release(p, r.size)
             else:
                 self._arena.release(p, r.size)
+            self._reservations.remove(p)
 
     def map(
         self, ptr: object, size: object, offset: object, handle: object, flags: object, access: int,
@@ -669,7 +675,7 @@ class Runtime:
                             "need an IMEX channel)")
             fd = self.gpu.export_fd(mem) if isinstance(mem, CudaMemory) and self.gpu else mem.fd
             alloc.shareable = self.node.export(alloc.token, fd, alloc.prop, alloc.size, f, st, trust, on_gpu)
-            self._exported.add(alloc.shareable)
+            self._exported.add(self._shareable_value(alloc.shareable, st))
             return alloc.shareable
 
     def set_pids(self, shareable: bytes, share_type: int, pids: object) -> None:
@@ -699,18 +705,18 @@ class Runtime:
             if value == 0:
                 raise InvalidHandleError("shareable handle 0 is never valid")
         with self._lock:
-            if shareable in self._imports:
+            if value in self._imports:
                 raise InvalidParamError(
                     "this shareable handle is imported in this process already: free_physical that import first"
                 )
-            if shareable in self._exported:
+            if value in self._exported:
                 raise InvalidParamError("this process exported the handle; use its own handle instead of importing")
-            self._imports[shareable] = _PENDING
+            self._imports[value] = _PENDING
         try:
             got = self.node.import_handle(value, share_type, secret)
         except BaseException:
             with self._lock:
-                self._imports.pop(shareable, None)
+                self._imports.pop(value, None)
             raise
         prop = PhysicalProp(
             got.prop.handle_type,
@@ -723,17 +729,17 @@ class Runtime:
             mem = self._adopt(got, device)
         except BaseException:
             with self._lock:
-                self._imports.pop(shareable, None)
+                self._imports.pop(value, None)
             self._safe_node_call(self.node.release, got.token)
             raise
         alloc = Allocation(0, mem, prop, got.size, got.token, imported_from=value, shareable=shareable)
         with self._lock:
-            self._imports[shareable] = alloc
+            self._imports[value] = alloc
             return self._register(alloc)
 
     def _adopt(self, got: Imported, device: int) -> host.HostMemory | CudaMemory:
         if not got.gpu:
-            return host.adopt(got.fd)
+            return host.adopt(got.fd, got.size)
         if self.gpu is None:
             os.close(got.fd)
             raise FeatureNotSupportedError(
@@ -752,7 +758,7 @@ class Runtime:
             if isinstance(alloc.mem, host.HostMemory):  # CUDA cannot be touched in a forked child
                 with contextlib.suppress(OSError):
                     alloc.mem.close()
-        self.__init__(self.config, self.node)  # type: ignore[misc]
+        self._reset_tables()  # not the GPU backend: CUDA cannot be initialised again in a forked child
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -802,3 +808,8 @@ def _gpu_backend(choice: str) -> CudaBackend | None:
             raise
         log.info("VMMSHARE_BACKEND=auto: no usable GPU (%s); device memory is host memory", exc.message)
         return None
+
+
+def _share_type_of(shareable: bytes) -> int:
+    """The share type of a handle this process exported, by its length (8 bytes DEFAULT, 128 FABRIC)."""
+    return C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC if len(shareable) > 8 else C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT

@@ -127,9 +127,9 @@ def allocate(size: int, huge_page: int = 0, name: str = "vmmshare") -> HostMemor
     return HostMemory(fd, size, pages)
 
 
-def adopt(fd: int, pages: str = "normal") -> HostMemory:
-    """Wrap an imported memfd; its size comes from the file itself."""
-    return HostMemory(fd, os.fstat(fd).st_size, pages)
+def adopt(fd: int, size: int, pages: str = "normal") -> HostMemory:
+    """Wrap an imported memfd of `size` bytes (the broker checked the file's size when it was exported)."""
+    return HostMemory(fd, size, pages)
 
 
 class Arena:

@@ -54,12 +54,14 @@ def test_an_unknown_backend_is_refused() -> None:
     assert "VMMSHARE_BACKEND" in message and "'host', 'cuda' or 'auto'" in message
 
 
-def test_a_broker_with_a_bad_configuration_says_so_and_exits(tmp_path: object) -> None:
+@pytest.mark.parametrize("auto", [False, True], ids=["foreground", "auto_started"])
+def test_a_broker_with_a_bad_configuration_says_so_and_exits(tmp_path: object, auto: bool) -> None:
     env = {**os.environ, "VMMSHARE_DEVICES": "0"}
-    out = subprocess.run([sys.executable, "-m", "vmmshare.cli", "broker", "--socket", f"{tmp_path}/b.sock"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    cmd = [sys.executable, "-m", *(["vmmshare.broker", "--auto"] if auto else ["vmmshare.cli", "broker"]),
+           "--socket", f"{tmp_path}/b.sock"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "VMMSHARE_DEVICES" in out.stderr
+    assert "VMMSHARE_DEVICES" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 @without_gpu

@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import Config
 from .server import run
 
 
@@ -24,10 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fmt = "%(asctime)s broker[%(process)d] %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
-    idle = args.idle
-    if args.auto and idle is None:
-        idle = Config.from_env().broker_idle
-    return run(args.socket, idle, args.multi_user, args.ready_fd)
+    return run(args.socket, args.idle, args.multi_user, args.ready_fd, args.auto)
 
 
 if __name__ == "__main__":

@@ -346,6 +346,7 @@ def _spawn(path: Path) -> None:
             left = deadline - time.monotonic()
             if left <= 0 or not wait_readable(rfd, left):
                 proc.kill()
+                proc.wait()
                 raise IpcError(f"the broker did not start within {START_TIMEOUT:.0f} s; see {log_path}")
             chunk = os.read(rfd, 64)
             if not chunk:

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -524,7 +525,8 @@ class Broker:
         Handle values are shown in full only to the exporter's user (and root): on a multi-user node a
         handle exported without pid validation must not be handed to every user who can list.
         """
-        exports = list(self.exports.values())
+        total = len(self.exports)
+        page = itertools.islice(self.exports.values(), offset, None)  # not a copy of every export for each page
         used = {str(d): u for d, u in enumerate(self.used) if u}
         gpu_used = {str(d): u for d, u in sorted(self.gpu_used.items()) if u}
         head = {"broker_pid": os.getpid(), "used": used, "capacity": self.config.device_memory,
@@ -532,8 +534,9 @@ class Broker:
         rows: list[str] = []
         budget = MAX_BODY - len(json.dumps(head)) - 128
         at = offset
-        while at < len(exports) and len(rows) < LIST_PAGE:
-            exp = exports[at]
+        for exp in page:
+            if len(rows) >= LIST_PAGE:
+                break
             importers = sorted(c.pid for c in exp.importers.values())
             row = json.dumps({
                 "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else "(hidden)",
@@ -552,7 +555,7 @@ class Broker:
             budget -= len(row) + 1
             rows.append(row)
             at += 1
-        head["next"] = at if at < len(exports) else None
+        head["next"] = at if at < total else None
         return json.dumps(head)[:-1] + ', "exports": [' + ",".join(rows) + "]}"
 
 
@@ -583,13 +586,17 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1) -> int:
-    """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle."""
+def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1,
+        auto: bool = False) -> int:
+    """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle. An auto-started
+    broker (`auto`) lingers VMMSHARE_BROKER_IDLE seconds unless `idle` says otherwise."""
     try:
         config = Config.from_env()
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
+    if auto and idle is None:
+        idle = config.broker_idle
     broker = Broker(path or config.socket_path, config, idle, multi_user)
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)

@@ -49,11 +49,3 @@ class Intervals(Generic[T]):
     def overlaps(self, start: int, size: int) -> bool:
         i = bisect.bisect_left(self._starts, start + size)
         return i > 0 and self._ends[i - 1] > start
-
-    def values(self) -> list[T]:
-        return list(self._values)
-
-    def clear(self) -> None:
-        self._starts.clear()
-        self._ends.clear()
-        self._values.clear()

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import constants as C
@@ -83,7 +83,6 @@ class Reservation:
     base: int
     size: int
     gpu: bool  # GPU address space (cuMemAddressReserve) rather than a host PROT_NONE range
-    mappings: Intervals[MappingEntry] = field(default_factory=Intervals)
 
 
 @dataclass(eq=False)
@@ -91,7 +90,6 @@ class MappingEntry:
     ptr: int
     size: int
     alloc: Allocation
-    reservation: Reservation
     access: dict[Location, int]
     effective: int
 
@@ -503,10 +501,8 @@ class Runtime:
             r = self._reservations.exact(p)
             if r is None:
                 raise InvalidParamError(f"{p:#x} is not the start of a reservation of this process")
-            if len(r.mappings):
-                raise InvalidParamError(
-                    f"the reservation at {p:#x} still holds {len(r.mappings)} mapping(s): unmap_mem them first"
-                )
+            if self._mappings.overlaps(p, r.size):  # a mapping lies wholly inside one reservation
+                raise InvalidParamError(f"the reservation at {p:#x} still holds mappings: unmap_mem them first")
             if r.gpu and self.gpu is not None:  # released first: a range that fails to go stays tracked
                 self.gpu.release(p, r.size)
             else:
@@ -535,7 +531,7 @@ class Runtime:
             g = alloc.prop.granularity
             if p % g:
                 raise InvalidParamError(f"ptr {p:#x} must be aligned to the allocation's granularity {g}")
-            if r.mappings.overlaps(p, n):
+            if self._mappings.overlaps(p, n):
                 raise InvalidParamError(f"[{p:#x}, {p + n:#x}) overlaps an existing mapping: unmap_mem it first")
             mem = alloc.mem
             if isinstance(mem, CudaMemory) != r.gpu:
@@ -555,9 +551,7 @@ class Runtime:
                     host.advise_huge(p, n)
                 if access and (self.config.prepopulate if prepopulate is None else prepopulate):
                     host.populate(p, n)
-            m = MappingEntry(p, n, alloc, r, {}, access)
-            r.mappings.add(p, n, m)
-            self._mappings.add(p, n, m)
+            self._mappings.add(p, n, MappingEntry(p, n, alloc, {}, access))
             alloc.maps += 1
 
     def _mapping_at(self, p: int) -> MappingEntry:
@@ -580,7 +574,6 @@ class Runtime:
             except OSError as exc:
                 raise InternalError(f"cannot unmap {p:#x}: {exc.strerror}") from None
             self._mappings.remove(p)
-            m.reservation.mappings.remove(p)
             m.alloc.maps -= 1
             self._maybe_destroy(m.alloc)
 

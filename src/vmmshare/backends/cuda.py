@@ -62,8 +62,6 @@ class CudaMemory:
 class CudaBackend:
     """The process's view of the GPUs: contexts are the devices' primary contexts."""
 
-    name = "cuda"
-
     def __init__(self) -> None:
         self.cu = _driver()
         try:
@@ -77,6 +75,7 @@ class CudaBackend:
             raise FeatureNotSupportedError("VMMSHARE_BACKEND=cuda but no GPU is visible")
         self._contexts: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._granularity: dict[int, int] = {}
         self.fd_type = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
     # ------------------------------------------------------------ plumbing
@@ -140,11 +139,15 @@ class CudaBackend:
         return prop
 
     def granularity(self, device: int) -> int:
-        err, g = self.cu.cuMemGetAllocationGranularity(
-            self._prop(device), self.cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        )
-        self.check(err, "cuMemGetAllocationGranularity")
-        return int(g)
+        """The driver's minimum granularity for `device` (asked once: every allocation checks it)."""
+        g = self._granularity.get(device)
+        if g is None:
+            err, got = self.cu.cuMemGetAllocationGranularity(
+                self._prop(device), self.cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            )
+            self.check(err, "cuMemGetAllocationGranularity")
+            g = self._granularity[device] = int(got)
+        return g
 
     def total_memory(self, device: int) -> int:
         err, dev = self.cu.cuDeviceGet(device)

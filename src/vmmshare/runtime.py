@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,22 +328,10 @@ class Runtime:
         if alloc_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
             raise InvalidParamError(f"prop.allocationType={alloc_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
         attr = check_int("prop.memAttr", field_of(prop, "memAttr", "prop"), 0, 17)
-        loc = field_of(prop, "location", "prop")
-        ltype = check_int("prop.location.type", field_of(loc, "type", "prop.location"), 0, 0xFFFFFFFF)
-        lid = field_of(loc, "id", "prop.location")
-        if ltype not in _ALL_LOCATIONS:
-            raise InvalidParamError(f"prop.location.type={ltype} is not an aclrtMemLocationType")
-        if ltype not in _LOCATIONS:
-            raise FeatureNotSupportedError(
-                f"prop.location.type={ltype} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
-            )
-        if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE:
-            lid = self._device(lid)
-        else:
-            lid = check_int("prop.location.id", lid, 0, (1 << 31) - 1)
+        location = self._location(field_of(prop, "location", "prop"), "prop.location", _LOCATIONS)
         reserve = prop.get("reserve", 0) if isinstance(prop, Mapping) else 0
         check_int("prop.reserve", reserve, 0, 0)
-        return PhysicalProp(handle_type, alloc_type, attr, Location(ltype, lid), 0)
+        return PhysicalProp(handle_type, alloc_type, attr, location, 0)
 
     def granularity(self, prop: object, option: object) -> int:
         check_int("option", option, C.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, C.ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
@@ -577,10 +565,15 @@ class Runtime:
             m.alloc.maps -= 1
             self._maybe_destroy(m.alloc)
 
-    def _location(self, loc: object, where: str) -> Location:
+    def _location(self, loc: object, where: str, supported: Collection[int] = _ALL_LOCATIONS) -> Location:
+        """An aclrtMemLocation: 107000 for a malformed one, 207000 for a kind outside `supported`."""
         ltype = check_int(f"{where}.type", field_of(loc, "type", where), 0, 0xFFFFFFFF)
         if ltype not in _ALL_LOCATIONS:
             raise InvalidParamError(f"{where}.type={ltype} is not an aclrtMemLocationType")
+        if ltype not in supported:
+            raise FeatureNotSupportedError(
+                f"{where}.type={ltype} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
+            )
         lid = field_of(loc, "id", where)
         if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE:
             return Location(ltype, self._device(lid))

@@ -123,6 +123,24 @@ class _WorkerBase:
         if ret:
             self.fail("write", ret)
 
+    def reserve_map(self, h: int, **where: Any) -> tuple[int, int]:
+        """Reserve a range and map `h` there: (address, 0), or (0, the code) after reporting the failure and
+        freeing `h`."""
+        self.step("reserve")
+        p, ret = self.rt.reserve_mem_address(SIZE, 0, 0, 0)
+        if ret:
+            self.fail("reserve", ret, **where)
+            self.rt.free_physical(h)
+            return 0, ret
+        self.step("map")
+        ret = self.rt.map_mem(p, SIZE, 0, h, 0)
+        if ret:
+            self.fail("map", ret, **where)
+            self.rt.free_physical(h)
+            self.rt.release_mem_address(p)
+            return 0, ret
+        return int(p), 0
+
     def unmap_free(self, h: int, p: int) -> None:
         self.step("unmap")
         ret = self.rt.unmap_mem(p)
@@ -172,18 +190,8 @@ class ExporterWorker(_WorkerBase):
         h, ret = rt.malloc_physical(SIZE, c.PROP, 0)
         if ret:
             return self.fail("malloc", ret, i=i)
-        self.step("reserve")
-        p, ret = rt.reserve_mem_address(SIZE, 0, 0, 0)
+        p, ret = self.reserve_map(h, i=i)
         if ret:
-            self.fail("reserve", ret, i=i)
-            rt.free_physical(h)
-            return None
-        self.step("map")
-        ret = rt.map_mem(p, SIZE, 0, h, 0)
-        if ret:
-            self.fail("map", ret, i=i)
-            rt.free_physical(h)
-            rt.release_mem_address(p)
             return None
         self.step("write")
         self.write(p, c.pattern(seed, SIZE))
@@ -252,18 +260,8 @@ class ImporterWorker(_WorkerBase):
             if report:
                 _emit({"ev": "imp", "sh": sh, "ret": ret, "msg": self.acl.get_recent_err_msg()[:200]})
             return ret, None
-        self.step("reserve")
-        p, ret = rt.reserve_mem_address(SIZE, 0, 0, 0)
+        p, ret = self.reserve_map(h, sh=sh)
         if ret:
-            self.fail("reserve", ret, sh=sh)
-            rt.free_physical(h)
-            return ret, None
-        self.step("map")
-        ret = rt.map_mem(p, SIZE, 0, h, 0)
-        if ret:
-            self.fail("map", ret, sh=sh)
-            rt.free_physical(h)
-            rt.release_mem_address(p)
             return ret, None
         self.step("verify")
         ok = self.check(p, seed)

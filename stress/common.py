@@ -16,7 +16,6 @@ import random
 import select
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -114,27 +113,11 @@ def pattern(seed: int, size: int) -> bytes:
 # ---------------------------------------------------------------- raw broker connections
 
 
-class Raw:
+class Raw(rawsock.Connection):
     """One SOCK_SEQPACKET connection to a broker, speaking frames by hand (no vmmshare runtime involved)."""
 
     def __init__(self, path: Path | str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(HANG_GUARD)
-        try:
-            self.sock.connect(str(path))
-        except BaseException:
-            self.sock.close()
-            raise
-        self.req = 0
-
-    def __enter__(self) -> Raw:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
+        super().__init__(path, HANG_GUARD)
 
     def recv(self) -> tuple[P.Frame, list[int]]:
         data, fds, _ = rawsock.recv(self.sock)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import array
 import socket
+from pathlib import Path
+from typing import Any
 
 from vmmshare.protocol import MAX_FRAME
 
@@ -37,3 +39,27 @@ def recv(sock: socket.socket) -> tuple[bytes | None, list[int], bool]:
     if not data and not fds:
         return None, [], False
     return data, fds, bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+
+
+class Connection:
+    """One SOCK_SEQPACKET connection to the broker at `path`, closed on leaving a `with`; `timeout` (seconds) only
+    guards against a hang. `req` numbers the requests the subclass sends."""
+
+    def __init__(self, path: Path | str, timeout: float, req: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(str(path))
+        except BaseException:
+            self.sock.close()
+            raise
+        self.req = req
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()

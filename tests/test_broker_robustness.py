@@ -61,23 +61,11 @@ def broker(tmp_path: Path) -> Iterator[BrokerProc]:
 # ---------------------------------------------------------------- a raw client
 
 
-class Raw:
+class Raw(rawsock.Connection):
     """One SOCK_SEQPACKET connection to the broker, speaking frames by hand."""
 
     def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(HANG_GUARD)
-        self.sock.connect(str(path))
-        self.req = 100
-
-    def __enter__(self) -> Raw:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
+        super().__init__(path, HANG_GUARD, req=100)
 
     def send(self, data: bytes, fds: tuple[int, ...] | list[int] = ()) -> bool:
         """Send one packet; False when the broker had closed the connection."""

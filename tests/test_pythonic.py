@@ -124,9 +124,12 @@ def test_shareable_handle_value_object() -> None:
     assert pickle.loads(pickle.dumps(h)) == h
     assert vmmshare.ShareableHandle.from_value(int(h)) == h
     assert int(str(h).split(":")[2], 16) == int(h)
-    for bad in ("vmm:default:xyz", "vmm:other:00", "", "vmm:default:" + "0" * 15):
+    for bad in ("vmm:default:xyz", "vmm:other:00", "", "vmm:default:" + "0" * 15, "vmm:default:" + "0" * 16,
+                123, None):
         with pytest.raises(vmmshare.InvalidParamError):
-            vmmshare.ShareableHandle.parse(bad)
+            vmmshare.ShareableHandle.parse(bad)  # type: ignore[arg-type]
+    with pytest.raises(vmmshare.InvalidParamError):
+        vmmshare.ShareableHandle("default", "abcdefgh")  # type: ignore[arg-type]
 
 
 def test_fabric_handle_value_object() -> None:

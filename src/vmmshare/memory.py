@@ -177,9 +177,11 @@ class ShareableHandle:
     raw: bytes
 
     def __post_init__(self) -> None:
+        if not isinstance(self.raw, bytes):
+            raise InvalidParamError(f"a shareable handle's raw form is bytes, not {type(self.raw).__name__}")
         if self.kind == "default":
-            if len(self.raw) != 8:
-                raise InvalidParamError("a DEFAULT shareable handle is 8 bytes")
+            if len(self.raw) != 8 or not any(self.raw):
+                raise InvalidParamError("a DEFAULT shareable handle is 8 bytes, not all zero")
         elif self.kind == "fabric":
             decode_fabric(self.raw)
         else:
@@ -200,6 +202,8 @@ class ShareableHandle:
 
     @classmethod
     def parse(cls, text: str) -> ShareableHandle:
+        if not isinstance(text, str):
+            raise InvalidParamError(f"not a shareable handle text: {text!r}")
         m = _TEXT.match(text.strip())
         expected = {"default": 16, "fabric": 256}
         if not m or len(m.group(2)) != expected[m.group(1)]:

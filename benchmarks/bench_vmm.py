@@ -62,7 +62,7 @@ def touch_vmm(size: int, attr: int) -> tuple[float, str]:
     ptr, ret = acl.rt.reserve_mem_address(size, 0, 0, 0)
     ok(ret)
     ok(acl.rt.map_mem(ptr, size, 0, h, 0))
-    pages = runtime().allocation(h).mem.pages
+    pages = runtime().memory.allocation(h).mem.pages
     t0 = time.perf_counter()
     ctypes.memset(ptr, 1, size)
     dt = time.perf_counter() - t0

@@ -634,7 +634,7 @@ class Fuzzer:
                     "mem_retain_allocation_handle"):
             self.handles[out] += 1
             with contextlib.suppress(Exception):
-                self.handle_size[out] = self.runtime().allocation(out).size
+                self.handle_size[out] = self.runtime().memory.allocation(out).size
         elif name == "free_physical":
             h = int(a[0])
             self.handles[h] -= 1

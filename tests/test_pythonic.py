@@ -14,6 +14,7 @@ import pytest
 import vmmshare
 from vmmshare import constants as C
 from vmmshare._process import runtime
+from vmmshare.props import Location
 
 MiB = 1 << 20
 
@@ -110,7 +111,7 @@ def test_dlpack_with_torch() -> None:
 
 def test_read_only_access() -> None:
     with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map(access="r") as mapping:
-        assert runtime().get_access(mapping.ptr, {"type": 1, "id": 0}) == C.ACL_RT_MEM_ACCESS_FLAGS_READ
+        assert runtime().memory.get_access(mapping.ptr, Location(1, 0)) == C.ACL_RT_MEM_ACCESS_FLAGS_READ
         mapping.set_access("rw")
         mapping.memoryview()[0] = 1
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -84,11 +83,9 @@ def kernel_features() -> list[Finding]:
                            f"16-24 TiB arena {'usable' if in_arena else 'occupied: reservations land elsewhere'}"))
     except OSError as exc:
         out.append(Finding("missing", "reservation arena", f"cannot reserve address space: {exc}"))
-    probe = ctypes.CDLL(None, use_errno=True)
-    probe.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    addr = host._mmap_call(0, 4096, host.PROT_READ | host.PROT_WRITE, host.MAP_PRIVATE | host.MAP_ANONYMOUS)
-    ok = probe.madvise(addr, 4096, host.MADV_POPULATE_READ) == 0
-    host._libc.munmap(addr, 4096)
+    addr = host.map_anonymous(4096)
+    ok = host.populate(addr, 4096)
+    host.unmap(addr, 4096)
     out.append(Finding("ok" if ok else "slow", "pre-populated mappings",
                        "MADV_POPULATE_READ available" if ok else "MADV_POPULATE_READ missing (Linux < 5.14): "
                        "pre-populate falls back to first touch", "" if ok else "upgrade to Linux 5.14 or later"))

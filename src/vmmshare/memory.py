@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import re
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from . import constants as C
 from ._process import runtime
-from .backends.host import HostMemory
-from .errors import InvalidParamError
-from .handles import decode_fabric, default_bytes
-from .props import check_int
+from .backends.base import MemoryKind
+from .errors import ContextNullError, InvalidParamError
+from .handles import ShareableHandle, ShareType
+from .props import Location, PhysicalProp, check_device, check_int, check_pids, check_ptr
+
+__all__ = ["Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"]
 
 _ATTRS = {
     "normal": C.ACL_HBM_MEM_NORMAL,
@@ -27,7 +27,7 @@ _ATTRS = {
     "huge1g": C.ACL_HBM_MEM_HUGE1G,
 }
 _LOCATIONS = {"device": C.ACL_MEM_LOCATION_TYPE_DEVICE, "host": C.ACL_MEM_LOCATION_TYPE_HOST}
-_SHARE_TYPES = {"default": C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, "fabric": C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC}
+_SHARE_TYPES = {"default": ShareType.DEFAULT, "fabric": ShareType.FABRIC}
 _ACCESS = {
     "none": C.ACL_RT_MEM_ACCESS_FLAGS_NONE,
     "r": C.ACL_RT_MEM_ACCESS_FLAGS_READ,
@@ -40,14 +40,23 @@ def _attr(attr: str | int) -> int:
         if attr not in _ATTRS:
             raise InvalidParamError(f"attr {attr!r}: use one of {sorted(_ATTRS)} or an aclrtMemAttr value")
         return _ATTRS[attr]
-    return attr
+    return check_int("attr", attr, 0, 17)
+
+
+def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
+    """A trustlist argument: any iterable of positive 32-bit pids."""
+    try:
+        listed = list(pids)
+    except TypeError:
+        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
+    return check_pids(listed, allow_empty)
 
 
 class Device:
     """One (virtual or real) device: where physical memory is allocated."""
 
     def __init__(self, device_id: int = 0) -> None:
-        self.id = runtime()._device(device_id)
+        self.id = runtime().device_id(check_device(device_id))
 
     def __repr__(self) -> str:
         return f"Device({self.id})"
@@ -58,27 +67,27 @@ class Device:
     def __hash__(self) -> int:
         return hash(("Device", self.id))
 
-    def _prop(self, attr: str | int, location: str) -> dict[str, Any]:
+    def _prop(self, attr: str | int, location: str) -> PhysicalProp:
         if location not in _LOCATIONS:
             raise InvalidParamError(f"location {location!r}: use 'device' or 'host'")
-        loc = {"id": self.id if location == "device" else 0, "type": _LOCATIONS[location]}
-        return {"handleType": 0, "allocationType": 0, "memAttr": _attr(attr), "location": loc, "reserve": 0}
+        loc = Location(_LOCATIONS[location], self.id if location == "device" else 0)
+        return PhysicalProp(C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_ALLOCATION_TYPE_PINNED, _attr(attr), loc)
 
     def granularity(self, attr: str | int = "normal") -> int:
-        return runtime().granularity(self._prop(attr, "device"), C.ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return runtime().memory.granularity(self._prop(attr, "device"))
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of this device across the node (the GPU's own figures under the CUDA backend)."""
-        return runtime().device_mem_info(self.id)
+        return runtime().mem_info(self.id)
 
     def allocate(self, size: int, attr: str | int = "normal", location: str = "device") -> PhysicalMemory:
         """Physical memory of at least `size` bytes (rounded up to the granularity)."""
         prop = self._prop(attr, location)
         rt = runtime()
-        g = rt.granularity(prop, C.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM)
+        g = rt.memory.granularity(prop)
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise InvalidParamError(f"size must be a positive int, got {size!r}")
-        return PhysicalMemory(rt.malloc_physical(-(-size // g) * g, prop, 0))
+        return PhysicalMemory(rt.memory.malloc_physical(-(-size // g) * g, prop))
 
 
 class PhysicalMemory:
@@ -86,14 +95,15 @@ class PhysicalMemory:
 
     def __init__(self, handle: int) -> None:
         rt = runtime()
-        alloc = rt.allocation(handle)
+        alloc = rt.memory.allocation(handle)
         self.handle = handle
         self.size = alloc.size
         self.device = alloc.prop.location.id
-        self.location = {"type": alloc.prop.location.type, "id": alloc.prop.location.id}  # outlives close()
+        self._location = alloc.prop.location  # outlives close()
+        self.location = alloc.prop.location.as_dict()
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
-        self.on_gpu = not isinstance(alloc.mem, HostMemory)
+        self.on_gpu = alloc.backend.kind is MemoryKind.GPU
         self._shareable: ShareableHandle | None = None
         self._finalizer = weakref.finalize(self, _free_quietly, handle)
 
@@ -112,7 +122,7 @@ class PhysicalMemory:
 
     @property
     def properties(self) -> dict[str, Any]:
-        return runtime().properties(self._live())
+        return runtime().memory.properties(self._live())
 
     def export(
         self, share_type: str = "default", pids: Iterable[int] = (), validate_pids: bool = True
@@ -120,17 +130,16 @@ class PhysicalMemory:
         """Export once, as a handle other processes can import; `pids` go on the trustlist at once."""
         if share_type not in _SHARE_TYPES:
             raise InvalidParamError(f"share_type {share_type!r}: use 'default' or 'fabric'")
-        st = _SHARE_TYPES[share_type]
-        flags = 0 if validate_pids else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
-        raw = runtime().export(self._live(), flags, st, list(pids))  # the trustlist rides on the export
-        self._shareable = ShareableHandle(share_type, raw)
+        trust = _pids(pids, allow_empty=True)
+        # the trustlist rides on the export
+        self._shareable = runtime().sharing.export(self._live(), _SHARE_TYPES[share_type], bool(validate_pids), trust)
         return self._shareable
 
     def allow(self, pids: Iterable[int]) -> None:
         """Add processes (host pids, as `device_get_bare_tgid` gives) to the trustlist of the export."""
         if self._shareable is None:
             raise InvalidParamError("export() this memory before setting its trustlist")
-        runtime().set_pids(self._shareable.raw, _SHARE_TYPES[self._shareable.kind], list(pids))
+        runtime().sharing.set_pids(self._shareable, _pids(pids, allow_empty=False))
 
     def map(self, access: str = "rw", prepopulate: bool | None = None) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both."""
@@ -145,7 +154,7 @@ class PhysicalMemory:
         """Free this handle; mappings of it stay valid until they are closed."""
         if self._finalizer.alive:
             self._finalizer.detach()
-            runtime().free_physical(self.handle)
+            runtime().memory.free_physical(self.handle)
 
     def __enter__(self) -> PhysicalMemory:
         return self
@@ -162,71 +171,7 @@ def _quietly(fn: Any, *args: Any) -> None:
 def _free_quietly(handle: int) -> None:
     with contextlib.suppress(Exception):
         rt = runtime()
-        rt.when_safe(lambda: _quietly(rt.free_physical, handle))
-
-
-_TEXT = re.compile(r"^vmm:(default|fabric):([0-9a-f]+)$")
-
-
-@dataclass(frozen=True)
-class ShareableHandle:
-    """A shareable handle, copyable by value: ``int(h)`` for DEFAULT, ``bytes(h)`` for FABRIC, ``str(h)``
-    as text for environment variables, command lines and JSON, and `ShareableHandle.parse` back."""
-
-    kind: str
-    raw: bytes
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.raw, bytes):
-            raise InvalidParamError(f"a shareable handle's raw form is bytes, not {type(self.raw).__name__}")
-        if self.kind == "default":
-            if len(self.raw) != 8 or not any(self.raw):
-                raise InvalidParamError("a DEFAULT shareable handle is 8 bytes, not all zero")
-        elif self.kind == "fabric":
-            decode_fabric(self.raw)
-        else:
-            raise InvalidParamError(f"kind {self.kind!r}: 'default' or 'fabric'")
-
-    @classmethod
-    def from_value(cls, value: int | bytes | str | ShareableHandle) -> ShareableHandle:
-        """From an int (DEFAULT), 128 bytes (FABRIC), the text form, or a ShareableHandle."""
-        if isinstance(value, ShareableHandle):
-            return value
-        if isinstance(value, str):
-            return cls.parse(value)
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            return cls("fabric", bytes(value))
-        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 64:
-            return cls("default", default_bytes(value))
-        raise InvalidParamError(f"not a shareable handle: {value!r}")
-
-    @classmethod
-    def parse(cls, text: str) -> ShareableHandle:
-        if not isinstance(text, str):
-            raise InvalidParamError(f"not a shareable handle text: {text!r}")
-        m = _TEXT.match(text.strip())
-        expected = {"default": 16, "fabric": 256}
-        if not m or len(m.group(2)) != expected[m.group(1)]:
-            raise InvalidParamError(f"not a shareable handle text: {text!r} (expected vmm:default:<16 hex digits> "
-                                    "or vmm:fabric:<256 hex digits>)")
-        raw = bytes.fromhex(m.group(2))
-        return cls(m.group(1), raw[::-1] if m.group(1) == "default" else raw)
-
-    def __int__(self) -> int:
-        if self.kind != "default":
-            raise TypeError("a FABRIC handle is 128 bytes: use bytes(handle)")
-        return int.from_bytes(self.raw, "little")
-
-    def __bytes__(self) -> bytes:
-        return self.raw
-
-    def __str__(self) -> str:
-        if self.kind == "default":
-            return f"vmm:default:{int(self):016x}"
-        return f"vmm:fabric:{self.raw.hex()}"
-
-    def __repr__(self) -> str:
-        return f"ShareableHandle({str(self)!r})"
+        rt.when_safe(lambda: _quietly(rt.memory.free_physical, handle))
 
 
 def import_handle(handle: int | bytes | str | ShareableHandle, device: int | None = None) -> PhysicalMemory:
@@ -235,11 +180,10 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
     rt = runtime()
     if device is None:
         try:
-            device = rt.current_device()
-        except Exception:
+            device = rt.devices.current()
+        except ContextNullError:
             device = 0
-    dev = rt._device(device)
-    return PhysicalMemory(rt.import_handle(h.raw, _SHARE_TYPES[h.kind], dev))
+    return PhysicalMemory(rt.sharing.import_handle(h, rt.device_id(check_device(device))))
 
 
 class VirtualRange:
@@ -251,7 +195,7 @@ class VirtualRange:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise InvalidParamError(f"size must be a positive int, got {size!r}")
         self.size = -(-size // g) * g
-        self.ptr = runtime().reserve(self.size, 0, at or 0, 0, gpu)
+        self.ptr = runtime().memory.reserve(self.size, 0, check_ptr("at", at), gpu)
         self._finalizer = weakref.finalize(self, _release_quietly, self.ptr)
 
     def __repr__(self) -> str:
@@ -272,13 +216,13 @@ class VirtualRange:
         rt = runtime()
         ptr = self.ptr + offset
         flags = _ACCESS[access]
-        rt.map(ptr, memory.size, 0, memory._live(), 0, flags, prepopulate)
+        rt.memory.map(ptr, memory.size, 0, memory._live(), flags, prepopulate)
         return Mapping(ptr, memory, self if owns_range else None)
 
     def close(self) -> None:
         if self._finalizer.alive:
             self._finalizer.detach()
-            runtime().release_reservation(self.ptr)
+            runtime().memory.release(self.ptr)
 
     def __enter__(self) -> VirtualRange:
         return self
@@ -290,12 +234,12 @@ class VirtualRange:
 def _release_quietly(ptr: int) -> None:
     with contextlib.suppress(Exception):
         rt = runtime()
-        rt.when_safe(lambda: _quietly(rt.release_reservation, ptr))
+        rt.when_safe(lambda: _quietly(rt.memory.release, ptr))
 
 
 def _unmap_quietly(ptr: int, rng: VirtualRange | None) -> None:
     def unmap() -> None:
-        _quietly(rt.unmap, ptr)
+        _quietly(rt.memory.unmap, ptr)
         if rng is not None:
             _quietly(rng.close)
 
@@ -387,7 +331,7 @@ class Mapping:
     def set_access(self, access: str) -> None:
         if access not in _ACCESS:
             raise InvalidParamError(f"access {access!r}: use 'rw', 'r' or 'none'")
-        runtime().set_access(self.ptr, self.size, [{"flags": _ACCESS[access], "location": self.memory.location}])
+        runtime().memory.set_access(self.ptr, self.size, [(self.memory._location, _ACCESS[access])])
 
     def close(self) -> None:
         """Unmap (and release the range it owns); BufferError while views of it are alive."""
@@ -396,7 +340,7 @@ class Mapping:
         if len(self._views):
             raise BufferError(f"{len(self._views)} view(s) of this mapping are alive: delete them first")
         self._finalizer.detach()
-        runtime().unmap(self.ptr)
+        runtime().memory.unmap(self.ptr)
         if self._range is not None:
             self._range.close()
 

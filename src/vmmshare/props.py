@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import constants as C
 from . import handles
-from .errors import InvalidParamError
+from .errors import FeatureNotSupportedError, InvalidParamError
 
 U64 = (1 << 64) - 1
 
@@ -20,6 +20,11 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
     if not lo <= value <= hi:
         raise InvalidParamError(f"{name}={value} is out of range [{lo}, {hi}]")
     return value
+
+
+def check_device(value: object) -> int:
+    """A device id argument (whether the device exists is the runtime's check, 107001)."""
+    return check_int("deviceId", value, -(1 << 31), (1 << 31) - 1)
 
 
 def check_ptr(name: str, value: object) -> int:
@@ -74,6 +79,64 @@ class PhysicalProp:
             "reserve": self.reserve,
         }
 
+
+LOCATION_TYPES = frozenset({
+    C.ACL_MEM_LOCATION_TYPE_HOST,
+    C.ACL_MEM_LOCATION_TYPE_DEVICE,
+    C.ACL_MEM_LOCATION_TYPE_UNREGISTERED,
+    C.ACL_MEM_LOCATION_TYPE_MANAGED,
+    C.ACL_MEM_LOCATION_TYPE_HOST_NUMA,
+})
+MEMORY_LOCATIONS = frozenset({C.ACL_MEM_LOCATION_TYPE_HOST, C.ACL_MEM_LOCATION_TYPE_DEVICE})
+ACCESS_FLAGS = frozenset({
+    C.ACL_RT_MEM_ACCESS_FLAGS_NONE, C.ACL_RT_MEM_ACCESS_FLAGS_READ, C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE,
+})
+
+
+def parse_location(loc: object, where: str, supported: Collection[int] = LOCATION_TYPES) -> Location:
+    """An aclrtMemLocation dict: 107000 when malformed, 207000 for a kind outside `supported`.
+
+    A DEVICE location's id is only read here: whether that device exists is the runtime's check (107001).
+    """
+    ltype = check_int(f"{where}.type", field_of(loc, "type", where), 0, 0xFFFFFFFF)
+    if ltype not in LOCATION_TYPES:
+        raise InvalidParamError(f"{where}.type={ltype} is not an aclrtMemLocationType")
+    if ltype not in supported:
+        raise FeatureNotSupportedError(
+            f"{where}.type={ltype} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
+        )
+    lo = -(1 << 31) if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0
+    name = "deviceId" if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else f"{where}.id"
+    return Location(ltype, check_int(name, field_of(loc, "id", where), lo, (1 << 31) - 1))
+
+
+def parse_prop(prop: object) -> PhysicalProp:
+    """An aclrtPhysicalMemProp dict."""
+    handle_type = check_int("prop.handleType", field_of(prop, "handleType", "prop"), 0, 0xFFFFFFFF)
+    if handle_type not in (C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_HANDLE_TYPE_POSIX):
+        raise InvalidParamError(f"prop.handleType={handle_type}: use ACL_MEM_HANDLE_TYPE_NONE (0) or POSIX (2)")
+    alloc_type = check_int("prop.allocationType", field_of(prop, "allocationType", "prop"), 0, 0xFFFFFFFF)
+    if alloc_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
+        raise InvalidParamError(f"prop.allocationType={alloc_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
+    attr = check_int("prop.memAttr", field_of(prop, "memAttr", "prop"), 0, 17)
+    location = parse_location(field_of(prop, "location", "prop"), "prop.location", MEMORY_LOCATIONS)
+    reserve = prop.get("reserve", 0) if isinstance(prop, Mapping) else 0
+    check_int("prop.reserve", reserve, 0, 0)
+    return PhysicalProp(handle_type, alloc_type, attr, location, 0)
+
+
+def parse_access_descs(desc_list: object) -> list[tuple[Location, int]]:
+    """An aclrtMemAccessDesc list: (location, ACL access flags) pairs, in order."""
+    if not isinstance(desc_list, (list, tuple)) or not desc_list:
+        raise InvalidParamError("desc_list must be a non-empty list of {'flags': ..., 'location': {...}}")
+    entries: list[tuple[Location, int]] = []
+    for i, desc in enumerate(desc_list):
+        flags = check_int(f"desc_list[{i}].flags", field_of(desc, "flags", f"desc_list[{i}]"), 0, 0xFFFFFFFF)
+        if flags not in ACCESS_FLAGS:
+            raise InvalidParamError(f"desc_list[{i}].flags={flags}: use ACL_RT_MEM_ACCESS_FLAGS_* (0, 1, 3)")
+        entries.append((parse_location(field_of(desc, "location", f"desc_list[{i}]"), f"desc_list[{i}].location"),
+                        flags))
+    return entries
 
 
 def check_pids(pids: object, allow_empty: bool = False) -> list[int]:

@@ -69,7 +69,7 @@ def ptr_to_numpy(ptr: int, shape: tuple[int, ...] | list[int], npy_type: Any) ->
     nbytes = math.prod(dims) * dtype.itemsize
     p = check_int("ptr", ptr, 1, (1 << 64) - 1)
     if nbytes:
-        runtime().check_readable(p, nbytes)
+        runtime().copies.check_readable(p, nbytes)
     buf = (ctypes.c_char * nbytes).from_address(p)
     return np.frombuffer(buf, dtype=dtype).reshape(dims)
 
@@ -99,5 +99,5 @@ def ptr_to_bytes(ptr: int, size: int) -> bytes:
     p = check_int("ptr", ptr, 1, (1 << 64) - 1)
     n = check_int("size", size, 0, 1 << 48)
     if n:
-        runtime().check_readable(p, n)
+        runtime().copies.check_readable(p, n)
     return ctypes.string_at(p, n)

@@ -23,6 +23,7 @@ from ..errors import (
     InvalidParamError,
     MemoryAllocationError,
 )
+from .base import Memory, MemoryKind
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class CudaMemory:
 
 class CudaBackend:
     """The process's view of the GPUs: contexts are the devices' primary contexts."""
+
+    kind = MemoryKind.GPU
 
     def __init__(self) -> None:
         self.cu = _driver()
@@ -171,7 +174,8 @@ class CudaBackend:
 
     # ------------------------------------------------------------ memory
 
-    def allocate(self, size: int, device: int) -> CudaMemory:
+    def allocate(self, size: int, device: int, huge_page: int = 0) -> CudaMemory:
+        """GPU memory of `size` bytes on `device` (the driver picks its pages; `huge_page` does not apply)."""
         g = self.granularity(device)
         if size % g:
             raise InvalidParamError(f"size {size} is not a multiple of the GPU's granularity {g}")
@@ -180,8 +184,9 @@ class CudaBackend:
         self.check(err, "cuMemCreate")
         return CudaMemory(handle, size, device, self)
 
-    def export_fd(self, mem: CudaMemory) -> int:
+    def export_fd(self, mem: Memory) -> int:
         """The POSIX fd of an allocation (made once, on first export; the runtime exports once)."""
+        assert isinstance(mem, CudaMemory)
         if mem.fd < 0:
             with self.on(mem.device):
                 err, fd = self.cu.cuMemExportToShareableHandle(mem.handle, self.fd_type, 0)
@@ -216,7 +221,11 @@ class CudaBackend:
     def release(self, ptr: int, size: int) -> None:
         self.check(self.cu.cuMemAddressFree(ptr, size)[0], "cuMemAddressFree")
 
-    def map(self, ptr: int, size: int, mem: CudaMemory, access: int) -> None:
+    def forget(self, mem: Memory) -> None:
+        """Nothing: CUDA cannot be touched in a forked child."""
+
+    def map(self, ptr: int, size: int, mem: Memory, access: int, prepopulate: bool = False) -> None:
+        assert isinstance(mem, CudaMemory)
         with self.on(mem.device):
             self.check(self.cu.cuMemMap(ptr, size, 0, mem.handle, 0)[0], "cuMemMap")
             if access:

@@ -1,0 +1,147 @@
+"""Host memory (aclrtMallocHost) and the synchronous copies and fills between any memory of this process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import constants as C
+from ..backends import host
+from ..backends.base import MemoryKind
+from ..errors import InvalidParamError, MemoryAllocationError
+from ..intervals import Intervals
+from .tables import MappingEntry
+
+if TYPE_CHECKING:
+    from . import Runtime
+
+_KIND_SIDES = {  # memcpy kind -> (dst is device memory, src is device memory)
+    C.ACL_MEMCPY_HOST_TO_HOST: (False, False),
+    C.ACL_MEMCPY_HOST_TO_DEVICE: (True, False),
+    C.ACL_MEMCPY_DEVICE_TO_HOST: (False, True),
+    C.ACL_MEMCPY_DEVICE_TO_DEVICE: (True, True),
+}
+MAX_HOST_ALLOC = 1 << 46
+
+
+class Copies:
+    """malloc_host blocks, memcpy and memset; classifies every pointer against this process's tables."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.host_blocks: Intervals[int] = Intervals()
+
+    def malloc_host(self, size: int) -> int:
+        if not 1 <= size <= MAX_HOST_ALLOC:
+            raise InvalidParamError(f"size={size} is out of range [1, {MAX_HOST_ALLOC}]")
+        try:
+            ptr = host.map_anonymous(size)
+        except OSError as exc:
+            raise MemoryAllocationError(f"cannot allocate {size} bytes of host memory: {exc.strerror}") from None
+        with self.rt.lock:
+            self.host_blocks.add(ptr, size, size)
+        return ptr
+
+    def free_host(self, ptr: int) -> None:
+        with self.rt.lock:
+            size = self.host_blocks.exact(ptr)
+            if size is None:
+                raise InvalidParamError(f"{ptr:#x} is not memory from malloc_host (or it was freed already)")
+            self.host_blocks.remove(ptr)
+            host.unmap(ptr, size)
+
+    def _classify(self, ptr: int, size: int, write: bool, what: str) -> MappingEntry | None:
+        """Check `[ptr, ptr+size)` is accessible memory: its mapping when mapped here, None for other memory."""
+        if ptr == 0:
+            raise InvalidParamError(f"{what} is NULL")
+        vmm = self.rt.memory
+        hit = vmm.mappings.at(ptr)
+        if hit is not None:
+            start, end, m = hit
+            if ptr + size > end:
+                raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its mapping at {start:#x}")
+            need = C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE if write else C.ACL_RT_MEM_ACCESS_FLAGS_READ
+            if m.effective & need != need:
+                raise InvalidParamError(f"{what} mapping at {start:#x} is not {'writable' if write else 'readable'}")
+            return m
+        if vmm.reservations.at(ptr) is not None:
+            raise InvalidParamError(f"{what} {ptr:#x} is reserved but not mapped: map_mem it first")
+        block = self.host_blocks.at(ptr)
+        if block is not None:
+            if ptr + size > block[1]:
+                raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its malloc_host block")
+            return None
+        if not _process_range_ok(ptr, size, write):
+            raise InvalidParamError(f"{what} {ptr:#x}+{size} is not {'writable' if write else 'readable'} memory")
+        return None
+
+    def memcpy(self, dst: int, dest_max: int, src: int, count: int, kind: int) -> None:
+        if count > dest_max:
+            raise InvalidParamError(f"count {count} is larger than destMax {dest_max}")
+        if dst == 0 or src == 0:
+            raise InvalidParamError(f"{'dst' if dst == 0 else 'src'} is NULL")
+        if count == 0:
+            return
+        with self.rt.lock:
+            to = self._classify(dst, count, True, "dst")
+            of = self._classify(src, count, False, "src")
+            dst_dev, src_dev = _on_device(to), _on_device(of)
+            want = _KIND_SIDES.get(kind)
+            if want is not None and want != (dst_dev, src_dev):
+                names = ("host", "device")
+                raise InvalidParamError(
+                    f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
+                    f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
+                )
+            # whichever side is not plain host memory decides who copies (a GPU, or the CPU)
+            mover = next((m for m in (to, of) if m is not None and m.alloc.backend.kind is not MemoryKind.HOST), None)
+            if mover is None:
+                self.rt.host.copy(dst, src, count, 0)
+            else:
+                mover.alloc.backend.copy(dst, src, count, mover.alloc.device)
+
+    def memset(self, ptr: int, max_count: int, value: int, count: int) -> None:
+        if count > max_count:
+            raise InvalidParamError(f"count {count} is larger than maxCount {max_count}")
+        if ptr == 0:
+            raise InvalidParamError("devPtr is NULL")
+        if count == 0:
+            return
+        with self.rt.lock:
+            m = self._classify(ptr, count, True, "devPtr")
+            if m is None:
+                self.rt.host.fill(ptr, value, count, 0)
+            else:
+                m.alloc.backend.fill(ptr, value, count, m.alloc.device)
+
+    def check_readable(self, ptr: int, size: int) -> None:
+        """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot)."""
+        with self.rt.lock:
+            m = self._classify(ptr, size, False, "ptr")
+            if m is not None and m.alloc.backend.kind is not MemoryKind.HOST:
+                raise InvalidParamError(f"{ptr:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
+
+
+def _on_device(m: MappingEntry | None) -> bool:
+    return m is not None and m.alloc.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE
+
+
+def _process_range_ok(ptr: int, size: int, write: bool) -> bool:
+    """Whether /proc/self/maps shows `[ptr, ptr+size)` readable (and writable when asked), end to end."""
+    need = "w" if write else "r"
+    end, cursor = ptr + size, ptr
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split(None, 2)[:2]
+                lo_s, hi_s = span.split("-")
+                lo, hi = int(lo_s, 16), int(hi_s, 16)
+                if hi <= cursor:
+                    continue
+                if lo > cursor or need not in perms or "r" not in perms:
+                    return False
+                cursor = hi
+                if cursor >= end:
+                    return True
+    except OSError:
+        return False
+    return False

@@ -1,0 +1,124 @@
+"""Export, trustlists and import of shareable handles (SPEC §4 rules 9-17), through the node's broker."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .. import constants as C
+from ..backends.base import Memory, MemoryKind
+from ..errors import FeatureNotSupportedError, InvalidParamError
+from ..handles import ShareableHandle, ShareType
+from ..node import Imported
+from ..props import Location, PhysicalProp
+from .tables import Allocation
+
+if TYPE_CHECKING:
+    from . import Runtime
+
+log = logging.getLogger("vmmshare.runtime")
+_PENDING: Any = object()  # an import under way: a second import of the same handle is refused meanwhile
+
+
+class Sharing:
+    """What this process exported and imported, keyed by the node's handle value (not the handle's bytes: the
+    bytes a FABRIC handle carries besides the value must not make one handle look like another, rule 13)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.imports: dict[int, Allocation] = {}  # handle value imported here -> allocation
+        self.exported: set[int] = set()  # handle values this process exported and has not freed
+        self._told_fabric = threading.Event()  # the FABRIC-on-GPU log line is written once
+
+    def export(self, handle: int, share_type: ShareType, pid_validation: bool = True,
+               pids: list[int] | None = None) -> ShareableHandle:
+        """Export an allocation made here, once; `pids` go on the trustlist in the same round trip."""
+        rt = self.rt
+        with rt.lock:
+            alloc = rt.memory.allocation(handle)
+            if alloc.imported_from:
+                raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
+            if alloc.exported is not None:
+                raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
+            on_gpu = alloc.backend.kind is MemoryKind.GPU
+            if on_gpu and share_type is ShareType.FABRIC and not self._told_fabric.is_set():
+                self._told_fabric.set()
+                log.warning("FABRIC export of GPU memory: the handle is vmmshare's FABRIC format and the memory "
+                            "travels as a POSIX fd through the node broker, not as a CUDA fabric handle (those "
+                            "need an IMEX channel)")
+            fd = alloc.backend.export_fd(alloc.mem)
+            flags = 0 if pid_validation else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
+            raw = rt.node.export(alloc.node_ref, fd, alloc.prop, alloc.size, flags, share_type, pids or [], on_gpu)
+            alloc.exported = ShareableHandle.of(share_type, raw)
+            self.exported.add(alloc.exported.value)
+            return alloc.exported
+
+    def set_pids(self, shareable: ShareableHandle, pids: list[int]) -> None:
+        self.rt.node.set_pids(shareable.value, shareable.share_type, pids)
+
+    def import_handle(self, shareable: ShareableHandle, device: int) -> int:
+        """Import a handle another process exported, as memory of `device`; returns the new handle."""
+        rt = self.rt
+        rt.devices.device_id(device)
+        value, secret = shareable.value, b""
+        if shareable.fabric is not None:
+            if shareable.fabric.server_id != rt.config.server_id:
+                raise FeatureNotSupportedError(
+                    f"this FABRIC handle comes from server {shareable.fabric.server_id:#x}, not this one "
+                    f"({rt.config.server_id:#x}); importing across servers needs the cross-server transport, "
+                    "which is not configured"
+                )
+            secret = shareable.fabric.secret
+        with rt.lock:
+            if value in self.imports:
+                raise InvalidParamError(
+                    "this shareable handle is imported in this process already: free_physical that import first"
+                )
+            if value in self.exported:
+                raise InvalidParamError("this process exported the handle; use its own handle instead of importing")
+            self.imports[value] = _PENDING
+        try:
+            got = rt.node.import_handle(value, shareable.share_type, secret)
+        except BaseException:
+            with rt.lock:
+                self.imports.pop(value, None)
+            raise
+        location = got.prop.location
+        if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            location = Location(location.type, device)
+        prop = PhysicalProp(got.prop.handle_type, got.prop.allocation_type, got.prop.mem_attr, location)
+        backend = rt.device_backend if got.gpu else rt.host
+        try:
+            mem = self._adopt(got, device)
+        except BaseException:
+            with rt.lock:
+                self.imports.pop(value, None)
+            rt.safe_node_call(rt.node.release, got.node_ref)
+            raise
+        alloc = Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=value)
+        with rt.lock:
+            self.imports[value] = alloc
+            return rt.memory.register(alloc)
+
+    def _adopt(self, got: Imported, device: int) -> Memory:
+        if not got.gpu:
+            return self.rt.host.adopt(got.fd, got.size, device)
+        if self.rt.device_backend.kind is not MemoryKind.GPU:
+            self.rt.host.adopt(got.fd, got.size, device).close()
+            raise FeatureNotSupportedError(
+                "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda"
+            )
+        return self.rt.device_backend.adopt(got.fd, got.size, device)
+
+    def forget(self, alloc: Allocation) -> None:
+        """The last handle to `alloc` was freed: an export of it is revoked, an import of it may come again."""
+        if alloc.imported_from:
+            self.imports.pop(alloc.imported_from, None)
+        elif alloc.exported is not None:
+            self.exported.discard(alloc.exported.value)
+            if alloc.maps:  # still mapped here: revoke now (unmapped, the node's release revokes it too)
+                self.rt.safe_node_call(self.rt.node.revoke, alloc.node_ref)
+
+    def bare_tgid(self) -> int:
+        return self.rt.node.bare_tgid()

@@ -1,0 +1,261 @@
+"""Physical allocations, reserved ranges and the mappings between them (SPEC §4 rules 1-8)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from .. import constants as C
+from ..backends import host
+from ..backends.base import Backend, Memory, MemoryKind
+from ..errors import (
+    AclError,
+    FeatureNotSupportedError,
+    InternalError,
+    InvalidHandleError,
+    InvalidParamError,
+    MemoryAllocationError,
+)
+from ..intervals import Intervals
+from ..props import Location, PhysicalProp
+from .tables import Allocation, MappingEntry, Reservation
+
+if TYPE_CHECKING:
+    from . import Runtime
+
+ARENA_SIZE = host.ARENA_END - host.ARENA_START
+
+
+class Vmm:
+    """This process's allocations, reservations and mappings; callers hold the runtime's lock for the tables."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.handles: dict[int, Allocation] = {}
+        self.allocs: set[Allocation] = set()  # live, with or without a handle (a freed one stays while mapped)
+        self.reservations: Intervals[Reservation] = Intervals()
+        self.mappings: Intervals[MappingEntry] = Intervals()
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------ physical memory
+
+    def backend_for(self, location: Location) -> Backend:
+        """Device memory lives on the device backend (the GPUs under CUDA); host memory on the host."""
+        return self.rt.device_backend if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else self.rt.host
+
+    def check_location(self, location: Location) -> None:
+        if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            self.rt.devices.device_id(location.id)
+
+    def granularity(self, prop: PhysicalProp) -> int:
+        self.check_location(prop.location)
+        return max(prop.granularity, self.backend_for(prop.location).granularity(prop.location.id))
+
+    def malloc_physical(self, size: int, prop: PhysicalProp) -> int:
+        self.rt.run_deferred()
+        self.check_location(prop.location)
+        backend = self.backend_for(prop.location)
+        g = max(prop.granularity, backend.granularity(prop.location.id))
+        if size == 0 or size % g:
+            raise InvalidParamError(f"size {size} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
+        device = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
+        config = self.rt.config
+        if device >= 0 and backend.kind is MemoryKind.HOST and size > config.device_memory:
+            raise MemoryAllocationError(
+                f"device {device} has {config.device_memory} of {config.device_memory} bytes free; "
+                f"{size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)"
+            )
+        made: list[Memory] = []
+        failed: list[BaseException] = []
+
+        def create() -> None:  # runs while the broker checks the capacity
+            try:
+                made.append(backend.allocate(size, device, prop.huge_page))
+            except BaseException as exc:
+                failed.append(exc)
+
+        try:
+            node_ref = self.rt.node.charge(device, size, create, gpu=backend.kind is MemoryKind.GPU)
+        except BaseException:
+            for mem in made:
+                mem.close()
+            raise
+        if failed:
+            self.rt.safe_node_call(self.rt.node.release, node_ref)  # the allocation's own error is the one to report
+            exc = failed[0]
+            if isinstance(exc, (OSError, OverflowError)):  # e.g. ENOMEM, EFBIG, or beyond off_t
+                why = exc.strerror if isinstance(exc, OSError) else "too large for a file"
+                raise MemoryAllocationError(f"cannot create {size} bytes of shared memory: {why}") from None
+            raise exc
+        return self.register(Allocation(0, made[0], backend, prop, size, node_ref))
+
+    def register(self, alloc: Allocation) -> int:
+        with self.rt.lock:
+            alloc.handle = 0x7A00_0000_0000 + (next(self._ids) << 6)
+            self.handles[alloc.handle] = alloc
+            self.allocs.add(alloc)
+            return alloc.handle
+
+    def allocation(self, handle: int) -> Allocation:
+        alloc = self.handles.get(handle)
+        if alloc is None:
+            raise InvalidHandleError(f"handle {handle:#x} is not a live physical allocation of this process")
+        return alloc
+
+    def free_physical(self, handle: int) -> None:
+        self.rt.run_deferred()
+        with self.rt.lock:
+            alloc = self.allocation(handle)
+            alloc.refs -= 1
+            if alloc.refs:
+                return
+            del self.handles[alloc.handle]
+            self.rt.sharing.forget(alloc)
+            self.maybe_destroy(alloc)
+
+    def maybe_destroy(self, alloc: Allocation) -> None:
+        if alloc.refs or alloc.maps:
+            return
+        self.allocs.discard(alloc)
+        try:
+            alloc.mem.close()
+        finally:  # the node's hold goes even if the memory would not close (a driver error): it is not ours any more
+            self.rt.safe_node_call(self.rt.node.release, alloc.node_ref)
+
+    def retain(self, ptr: int) -> int:
+        with self.rt.lock:
+            alloc = self.mapping_at(ptr).alloc
+            if alloc.refs == 0:
+                self.handles[alloc.handle] = alloc
+            alloc.refs += 1
+            return alloc.handle
+
+    def properties(self, handle: int) -> dict[str, Any]:
+        with self.rt.lock:
+            return self.allocation(handle).prop.as_dict()
+
+    # ------------------------------------------------------------ reservations and mappings
+
+    def reserve(self, size: int, alignment: int, expect_ptr: int, on_device: bool | None = None) -> int:
+        """A reserved range, in the device backend's address space unless `on_device` is False."""
+        if alignment != 0:
+            raise InvalidParamError(f"alignment={alignment} is out of range [0, 0]")
+        g = C.MIN_GRANULARITY
+        if size == 0 or size % g or size > ARENA_SIZE:
+            raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB), "
+                                    f"at most {ARENA_SIZE}")
+        if expect_ptr % g:
+            raise InvalidParamError(f"expectPtr {expect_ptr:#x} must be aligned to {g} ({g >> 20} MiB)")
+        align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else g
+        backend = self.rt.device_backend if on_device is None or on_device else self.rt.host
+        try:
+            base = backend.reserve(size, align, expect_ptr)
+        except OSError as exc:
+            if expect_ptr:
+                raise InvalidParamError(
+                    f"cannot reserve at expectPtr {expect_ptr:#x}: {exc.strerror}; pass 0 to let the runtime choose"
+                ) from None
+            raise MemoryAllocationError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None
+        with self.rt.lock:
+            self.reservations.add(base, size, Reservation(base, size, backend))
+        return base
+
+    def release(self, ptr: int) -> None:
+        with self.rt.lock:
+            r = self.reservations.exact(ptr)
+            if r is None:
+                raise InvalidParamError(f"{ptr:#x} is not the start of a reservation of this process")
+            if self.mappings.overlaps(ptr, r.size):  # a mapping lies wholly inside one reservation
+                raise InvalidParamError(f"the reservation at {ptr:#x} still holds mappings: unmap_mem them first")
+            r.backend.release(ptr, r.size)  # released first: a range that fails to go stays tracked
+            self.reservations.remove(ptr)
+
+    def map(self, ptr: int, size: int, offset: int, handle: int, access: int, prepopulate: bool | None = None) -> None:
+        """Map an allocation over a reserved range; `prepopulate` (default: VMMSHARE_PREPOPULATE) faults it in."""
+        if offset != 0:
+            raise InvalidParamError(f"offset={offset} is out of range [0, 0]")
+        with self.rt.lock:
+            alloc = self.allocation(handle)
+            if size != alloc.size:
+                raise InvalidParamError(f"size {size} must equal the physical allocation's size {alloc.size}")
+            hit = self.reservations.at(ptr)
+            if hit is None:
+                raise InvalidParamError(f"{ptr:#x} is not inside a reservation: reserve_mem_address first")
+            start, end, r = hit
+            if ptr + size > end:
+                raise InvalidParamError(f"[{ptr:#x}, {ptr + size:#x}) runs past the reservation [{start:#x}, {end:#x})")
+            g = alloc.prop.granularity
+            if ptr % g:
+                raise InvalidParamError(f"ptr {ptr:#x} must be aligned to the allocation's granularity {g}")
+            if self.mappings.overlaps(ptr, size):
+                raise InvalidParamError(f"[{ptr:#x}, {ptr + size:#x}) overlaps an existing mapping: unmap_mem it first")
+            if alloc.backend is not r.backend:
+                what, where = _space(alloc.backend), _space(r.backend)
+                raise FeatureNotSupportedError(
+                    f"{what} memory cannot be mapped into a {where} reservation: reserve the range for the "
+                    "memory's location"
+                )
+            try:
+                alloc.backend.map(ptr, size, alloc.mem, access,
+                                  self.rt.config.prepopulate if prepopulate is None else prepopulate)
+            except OSError as exc:
+                raise MemoryAllocationError(f"cannot map {size} bytes at {ptr:#x}: {exc.strerror}") from None
+            self.mappings.add(ptr, size, MappingEntry(ptr, size, alloc, {}, access))
+            alloc.maps += 1
+
+    def mapping_at(self, ptr: int) -> MappingEntry:
+        hit = self.mappings.at(ptr)
+        if hit is None:
+            raise InvalidParamError(f"{ptr:#x} is not inside a mapping of this process")
+        return hit[2]
+
+    def unmap(self, ptr: int) -> None:
+        with self.rt.lock:
+            m = self.mappings.exact(ptr)
+            if m is None:
+                raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)")
+            try:
+                m.alloc.backend.unmap(ptr, m.size)
+            except OSError as exc:
+                raise InternalError(f"cannot unmap {ptr:#x}: {exc.strerror}") from None
+            self.mappings.remove(ptr)
+            m.alloc.maps -= 1
+            self.maybe_destroy(m.alloc)
+
+    def set_access(self, ptr: int, size: int, entries: list[tuple[Location, int]]) -> None:
+        for loc, _ in entries:
+            self.check_location(loc)
+        with self.rt.lock:
+            m = self.mappings.exact(ptr)
+            if m is None or m.size != size:
+                raise InvalidParamError(f"({ptr:#x}, {size}) is not exactly a mapping: pass map_mem's ptr and size")
+            access = dict(m.access)
+            access.update(entries)
+            effective = access.get(m.alloc.prop.location, entries[-1][1])
+            try:
+                m.alloc.backend.protect(ptr, size, effective, m.alloc.device)
+            except OSError as exc:
+                raise InternalError(f"mprotect failed: {exc.strerror}") from None
+            m.access, m.effective = access, effective
+
+    def get_access(self, ptr: int, location: Location) -> int:
+        self.check_location(location)
+        with self.rt.lock:
+            m = self.mapping_at(ptr)
+            return m.access.get(location, m.effective)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        with self.rt.lock:
+            m = self.mapping_at(ptr)
+            return m.ptr, m.size
+
+    def close_all_in_child(self) -> None:
+        """In a forked child: let go of the parent's memory where the backend can (its mappings stay)."""
+        for alloc in self.allocs:
+            with contextlib.suppress(OSError, AclError):
+                alloc.backend.forget(alloc.mem)
+
+
+def _space(backend: Backend) -> str:
+    return "GPU" if backend.kind is MemoryKind.GPU else "host"

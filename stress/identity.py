@@ -67,10 +67,21 @@ def _boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLK_TCK)
 
 
+def ns_last_pid_refusal() -> str:
+    """Why this process cannot steer the kernel's next pid through ns_last_pid, "" when it can. Only a write tells:
+    it needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE, and the file is mode 0666 on some kernels."""
+    try:
+        NS_LAST_PID.write_text(NS_LAST_PID.read_text())  # the value it has: steers nothing
+    except OSError as exc:
+        return f"{NS_LAST_PID} is not writable here ({exc.strerror}): cannot make the kernel reuse a pid"
+    return ""
+
+
 def reuse_scenario(trials: int, mode: str, seed: int, limit: float) -> dict[str, Any]:
     """Run in a small process of its own (forks are cheap there): start a broker, export, and force pid reuse."""
-    if not os.access(NS_LAST_PID, os.W_OK):
-        return {"skipped": f"{NS_LAST_PID} is not writable here: cannot make the kernel reuse a pid"}
+    why = ns_last_pid_refusal()
+    if why:
+        return {"skipped": why}
     work = Path(tempfile.mkdtemp(prefix="vmmshare-reuse-"))
     broker = c.BrokerProc(work / "run", env=c.clean_env())
     os.environ["VMMSHARE_SOCKET"] = str(broker.socket)

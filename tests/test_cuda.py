@@ -583,6 +583,7 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
     result = fuzz_api.run(5_000, 20261130, seconds=60, hang_guard=180,
                           extra_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
     assert result["ok"], result["violations"]
+    assert result["calls"] == 5_000, "the time cap cut the fuzz short"
     for name in ("malloc_physical", "map_mem", "memcpy", "memset", "mem_export_to_shareable_handle_v2",
                  "mem_import_from_shareable_handle_v2", "mem_set_access"):
         assert result["ok_per_function"].get(name, 0) > 0, f"{name} never succeeded"
@@ -597,6 +598,8 @@ def test_sigkill_faults_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, s
                         backend_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
     assert not result["violations"] and not result["defects"], result["violations"] + result["defects"]
     kinds = result["kinds"]
+    assert {k: v["trials"] for k, v in kinds.items()} == dict.fromkeys(("exporter", "importer", "broker"), 8), (
+        "the time cap cut the trials short")
     assert kinds["exporter"]["counters"]["kept_checked_after_kill"] > 0
     assert kinds["importer"]["counters"]["imports_ok"] > 0
     assert kinds["broker"]["counters"]["imports_after_restart"] == 2 * kinds["broker"]["trials"]

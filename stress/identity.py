@@ -4,8 +4,8 @@
 
 (a) pid reuse. This process exports a handle (pid validation on) and, per trial, forks a process A, trustlists A's
     pid, kills A, sets /proc/sys/kernel/ns_last_pid to A-1 and forks B, which then has A's pid, and has B import.
-    B must be refused (207006) every time. Trials are "fast" (B forked right after A: usually within the same clock
-    tick, 1/CLK_TCK s, of A's start) or "slow" (B forked once the tick has moved on); each records whether B got
+    B must be refused (207006) every time. Trials are "fast" (A forked as a clock tick begins and B right after it:
+    usually within that tick, 1/CLK_TCK s) or "slow" (B forked once the tick has moved on); each records whether B got
     the pid and whether its start time (/proc/<pid>/stat, in ticks) equals A's. `--reuse-ns` trials run the same
     thing inside a fresh pid namespace (`unshare --pid --fork --mount-proc`, broker included), where pids restart
     at 1. Runs as root (ns_last_pid needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE); skipped with the reason
@@ -102,6 +102,10 @@ def reuse_scenario(trials: int, mode: str, seed: int, limit: float) -> dict[str,
                 break
             slow = mode == "slow" or (mode == "mixed" and rng.random() < 0.5)
             r, w = os.pipe()
+            if not slow:  # fork A as a clock tick begins: B, forked right after, then has the rest of it
+                tick = _boot_ticks()
+                while _boot_ticks() == tick:  # at most one tick (1/CLK_TCK s)
+                    pass
             a = os.fork()
             if a == 0:  # A: alive while it is trustlisted
                 os.close(w)

@@ -35,7 +35,7 @@ SEED = int(os.environ.get("VMMSHARE_STRESS_SEED", "20240917"))
 # ---------------------------------------------------------------- (a) pid reuse
 
 
-SAME_TICK_ROUNDS = 8  # rounds of 12 fast trials; on an idle machine 1 in 6 trials or more reuses within the tick
+SAME_TICK_ROUNDS = 8  # rounds of 12 fast trials: on a machine with idle cores nearly all reuse within the tick
 
 
 def _reuse(trials: int, mode: str, in_pidns: bool, seed: int = SEED) -> dict[str, Any]:

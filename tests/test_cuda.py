@@ -717,7 +717,14 @@ def test_dlpack_cuda_with_torch_across_processes(broker: BrokerProc) -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("path", sorted((HERE.parent / "examples").glob("gpu_*.py")), ids=lambda p: p.stem)
+GPU_EXAMPLES = sorted((HERE.parent / "examples").glob("gpu_*.py"))
+
+
+def test_there_is_a_gpu_example() -> None:
+    assert GPU_EXAMPLES, "no examples/gpu_*.py: test_gpu_example_runs would be an empty (skipped) parameter set"
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda p: p.stem)
 def test_gpu_example_runs(broker: BrokerProc, path: Path) -> None:
     env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
     out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=120)

@@ -4,8 +4,8 @@
 
 (a) pid reuse. This process exports a handle (pid validation on) and, per trial, forks a process A, trustlists A's
     pid, kills A, sets /proc/sys/kernel/ns_last_pid to A-1 and forks B, which then has A's pid, and has B import.
-    B must be refused (207006) every time. Trials are "fast" (B forked right after A: usually within the same clock
-    tick, 1/CLK_TCK s, of A's start) or "slow" (B forked once the tick has moved on); each records whether B got
+    B must be refused (207006) every time. Trials are "fast" (A forked as a clock tick begins and B right after it:
+    usually within that tick, 1/CLK_TCK s) or "slow" (B forked once the tick has moved on); each records whether B got
     the pid and whether its start time (/proc/<pid>/stat, in ticks) equals A's. `--reuse-ns` trials run the same
     thing inside a fresh pid namespace (`unshare --pid --fork --mount-proc`, broker included), where pids restart
     at 1. Runs as root (ns_last_pid needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE); skipped with the reason
@@ -67,10 +67,21 @@ def _boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLK_TCK)
 
 
+def ns_last_pid_refusal() -> str:
+    """Why this process cannot steer the kernel's next pid through ns_last_pid, "" when it can. Only a write tells:
+    it needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE, and the file is mode 0666 on some kernels."""
+    try:
+        NS_LAST_PID.write_text(NS_LAST_PID.read_text())  # the value it has: steers nothing
+    except OSError as exc:
+        return f"{NS_LAST_PID} is not writable here ({exc.strerror}): cannot make the kernel reuse a pid"
+    return ""
+
+
 def reuse_scenario(trials: int, mode: str, seed: int, limit: float) -> dict[str, Any]:
     """Run in a small process of its own (forks are cheap there): start a broker, export, and force pid reuse."""
-    if not os.access(NS_LAST_PID, os.W_OK):
-        return {"skipped": f"{NS_LAST_PID} is not writable here: cannot make the kernel reuse a pid"}
+    why = ns_last_pid_refusal()
+    if why:
+        return {"skipped": why}
     work = Path(tempfile.mkdtemp(prefix="vmmshare-reuse-"))
     broker = c.BrokerProc(work / "run", env=c.clean_env())
     os.environ["VMMSHARE_SOCKET"] = str(broker.socket)
@@ -91,6 +102,10 @@ def reuse_scenario(trials: int, mode: str, seed: int, limit: float) -> dict[str,
                 break
             slow = mode == "slow" or (mode == "mixed" and rng.random() < 0.5)
             r, w = os.pipe()
+            if not slow:  # fork A as a clock tick begins: B, forked right after, then has the rest of it
+                tick = _boot_ticks()
+                while _boot_ticks() == tick:  # at most one tick (1/CLK_TCK s)
+                    pass
             a = os.fork()
             if a == 0:  # A: alive while it is trustlisted
                 os.close(w)

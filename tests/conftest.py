@@ -18,7 +18,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -56,6 +56,28 @@ HOST = 0
 NONE, READ, READWRITE = 0x0, 0x1, 0x3
 
 SIGSEGV_RC = -signal.SIGSEGV
+
+
+# ---------------------------------------------------------------- tests that need something this machine may lack
+
+ROOT_GATE = "VMMSHARE_REQUIRE_ROOT_TESTS"  # CI runs as root: the tests that need root or a kernel feature must run
+CUDA_GATE = "VMMSHARE_REQUIRE_CUDA_TESTS"  # CI: the CUDA backend's tests must run (on the CPU stand-in at least)
+
+
+def require(condition: object, why: str, gate: str = ROOT_GATE) -> None:
+    """Skip the test (or, called at import, the module) unless `condition` holds, saying `why`; where `gate` is set
+    to 1 (CI sets it), fail instead: a test CI counts on must not vanish into a skip."""
+    __tracebackhide__ = True  # reported at the caller's line
+    if not condition:
+        cannot_run(why, gate)
+
+
+def cannot_run(why: str, gate: str = ROOT_GATE) -> NoReturn:
+    """`require` with a condition already known to be false."""
+    __tracebackhide__ = True
+    if os.environ.get(gate) == "1":
+        pytest.fail(f"{gate}=1, so this test must run, but it cannot: {why}", pytrace=False)
+    pytest.skip(why, allow_module_level=True)
 
 
 # ---------------------------------------------------------------- process probes

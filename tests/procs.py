@@ -60,25 +60,46 @@ class BrokerProc:
         self.kill(signal.SIGTERM)
 
 
+class ActorDied(RuntimeError):
+    """The actor process exited instead of answering (`returncode` says how)."""
+
+    def __init__(self, pid: int, returncode: int) -> None:
+        super().__init__(f"actor {pid} died (exit {returncode})")
+        self.returncode = returncode
+
+
 class Actor:
-    """A separate Python process; `call("rt.malloc_physical", size, prop, 0)` runs `acl.rt.malloc_physical`."""
+    """A separate Python process; `call("rt.malloc_physical", size, prop, 0)` runs `acl.rt.malloc_physical`.
+
+    With a `prefix` (unshare, setpriv) the process started is the prefix's; `pid` is the one the actor itself sees.
+    """
 
     def __init__(self, env: dict[str, str], prefix: list[str] | None = None, device: int | None = 0) -> None:
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, str(ACTOR)],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
-        self.pid = self.proc.pid if not prefix else self.call("!pid")
+        self.pid = self.proc.pid
         self.last_err = ""
-        if device is not None:
-            assert self.call("rt.set_device", device) == 0, self.last_err
+        try:
+            if prefix:
+                self.pid = self.call("!pid")
+            if device is not None:
+                assert self.call("rt.set_device", device) == 0, self.last_err
+        except BaseException:
+            self.kill()
+            raise
 
     def call(self, name: str, *args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"call": name, "args": [encode(a) for a in args]}) + "\n")
-        line = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps({"call": name, "args": [encode(a) for a in args]}) + "\n")
+        except BrokenPipeError:
+            line = ""
+        else:
+            line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"actor {self.pid} died (exit {self.proc.wait(10)})")
+            raise ActorDied(self.pid, self.proc.wait(10))
         reply = json.loads(line)
         if "exc" in reply:
             raise RuntimeError(f"actor raised {reply['exc']}")
@@ -95,6 +116,18 @@ class Actor:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             self.proc.wait(10)
+
+
+def refusal(prefix: list[str]) -> str:
+    """Why a command run through `prefix` (such as `unshare --pid --fork`) cannot start here; "" when it can."""
+    try:
+        # a hang guard only
+        out = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as exc:
+        return f"{prefix[0]} is not installed: {exc}"
+    if out.returncode != 0:
+        return f"{' '.join(prefix)} exits {out.returncode}: {out.stderr.strip()[-300:]}"
+    return ""
 
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}

@@ -2,7 +2,8 @@
 
 On a machine with a usable NVIDIA GPU these run on it. Elsewhere they run on `fakecuda/`, a CPU stand-in for
 libcuda driven through the real cuda-bindings, which checks how vmmshare uses the driver API (and nothing about a
-GPU); the tests that need torch or cupy on a GPU skip there. Without cuda-bindings or a C compiler the module skips.
+GPU); the tests that need torch or cupy on a GPU skip there. Without cuda-bindings or a C compiler the module skips
+(and fails where VMMSHARE_REQUIRE_CUDA_TESTS=1, as in CI).
 Every actor runs with VMMSHARE_BACKEND=cuda on a broker of its own test.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import fakecuda
+from conftest import CUDA_GATE, require
 from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 
 HERE = Path(__file__).resolve().parent
@@ -47,9 +49,10 @@ def _mode() -> str | None:
 MODE = _mode()
 if os.environ.get("VMMSHARE_REQUIRE_GPU") == "1" and MODE != "gpu":
     raise RuntimeError("VMMSHARE_REQUIRE_GPU=1 but no usable GPU: vmmshare.backends.cuda.available() is False")
-if os.environ.get("VMMSHARE_REQUIRE_CUDA_TESTS") == "1" and MODE is None:  # CI: never skip the backend's tests
-    raise RuntimeError("VMMSHARE_REQUIRE_CUDA_TESTS=1 but neither a GPU nor the CPU stand-in (cuda-bindings + cc)")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(MODE is None, reason="no usable NVIDIA GPU, or no cuda-bindings")]
+# CI sets VMMSHARE_REQUIRE_CUDA_TESTS=1: there the backend's tests never skip
+require(MODE is not None, "no usable NVIDIA GPU, and no CPU stand-in (it needs cuda-bindings and a C compiler)",
+        CUDA_GATE)
+pytestmark = [pytest.mark.gpu]
 needs_real_gpu = pytest.mark.skipif(MODE != "gpu", reason="needs a real GPU (torch / cupy CUDA tensors)")
 
 
@@ -523,6 +526,7 @@ def test_peer_access_is_the_gpus_topology(gpu_actor: Callable[..., Actor], peer_
     a = gpu_actor(**({} if peer_path else {"FAKECUDA_NO_PEER": "1"}))
     count, _ = a.call("rt.get_device_count")
     if count < 2:
+        assert MODE == "gpu", "the CPU stand-in has two devices"
         pytest.skip("one GPU only")
     assert a.call("rt.device_can_access_peer", 0, 0) == (0, 0)
     can, ret = a.call("rt.device_can_access_peer", 0, 1)
@@ -563,6 +567,7 @@ def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broke
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     if out.stdout.strip() == "one GPU":
+        assert MODE == "gpu", "the CPU stand-in has two devices"
         pytest.skip("one GPU only")
     assert out.stdout.strip() == "ok"
 
@@ -578,6 +583,7 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
     result = fuzz_api.run(5_000, 20261130, seconds=60, hang_guard=180,
                           extra_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
     assert result["ok"], result["violations"]
+    assert result["calls"] == 5_000, "the time cap cut the fuzz short"
     for name in ("malloc_physical", "map_mem", "memcpy", "memset", "mem_export_to_shareable_handle_v2",
                  "mem_import_from_shareable_handle_v2", "mem_set_access"):
         assert result["ok_per_function"].get(name, 0) > 0, f"{name} never succeeded"
@@ -592,6 +598,8 @@ def test_sigkill_faults_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, s
                         backend_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
     assert not result["violations"] and not result["defects"], result["violations"] + result["defects"]
     kinds = result["kinds"]
+    assert {k: v["trials"] for k, v in kinds.items()} == dict.fromkeys(("exporter", "importer", "broker"), 8), (
+        "the time cap cut the trials short")
     assert kinds["exporter"]["counters"]["kept_checked_after_kill"] > 0
     assert kinds["importer"]["counters"]["imports_ok"] > 0
     assert kinds["broker"]["counters"]["imports_after_restart"] == 2 * kinds["broker"]["trials"]
@@ -709,7 +717,14 @@ def test_dlpack_cuda_with_torch_across_processes(broker: BrokerProc) -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("path", sorted((HERE.parent / "examples").glob("gpu_*.py")), ids=lambda p: p.stem)
+GPU_EXAMPLES = sorted((HERE.parent / "examples").glob("gpu_*.py"))
+
+
+def test_there_is_a_gpu_example() -> None:
+    assert GPU_EXAMPLES, "no examples/gpu_*.py: test_gpu_example_runs would be an empty (skipped) parameter set"
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda p: p.stem)
 def test_gpu_example_runs(broker: BrokerProc, path: Path) -> None:
     env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
     out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=120)

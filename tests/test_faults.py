@@ -31,6 +31,8 @@ sys.path.insert(0, str(STRESS))
 import common as c  # noqa: E402
 import faults  # noqa: E402
 
+from conftest import require  # noqa: E402
+
 SEED = int(os.environ.get("VMMSHARE_STRESS_SEED", "20240917"))
 TRIALS = 10
 HANG_GUARD = 30.0  # seconds; a guard against a hang only, never part of an assertion
@@ -116,8 +118,8 @@ def _wait_until_awaiting_reply(a: c.Actor) -> None:
     deadline = c.Deadline(HANG_GUARD)
     state = _blocked_in_poll(a.pid)
     while not state and not deadline.passed():  # only polling can tell where another process sleeps
-        if state is None:
-            pytest.skip("cannot tell from /proc whether the client waits for the broker's reply")
+        require(state is not None, f"cannot tell from /proc/{a.pid}/syscall or wchan whether the client waits for "
+                                   "the broker's reply")
         os.sched_yield()
         state = _blocked_in_poll(a.pid)
     assert state, "the client never waited for the stopped broker's answer"

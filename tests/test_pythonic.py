@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import vmmshare
+from conftest import SIGSEGV_RC, run_child
 from vmmshare import constants as C
 from vmmshare._process import runtime
 from vmmshare.props import Location
@@ -109,11 +110,28 @@ def test_dlpack_with_torch() -> None:
         gc.collect()
 
 
+READ_ONLY_CHILD = """
+import vmmshare
+with vmmshare.Device(0).allocate(2 << 20) as mem, mem.map() as rw, mem.map(access="r") as ro:
+    rw.memoryview()[:5] = b"hello"
+    assert bytes(ro.memoryview()[:5]) == b"hello", "a read through the read-only mapping"
+    print("READ", flush=True)
+    ro.memoryview()[4096] = 1  # must fault: the mapping is read-only
+    print("SURVIVED", flush=True)
+"""
+
+
 def test_read_only_access() -> None:
     with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map(access="r") as mapping:
         assert runtime().memory.get_access(mapping.ptr, Location(1, 0)) == C.ACL_RT_MEM_ACCESS_FLAGS_READ
         mapping.set_access("rw")
         mapping.memoryview()[0] = 1
+        assert bytes(mapping.memoryview()[:1]) == b"\x01"
+    # a write through a read-only mapping dies of SIGSEGV (in a child); a read through it succeeds
+    proc = run_child(READ_ONLY_CHILD)
+    assert "READ" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.returncode == SIGSEGV_RC and "SURVIVED" not in proc.stdout, (proc.returncode, proc.stdout,
+                                                                            proc.stderr)
 
 
 def test_shareable_handle_value_object() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2, host_children
+from conftest import cannot_run, require
+from procs import PROP, Actor, ActorDied, BrokerProc, MiB2, host_children, refusal
 
 PARAM = 107000
 BAD_DEVICE = 107001
@@ -160,19 +162,20 @@ def mem_free(a: Actor) -> tuple[int, int]:
 
 
 def spawn_with_pid(make: MakeActor, target: int, tries: int = 8) -> Actor:
-    """Start an Actor whose pid is `target`, by steering the kernel's next pid (ns_last_pid); skip if impossible."""
-    if not os.access(NS_LAST_PID, os.W_OK):
-        pytest.skip(f"{NS_LAST_PID} is not writable here: cannot make the kernel reuse a pid")
+    """Start an Actor whose pid is `target`, by steering the kernel's next pid (ns_last_pid); skip if impossible
+    (fail in CI, see conftest.require)."""
+    require(os.access(NS_LAST_PID, os.W_OK), f"{NS_LAST_PID} is not writable here: cannot make the kernel reuse a pid")
     for _ in range(tries):
         try:
             NS_LAST_PID.write_text(str(target - 1))
         except OSError as exc:
-            pytest.skip(f"cannot write {NS_LAST_PID}: {exc}")
+            cannot_run(f"cannot write {NS_LAST_PID}: {exc}")
         a = make()
         if a.pid == target:
             return a
         a.kill()  # another process forked in between: try again
-    pytest.skip(f"could not get pid {target} for a new process in {tries} tries (a busy machine)")
+    cannot_run(f"could not get pid {target} for a new process in {tries} tries (ns_last_pid had no effect, or a "
+               "busy machine took the pid first)")
 
 
 def free_pid() -> int:
@@ -183,7 +186,7 @@ def free_pid() -> int:
         pid = cand % pid_max
         if pid > 300 and not os.path.exists(f"/proc/{pid}"):
             return pid
-    pytest.skip("no free pid found")
+    cannot_run(f"no free pid in [{last + 5000}, {last + 15000}) modulo pid_max {pid_max}")
 
 
 # ---------------------------------------------------------------- data sharing
@@ -551,10 +554,14 @@ def test_rule_15_bare_tgid_is_the_pid_the_broker_sees(actor: MakeActor) -> None:
 
 def test_rule_15_bare_tgid_is_the_host_pid_inside_a_pid_namespace(actor: MakeActor) -> None:
     e = actor()
+    unshare = ["unshare", "--pid", "--fork", "--kill-child"]
+    require(shutil.which("unshare"), "no unshare(1) here")
     try:
-        c = actor(prefix=["unshare", "--pid", "--fork", "--kill-child"])
-    except Exception as exc:  # the actor died before answering: unshare was refused
-        pytest.skip(f"cannot start a process in a new pid namespace (unshare refused): {exc}")
+        c = actor(prefix=unshare)
+    except ActorDied:  # expected only where unshare itself is refused: any other death fails the test
+        why = refusal(unshare)
+        require(not why, f"cannot start a process in a new pid namespace: {why}")
+        raise
     assert c.pid == 1, "the actor should see itself as pid 1 in its own namespace"
     kids = host_children(c.proc.pid)  # c.proc is `unshare`; its one child is the actor, by its host pid
     assert len(kids) == 1, kids

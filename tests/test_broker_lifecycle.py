@@ -144,12 +144,12 @@ def bare_tgid_round_trip(path: Path) -> int:
     s.settimeout(HANG_GUARD)
     try:
         s.connect(str(path))
-        s.send(P.encode(P.Msg.BARE_TGID, 5))
+        s.send(P.encode(P.BareTgid(), 5))
         frame = P.decode(s.recv(P.MAX_FRAME + 1))
     finally:
         s.close()
-    assert frame.type is P.Msg.PID and frame.req == 5
-    return int(frame.values[0])
+    assert isinstance(frame.message, P.Pid) and frame.req == 5
+    return frame.message.pid
 
 
 def gone(pid: int) -> bool:

@@ -19,13 +19,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from .. import protocol as P
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..node import Imported
 from ..props import Location, PhysicalProp
-from ..protocol import Frame, Msg, ProtocolError, decode, encode, peek_request_id
+from ..protocol import ProtocolError, decode, encode
 from .wire import DONTWAIT, close_fds, connect, recv_packet, send_packet, wait_readable
 
 log = logging.getLogger("vmmshare.client")
@@ -34,6 +35,7 @@ REPLY_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 10.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_SPIN_US", "100")) / 1e6
+R = TypeVar("R", bound=P.Message)
 
 
 class BrokerClient:
@@ -48,7 +50,7 @@ class BrokerClient:
         self._req = itertools.count(1)
         self._ids = itertools.count(1)
         self._broker_token: dict[int, int] = {}  # our token -> the broker's
-        self._charges: dict[int, tuple[Msg, int, int]] = {}  # our token -> (kind, device, size), to re-charge
+        self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # our token -> its charge, to repeat on a new broker
         self._waiter = _Waiter()
         self._owner: int | None = None  # the thread in a request, if any
 
@@ -76,13 +78,13 @@ class BrokerClient:
         self._broker_token.clear()  # tokens of a broker that is gone
         sock = self._connect()
         self._sock = sock
-        for token, (kind, device, size) in list(self._charges.items()):
+        for token, charge in list(self._charges.items()):
             try:
-                reply, _ = self._exchange(sock, encode(kind, next(self._req), device, size), ())
+                reply, _ = self._exchange(sock, charge, P.Token, (), None)
             except AclError as exc:  # e.g. the new broker has less capacity: keep serving, uncharged
                 log.warning("could not charge an allocation to the restarted broker: %s", exc)
                 continue
-            self._broker_token[token] = int(reply.values[0])
+            self._broker_token[token] = reply.hold
         return sock
 
     def close(self) -> None:
@@ -97,11 +99,12 @@ class BrokerClient:
         self._charges.clear()
 
     def _exchange(
-        self, sock: socket.socket, data: bytes, fds: tuple[int, ...], meanwhile: Callable[[], None] | None = None
-    ) -> tuple[Frame, list[int]]:
-        """Send a request and take its reply; `meanwhile` runs while the broker works on it."""
-        req = peek_request_id(data)
-        send_packet(sock, data, fds)
+        self, sock: socket.socket, message: P.Message, expect: type[R], fds: tuple[int, ...],
+        meanwhile: Callable[[], None] | None,
+    ) -> tuple[R, list[int]]:
+        """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
+        req = next(self._req) & 0xFFFFFFFF
+        send_packet(sock, encode(message, req), fds)
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
         packet, got, truncated = self._waiter.wait(sock)
@@ -110,22 +113,28 @@ class BrokerClient:
         try:
             if truncated:
                 raise ProtocolError("reply too large")
-            frame = decode(packet, len(got))
-            if frame.req != req:
-                raise ProtocolError(f"reply to request {frame.req}, expected {req}")
+            got_req, reply = decode(packet, len(got))
+            if got_req != req:
+                raise ProtocolError(f"reply to request {got_req}, expected {req}")
+            if isinstance(reply, P.Error):
+                close_fds(got)
+                raise error_from_code(reply.code, reply.message)
+            if not isinstance(reply, expect):
+                raise ProtocolError(f"{reply.TYPE.name} in reply to {message.TYPE.name}")
         except ProtocolError as exc:
             close_fds(got)
             self._reset()
             raise IpcError(f"bad reply from the broker: {exc}") from None
-        if frame.type is Msg.ERROR:
-            close_fds(got)
-            raise error_from_code(int(frame.values[0]), str(frame.tail))
-        return frame, got
+        return reply, got
 
     def request(
-        self, build: Callable[[int], bytes], fds: tuple[int, ...] = (), meanwhile: Callable[[], None] | None = None
-    ) -> tuple[Frame, list[int]]:
-        """Send the frame `build(request_id)` and return the reply; reconnects once if the broker went away.
+        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...] = (),
+        meanwhile: Callable[[], None] | None = None,
+    ) -> tuple[R, list[int]]:
+        """Send `message` and return the reply, of type `expect`; reconnects if the broker went away.
+
+        A message that names a hold is passed as a function that makes it, called on each attempt: after a
+        reconnection the new broker knows the allocation by another hold id.
 
         `meanwhile` (run once) overlaps local work with the broker's.
         """
@@ -138,7 +147,7 @@ class BrokerClient:
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                return self._request(build, fds, once)
+                return self._request(message, expect, fds, once)
             finally:
                 self._owner = None
 
@@ -147,12 +156,14 @@ class BrokerClient:
         return self._owner == threading.get_ident()
 
     def _request(
-        self, build: Callable[[int], bytes], fds: tuple[int, ...], once: Callable[[], None]
-    ) -> tuple[Frame, list[int]]:
+        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...],
+        once: Callable[[], None],
+    ) -> tuple[R, list[int]]:
         for attempt in range(RETRIES):
             try:
                 sock = self._sock or self._reconnect()
-                return self._exchange(sock, build(next(self._req)), fds, once)
+                made = message if isinstance(message, P.Message) else message()
+                return self._exchange(sock, made, expect, fds, once)
             except AclError:
                 raise
             except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries on it
@@ -173,11 +184,11 @@ class BrokerClient:
     def charge(
         self, device: int, size: int, meanwhile: Callable[[], None] | None = None, gpu: bool = False
     ) -> int:
-        kind = Msg.CHARGE_GPU if gpu else Msg.CHARGE
-        reply, _ = self.request(lambda r: encode(kind, r, device, size), meanwhile=meanwhile)
+        charge = P.ChargeGpu(device, size) if gpu else P.Charge(device, size)
+        reply, _ = self.request(charge, P.Token, meanwhile=meanwhile)
         token = next(self._ids)
-        self._broker_token[token] = int(reply.values[0])
-        self._charges[token] = (kind, device, size)
+        self._broker_token[token] = reply.hold
+        self._charges[token] = charge
         return token
 
     def release(self, token: int) -> None:
@@ -185,42 +196,45 @@ class BrokerClient:
         if token not in self._broker_token:
             return
         try:
-            self.request(lambda r: encode(Msg.RELEASE, r, self._bt(token)))
+            self.request(lambda: P.Release(self._bt(token)), P.Ok)
         finally:
             self._broker_token.pop(token, None)
 
     def mem_info(self, device: int) -> tuple[int, int]:
-        reply, _ = self.request(lambda r: encode(Msg.MEM_INFO, r, device))
-        return int(reply.values[0]), int(reply.values[1])
+        reply, _ = self.request(P.MemInfo(device), P.Mem)
+        return reply.free, reply.total
 
     def export(
         self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
         gpu: bool = False,
     ) -> bytes:
-        fields = (int(gpu), prop.handle_type, prop.allocation_type, prop.mem_attr, prop.location.type, prop.location.id)
-        server = self.config.server_id
-        reply, _ = self.request(
-            lambda r: encode(Msg.EXPORT, r, self._bt(token), size, flags, share_type, server, *fields, tail=pids), (fd,)
-        )
-        return bytes(reply.tail)  # type: ignore[arg-type]
+        loc, server, trust = prop.location, self.config.server_id, tuple(pids)
+
+        def message() -> P.Export:
+            return P.Export(self._bt(token), size, flags, share_type, server, int(gpu), prop.handle_type,
+                            prop.allocation_type, prop.mem_attr, loc.type, loc.id, trust)
+
+        reply, _ = self.request(message, P.Exported, (fd,))
+        return reply.shareable
 
     def revoke(self, token: int) -> None:
         if token in self._broker_token:
-            self.request(lambda r: encode(Msg.REVOKE, r, self._bt(token)))
+            self.request(lambda: P.Revoke(self._bt(token)), P.Ok)
 
     def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None:
-        self.request(lambda r: encode(Msg.SET_PIDS, r, shareable, share_type, tail=pids))
+        self.request(P.SetPids(shareable, share_type, tuple(pids)), P.Ok)
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
-        reply, fds = self.request(lambda r: encode(Msg.IMPORT, r, shareable, share_type, secret.ljust(32, b"\0")))
-        btoken, size, kind, htype, atype, attr, ltype, lid = reply.ints()
+        reply, fds = self.request(P.Import(shareable, share_type, secret.ljust(32, b"\0")), P.Imported)
         token = next(self._ids)
-        self._broker_token[token] = btoken
-        return Imported(fds[0], token, size, PhysicalProp(htype, atype, attr, Location(ltype, lid)), bool(kind))
+        self._broker_token[token] = reply.hold
+        prop = PhysicalProp(reply.handle_type, reply.allocation_type, reply.mem_attr,
+                            Location(reply.location_type, reply.location_id))
+        return Imported(fds[0], token, reply.size, prop, bool(reply.memory_kind))
 
     def bare_tgid(self) -> int:
-        reply, _ = self.request(lambda r: encode(Msg.BARE_TGID, r))
-        return int(reply.values[0])
+        reply, _ = self.request(P.BareTgid(), P.Pid)
+        return reply.pid
 
     def listing(self) -> dict[str, Any]:
         """Every export on the node (what `vmmshare ls` shows), following the broker's pages."""
@@ -228,9 +242,8 @@ class BrokerClient:
         result: dict[str, Any] = {}
         rows: list[Any] = []
         while offset is not None:
-            at = offset
-            reply, _ = self.request(lambda r, at=at: encode(Msg.LIST, r, at))  # type: ignore[misc]
-            page = json.loads(str(reply.tail))
+            reply, _ = self.request(P.List(offset), P.Listing)
+            page = json.loads(reply.page)
             rows.extend(page.pop("exports"))
             offset = page.pop("next")
             result = page

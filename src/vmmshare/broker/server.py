@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import constants as C
+from .. import protocol as P
 from ..config import Config
 from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
-from ..protocol import MAX_BODY, MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
+from ..protocol import MAX_BODY, MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from .wire import (
     DONTWAIT,
     Identity,
@@ -283,18 +284,19 @@ class Broker:
         try:
             if truncated:
                 raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
-            frame = decode(data, len(fds))
-            reply, reply_fds = self.handle(conn, frame, fds)
+            req, message = decode(data, len(fds))
+            answer, reply_fds = self.handle(conn, message, fds)
             fds = []  # handled: ownership of any received fd moved on
+            reply = encode(answer, req)
         except ProtocolError as exc:
             log.info("protocol error from pid %d: %s", conn.pid, exc)
-            reply = encode(Msg.ERROR, peek_request_id(data), C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}")
+            reply = encode(P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"protocol error: {exc}"), peek_request_id(data))
             reply_fds = ()
         except BrokerError as exc:
-            reply, reply_fds = encode(Msg.ERROR, peek_request_id(data), exc.code, tail=exc.message), ()
+            reply, reply_fds = encode(P.Error(exc.code, exc.message), peek_request_id(data)), ()
         except Exception as exc:  # a bug must not take the node's broker down
             log.exception("internal error serving pid %d", conn.pid)
-            reply = encode(Msg.ERROR, peek_request_id(data), C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}")
+            reply = encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data))
             reply_fds = ()
         finally:
             close_fds(fds)
@@ -320,47 +322,44 @@ class Broker:
 
     # ------------------------------------------------------------ requests
 
-    def handle(self, conn: Conn, f: Frame, fds: list[int]) -> tuple[bytes, tuple[int, ...]]:
-        """Serve one request; returns the reply frame and the fds to send with it."""
-        v = f.values
-        if f.type is Msg.CHARGE:
-            return encode(Msg.TOKEN, f.req, self.charge(conn, int(v[0]), int(v[1]))), ()
-        if f.type is Msg.CHARGE_GPU:
-            return encode(Msg.TOKEN, f.req, self.charge_gpu(conn, int(v[0]), int(v[1]))), ()
-        if f.type is Msg.RELEASE:
-            self._release(conn, int(v[0]), strict=True)
-            return encode(Msg.OK, f.req), ()
-        if f.type is Msg.MEM_INFO:
-            device = self._device(int(v[0]))
+    def handle(self, conn: Conn, m: P.Message, fds: list[int]) -> tuple[P.Message, tuple[int, ...]]:
+        """Serve one request; returns the reply and the fds to send with it."""
+        if isinstance(m, P.Charge):
+            return P.Token(self.charge(conn, m.device, m.size)), ()
+        if isinstance(m, P.ChargeGpu):
+            return P.Token(self.charge_gpu(conn, m.device, m.size)), ()
+        if isinstance(m, P.Release):
+            self._release(conn, m.hold, strict=True)
+            return P.Ok(), ()
+        if isinstance(m, P.MemInfo):
+            device = self._device(m.device)
             total = self.config.device_memory
-            return encode(Msg.MEM, f.req, total - self.used[device], total), ()
-        if f.type is Msg.EXPORT:
+            return P.Mem(total - self.used[device], total), ()
+        if isinstance(m, P.Export):
             fd = fds.pop()
             try:
-                shareable = self.export(conn, f, fd)
+                shareable = self.export(conn, m, fd)
             except BaseException:
                 os.close(fd)
                 raise
-            return encode(Msg.EXPORTED, f.req, tail=shareable), ()
-        if f.type is Msg.REVOKE:
-            token = int(v[0])
-            alloc = self._own(conn, token).alloc
-            if alloc.export is not None and token in alloc.export.importers:
+            return P.Exported(shareable), ()
+        if isinstance(m, P.Revoke):
+            alloc = self._own(conn, m.hold).alloc
+            if alloc.export is not None and m.hold in alloc.export.importers:
                 raise BrokerError(C.ACL_ERROR_RT_NO_PERMISSION, "only the exporter can revoke its handle")
             self.revoke(alloc)
-            return encode(Msg.OK, f.req), ()
-        if f.type is Msg.SET_PIDS:
-            assert isinstance(f.tail, tuple)
-            self.set_pids(conn, int(v[0]), int(v[1]), f.tail)
-            return encode(Msg.OK, f.req), ()
-        if f.type is Msg.IMPORT:
-            token, exp = self.import_(conn, int(v[0]), int(v[1]), bytes(v[2]))
-            return encode(Msg.IMPORTED, f.req, token, exp.alloc.size, exp.alloc.kind, *exp.prop), (exp.fd,)
-        if f.type is Msg.BARE_TGID:
-            return encode(Msg.PID, f.req, conn.pid), ()
-        if f.type is Msg.LIST:
-            return encode(Msg.LISTING, f.req, tail=self.listing(int(v[0]), conn)), ()
-        raise ProtocolError(f"{f.type.name} is a reply, not a request")
+            return P.Ok(), ()
+        if isinstance(m, P.SetPids):
+            self.set_pids(conn, m.shareable, m.share_type, m.pids)
+            return P.Ok(), ()
+        if isinstance(m, P.Import):
+            token, exp = self.import_(conn, m.shareable, m.share_type, m.secret)
+            return P.Imported(token, exp.alloc.size, exp.alloc.kind, *exp.prop), (exp.fd,)
+        if isinstance(m, P.BareTgid):
+            return P.Pid(conn.pid), ()
+        if isinstance(m, P.List):
+            return P.Listing(self.listing(m.offset, conn)), ()
+        raise ProtocolError(f"{m.TYPE.name} is a reply, not a request")
 
     def _device(self, device: int) -> int:
         if not 0 <= device < self.config.devices:
@@ -433,9 +432,10 @@ class Broker:
         exp.fd = -1
         log.debug("handle %#x revoked", exp.handle)
 
-    def export(self, conn: Conn, f: Frame, fd: int) -> bytes:
-        token, size, flags, share_type, server_id, kind, *prop = (int(x) for x in f.values)
-        assert isinstance(f.tail, tuple)
+    def export(self, conn: Conn, m: P.Export, fd: int) -> bytes:
+        token, size, flags, share_type, server_id, kind = m.hold, m.size, m.flags, m.share_type, m.server_id, \
+            m.memory_kind
+        prop = (m.handle_type, m.allocation_type, m.mem_attr, m.location_type, m.location_id)
         hold = self._own(conn, token)
         alloc = hold.alloc
         if alloc.export is not None:
@@ -446,7 +446,7 @@ class Broker:
         st = os.fstat(fd)
         if size != alloc.size or (kind == KIND_HOST and (not stat.S_ISREG(st.st_mode) or st.st_size != size)):
             raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
-        trust = self._bind(f.tail, {})
+        trust = self._bind(m.pids, {})
         handle = secrets.randbits(64)
         while handle == 0 or handle in self.exports:
             handle = secrets.randbits(64)

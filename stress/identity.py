@@ -58,7 +58,7 @@ ME = str(Path(__file__).resolve())
 
 
 def _start_ticks(pid: int) -> int | None:
-    from vmmshare.broker.wire import process_start_time
+    from vmmshare.broker.identity import process_start_time
 
     return process_start_time(pid)
 

@@ -675,3 +675,68 @@ def test_listing_of_exports_with_full_trustlists(broker: BrokerProc, baseline: i
     finally:
         actor.close()
     assert_healthy(broker, baseline)
+
+
+# ---------------------------------------------------------------- import checks a raw client would get past
+
+
+def test_a_fabric_export_cannot_be_imported_as_a_default_handle(broker: BrokerProc, baseline: int) -> None:
+    """A FABRIC export made with DISABLE_PID_VALIDATION is named on the node by its 64-bit value (bytes 16-23). A raw
+    client in another process that sends that value as a DEFAULT handle, with no secret, must be refused (107000) and
+    get no fd: the FABRIC secret would mean nothing otherwise. (The runtime refuses this before it asks the broker;
+    a raw client does not go through the runtime.)"""
+    exporter = Actor(broker.env)
+    try:
+        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
+        assert ret == 0, exporter.last_err
+        fabric, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, NO_PID_CHECK, FABRIC)
+        assert ret == 0, exporter.last_err
+        assert len(fabric) == 128
+        value = int.from_bytes(fabric[16:24], "little")
+        with Raw(broker.socket) as thief:
+            reply, got = thief.request(P.Import(value, DEFAULT, bytes(32)))
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Error) and reply.code == PARAM, reply
+            assert not got, "the broker handed over the memory"
+            reply, got = thief.request(P.Import(value, FABRIC, bytes(32)))  # as FABRIC, without the secret
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Error) and reply.code == BAD_HANDLE and not got, reply
+            reply, got = thief.request(P.Import(value, FABRIC, bytes(fabric[64:96])))  # a positive control
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Imported) and len(got) == 1, reply
+            assert thief.ok(P.Release(reply.hold)) == P.Ok()
+    finally:
+        exporter.close()
+    assert_healthy(broker, baseline)
+
+
+@pytest.mark.parametrize("share_type", [DEFAULT, FABRIC])
+def test_the_exporting_process_cannot_import_its_own_handle(broker: BrokerProc, baseline: int,
+                                                            share_type: int) -> None:
+    """Rule 13 at the broker: a raw client exports without pid validation and imports its own handle, on the same
+    connection and on a second one of the same process: 107000, no fd. (The runtime refuses it first; a raw client
+    does not go through the runtime.)"""
+    with Raw(broker.socket) as c, Raw(broker.socket) as again:
+        token = charge(c)
+        fd = memfd_of(MiB2)
+        try:
+            values = (token, MiB2, NO_PID_CHECK, share_type, *export_values(token)[4:])
+            reply = c.ok(P.Export(*values), fds=(fd,))
+        finally:
+            os.close(fd)
+        assert isinstance(reply, P.Exported)
+        raw = reply.shareable
+        value = int.from_bytes(raw[16:24] if share_type == FABRIC else raw, "little")
+        secret = bytes(raw[64:96]) if share_type == FABRIC else bytes(32)
+        for conn in (c, again):
+            reply, got = conn.request(P.Import(value, share_type, secret))
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Error) and reply.code == PARAM, reply
+            assert not got, "the broker handed the exporter its own memory"
+        listing = json.loads(c.ok(P.List(0)).page)
+        assert [e["importer_count"] for e in listing["exports"]] == [0]
+    assert_healthy(broker, baseline)

@@ -473,14 +473,15 @@ def test_signal_stops_an_idle_broker(procs: Procs, tmp_path: Path, sig: int) -> 
 
 BOUNDED = """
 import os, signal, socket, sys
+import vmmshare.broker.autostart as au
 import vmmshare.broker.client as cl
 from vmmshare.config import Config
 from vmmshare.errors import AclError
 
-cl.REPLY_TIMEOUT = cl.CONNECT_TIMEOUT = cl.START_TIMEOUT = 0.3
+cl.REPLY_TIMEOUT = au.CONNECT_TIMEOUT = au.START_TIMEOUT = 0.3
 connects = []
-_try_connect = cl._try_connect
-cl._try_connect = lambda path: connects.append(path) or _try_connect(path)
+_try_connect = au._try_connect
+au._try_connect = lambda path: connects.append(path) or _try_connect(path)
 case, broker = sys.argv[1], int(sys.argv[2])
 client = cl.BrokerClient(Config.from_env(), autostart=case == "start_lock")
 queued = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 import struct
 from collections.abc import Callable
@@ -228,10 +229,6 @@ class Listing(Message):
     page: str  # JSON text
 
 
-Request = Charge | ChargeGpu | Release | MemInfo | Export | Revoke | SetPids | Import | BareTgid | List
-Reply = Ok | Error | Token | Mem | Exported | Imported | Pid | Listing
-
-
 class Frame(NamedTuple):
     """One decoded packet: the request id it answers or asks under, and the message."""
 
@@ -312,14 +309,12 @@ LAYOUTS: dict[Msg, Layout] = {
 _BY_NUMBER: dict[int, Layout] = {int(k): v for k, v in LAYOUTS.items()}
 _BY_CLASS: dict[type[Message], Layout] = {v.message: v for v in LAYOUTS.values()}
 _frame = tuple.__new__  # Frame(req, message) without the Python-level __new__ of a NamedTuple
-_U32: dict[int, struct.Struct] = {}  # pid-array structs by length, made on first use
 
 
+@functools.cache
 def _u32s(n: int) -> struct.Struct:
-    s = _U32.get(n)
-    if s is None:
-        s = _U32[n] = struct.Struct(f"<{n}I")
-    return s
+    """The struct of an n-pid tail (n <= MAX_PIDS: both sides check the length first)."""
+    return struct.Struct(f"<{n}I")
 
 
 # ---------------------------------------------------------------- encode / decode

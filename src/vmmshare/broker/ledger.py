@@ -60,7 +60,7 @@ class Client:
 class ChargedMemory:
     """One allocation charged to the node, alive while any hold on it is."""
 
-    charger: Client
+    charger: Client  # who charged it (the exporter, if it is exported)
     device: int  # -1: host memory (not capped)
     size: int
     kind: int = KIND_HOST  # a memfd, counted against the node's capacity; or KIND_GPU, which the driver caps
@@ -86,6 +86,8 @@ class Share:
 
 @dataclass(eq=False)
 class Hold:
+    """One client's claim on charged memory: its charge, or one import of it."""
+
     client: Client
     memory: ChargedMemory
 

@@ -125,16 +125,16 @@ class Raw(rawsock.Connection):
             raise ConnectionResetError("the broker closed the connection")
         return P.decode(data, len(fds)), fds
 
-    def ask(self, kind: P.Msg, *values: int | bytes, tail: Any = b"") -> P.Frame:
-        """A request and its reply (any fd that comes with it is closed)."""
+    def ask(self, message: P.Message) -> Any:
+        """A request and its reply message (any fd that comes with it is closed)."""
         self.req += 1
-        self.sock.send(P.encode(kind, self.req, *values, tail=tail))
+        self.sock.send(P.encode(message, self.req))
         frame, fds = self.recv()
         for fd in fds:
             os.close(fd)
         if frame.req != self.req:
             raise AssertionError(f"reply to request {frame.req}, expected {self.req}")
-        return frame
+        return frame.message
 
 
 def barrier(path: Path | str) -> None:
@@ -145,24 +145,24 @@ def barrier(path: Path | str) -> None:
     """
     with Raw(path) as c:
         for _ in range(2):
-            frame = c.ask(P.Msg.BARE_TGID)
-            assert frame.type is P.Msg.PID, frame
+            reply = c.ask(P.BareTgid())
+            assert isinstance(reply, P.Pid), reply
 
 
 def settled_fd_count(broker: BrokerProc) -> int:
     """The broker's open fds once it has processed every earlier close (counted with one raw connection open)."""
     with Raw(broker.socket) as c:
         for _ in range(2):
-            assert c.ask(P.Msg.BARE_TGID).type is P.Msg.PID
+            assert isinstance(c.ask(P.BareTgid()), P.Pid)
         return broker.fd_count()
 
 
 def raw_mem_info(path: Path | str, device: int = 0) -> tuple[int, int]:
     """(free, total) of `device` as the broker at `path` accounts it."""
     with Raw(path) as c:
-        frame = c.ask(P.Msg.MEM_INFO, device)
-        assert frame.type is P.Msg.MEM, frame
-        return int(frame.values[0]), int(frame.values[1])
+        reply = c.ask(P.MemInfo(device))
+        assert isinstance(reply, P.Mem), reply
+        return reply.free, reply.total
 
 
 def raw_listing(path: Path | str) -> dict[str, Any]:
@@ -174,9 +174,9 @@ def raw_listing(path: Path | str) -> dict[str, Any]:
         for _ in range(100_000):
             if offset is None:
                 break
-            frame = c.ask(P.Msg.LIST, offset)
-            assert frame.type is P.Msg.LISTING, frame
-            page = json.loads(str(frame.tail))
+            reply = c.ask(P.List(offset))
+            assert isinstance(reply, P.Listing), reply
+            page = json.loads(reply.page)
             rows.extend(page.pop("exports"))
             offset = page.pop("next")
             head = page

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Protocol fuzzing: the broker wire codec on its own, then (``--live``) the same frames against a live broker.
 
-(a) Decoder: random frames and mutations of valid frames of every message type in ``protocol.SPECS`` (bit flips,
+(a) Decoder: random frames and mutations of valid frames of every message type in ``protocol.LAYOUTS`` (bit flips,
     byte changes, insertions and deletions, truncation, extension, header field changes, type confusion, random
     fd counts) go through ``protocol.decode``. The only outcomes allowed are a ``Frame`` (which must re-encode to
     exactly the packet it came from) or a ``ProtocolError``. When ``atheris`` imports, a coverage-guided run of
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from vmmshare import protocol as P
-from vmmshare.protocol import HEADER, MAGIC, MAX_BODY, MAX_FRAME, SPECS, VERSION, Frame, Msg, ProtocolError, Tail
+from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_BODY, MAX_FRAME, VERSION, Frame, Msg, ProtocolError, Tail
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "tests") not in sys.path:
@@ -79,7 +79,7 @@ REQUEST_KINDS = [m for m in Msg if m < 64]
 def field_codes(kind: Msg) -> list[tuple[str, int]]:
     """The fixed part of `kind` as (code, n): one entry per value (n bytes for an 's' field)."""
     out: list[tuple[str, int]] = []
-    for count, code in re.findall(r"(\d*)([a-zA-Z])", SPECS[kind].fixed.format.lstrip("<")):
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", LAYOUTS[kind].fixed.format.lstrip("<")):
         n = int(count or 1)
         out.extend([(code, n)] if code == "s" else [(code, 1)] * n)
     return out
@@ -105,16 +105,16 @@ _TEXT_ALPHABET = "abcxyz {}[]\":,0123456789éß€😀\u0000\u007f\u0080\u07ff\u
 
 
 def random_tail(rng: random.Random, kind: Msg) -> bytes | str | tuple[int, ...]:
-    spec = SPECS[kind]
+    layout = LAYOUTS[kind]
     full = rng.random() < 0.03
-    if spec.tail is Tail.U32:
-        n = spec.max_tail // 4 if full else rng.choice((0, 0, 1, 2, 3, rng.randrange(64)))
+    if layout.tail is Tail.U32:
+        n = layout.max_tail // 4 if full else rng.choice((0, 0, 1, 2, 3, rng.randrange(64)))
         return tuple(_int_value(rng, "I") for _ in range(n))
-    if spec.tail is Tail.TEXT:
-        n = spec.max_tail if full else rng.randrange(80)
+    if layout.tail is Tail.TEXT:
+        n = layout.max_tail if full else rng.randrange(80)
         return "".join(rng.choice(_TEXT_ALPHABET) for _ in range(n))
-    if spec.tail is Tail.BYTES:
-        n = spec.max_tail if full else rng.choice((0, 8, 128, rng.randrange(spec.max_tail + 1)))
+    if layout.tail is Tail.BYTES:
+        n = layout.max_tail if full else rng.choice((0, 8, 128, rng.randrange(layout.max_tail + 1)))
         data = rng.randbytes(n)
         if n >= 4 and rng.random() < 0.5:
             data = b"VMMF" + data[4:]
@@ -124,8 +124,15 @@ def random_tail(rng: random.Random, kind: Msg) -> bytes | str | tuple[int, ...]:
 
 def valid_frame(rng: random.Random, kind: Msg) -> tuple[bytes, int]:
     """A random well-formed frame of `kind` and the number of fds it travels with."""
-    packet = P.encode(kind, _int_value(rng, "I"), *random_values(rng, kind), tail=random_tail(rng, kind))
-    return packet, SPECS[kind].fds
+    req = _int_value(rng, "I")
+    message = LAYOUTS[kind].build(random_values(rng, kind), random_tail(rng, kind))
+    return P.encode(message, req), LAYOUTS[kind].fds
+
+
+def tail_of(message: P.Message) -> Any:
+    """The tail field of a message whose type has one (b"" otherwise)."""
+    layout = LAYOUTS[message.TYPE]
+    return getattr(message, layout.tail_field) if layout.tail_field else b""
 
 
 # ---------------------------------------------------------------- mutations
@@ -298,16 +305,16 @@ def check_decode(case: Case) -> tuple[str, Frame | None, str]:
         return "refused", None, message
     except Exception as exc:  # the invariant: nothing but a Frame or a ProtocolError
         return "defect", None, f"{type(exc).__name__}: {exc}"
-    if not isinstance(frame, Frame) or not isinstance(frame.type, Msg):
+    if not isinstance(frame, Frame) or not isinstance(frame.message, P.Message):
         return "defect", None, f"decode returned {frame!r}"
     try:
-        again = P.encode(frame.type, frame.req, *frame.values, tail=frame.tail)
+        again = P.encode(frame.message, frame.req)
     except Exception as exc:
         return "defect", None, f"decoded frame does not re-encode: {type(exc).__name__}: {exc}"
     if again != case.packet:
         return "defect", None, "decoded frame re-encodes to different bytes"
-    if case.nfds != SPECS[frame.type].fds:
-        return "defect", None, f"{frame.type.name} accepted with {case.nfds} fds"
+    if case.nfds != LAYOUTS[frame.message.TYPE].fds:
+        return "defect", None, f"{frame.message.TYPE.name} accepted with {case.nfds} fds"
     return "ok", frame, ""
 
 
@@ -333,7 +340,7 @@ def fuzz_decoder(seed: int, count: int, seconds: float | None = None) -> dict[st
         if case.kind >= 0 and case.kind in Msg._value2member_map_:
             built_by_kind[Msg(case.kind).name] += 1
         if frame is not None:
-            ok_by_kind[frame.type.name] += 1
+            ok_by_kind[frame.message.TYPE.name] += 1
         elif status == "refused":
             messages[message] += 1
             templates[_template(message)] += 1
@@ -376,7 +383,7 @@ def _atheris_child(runs: int, corpus: str, extra: list[str]) -> None:
             frame = proto.decode(data[1:], data[0] & 7)
         except proto.ProtocolError:
             return
-        assert proto.encode(frame.type, frame.req, *frame.values, tail=frame.tail) == data[1:]
+        assert proto.encode(frame.message, frame.req) == data[1:]
 
     atheris.Setup([sys.argv[0], f"-runs={runs}", "-max_len=66000", "-rss_limit_mb=2048", *extra, corpus], one)
     atheris.Fuzz()
@@ -516,17 +523,17 @@ class Conn:
         """(packet, fds, truncated); packet None when the broker closed the connection."""
         return rawsock.recv(self.sock)
 
-    def call(self, kind: Msg, *values: int | bytes, tail: Any = b"", fds: tuple[int, ...] = ()) -> Frame:
-        """A well-formed request of our own; returns the reply (any fds it carries are closed)."""
+    def call(self, message: P.Message, fds: tuple[int, ...] = ()) -> Any:
+        """A well-formed request of our own; returns the reply message (any fds it carries are closed)."""
         self.req += 1
-        assert self.send(P.encode(kind, self.req, *values, tail=tail), list(fds)), "broker closed the connection"
+        assert self.send(P.encode(message, self.req), list(fds)), "broker closed the connection"
         data, got, _ = self.recv()
         for fd in got:
             os.close(fd)
-        assert data is not None, f"the broker closed the connection on a valid {kind.name}"
+        assert data is not None, f"the broker closed the connection on a valid {message.TYPE.name}"
         frame = P.decode(data, len(got))
         assert frame.req == self.req, f"reply to {frame.req}, expected {self.req}"
-        return frame
+        return frame.message
 
 
 def _connect_from_helper(path: Path) -> tuple[socket.socket, int, int]:
@@ -573,7 +580,7 @@ def settled_fd_count(broker: Broker) -> int:
     c = Conn(broker.socket)
     try:
         for _ in range(2):
-            assert c.call(Msg.BARE_TGID).type is Msg.PID
+            assert isinstance(c.call(P.BareTgid()), P.Pid)
         return broker.fd_count()
     finally:
         c.close()
@@ -585,9 +592,9 @@ def broker_state(broker: Broker, devices: int = 8) -> dict[str, Any]:
     try:
         mem = {}
         for d in range(devices):
-            f = c.call(Msg.MEM_INFO, d)
-            mem[d] = (int(f.values[0]), int(f.values[1])) if f.type is Msg.MEM else None
-        listing = json.loads(str(c.call(Msg.LIST, 0).tail))
+            f = c.call(P.MemInfo(d))
+            mem[d] = (f.free, f.total) if isinstance(f, P.Mem) else None
+        listing = json.loads(c.call(P.List(0)).page)
         return {"all_free": all(m is not None and m[0] == m[1] for m in mem.values()),
                 "exports": len(listing["exports"]), "clients_seen": listing["clients"]}
     finally:
@@ -694,34 +701,36 @@ def _substitute(rng: random.Random, case: Case, conn: Conn, exported: list[tuple
         frame = P.decode(case.packet, case.nfds)
     except ProtocolError:
         return case, size_hint
-    values = list(frame.values)
-    if frame.type in (Msg.RELEASE, Msg.REVOKE, Msg.EXPORT) and conn.tokens and rng.random() < 0.6:
+    kind = frame.message.TYPE
+    layout = LAYOUTS[kind]
+    values = list(layout.values(frame.message))
+    tail = tail_of(frame.message)
+    if kind in (Msg.RELEASE, Msg.REVOKE, Msg.EXPORT) and conn.tokens and rng.random() < 0.6:
         token = rng.choice(list(conn.tokens))
         values[0] = token
         size_hint = conn.tokens[token]
-        if frame.type is Msg.EXPORT:  # mostly plausible: right size, flags, share type, a host memfd
+        if kind is Msg.EXPORT:  # mostly plausible: right size, flags, share type, a host memfd
             values[1] = size_hint if rng.random() < 0.8 else values[1]
             values[2] = rng.choice((0, 1)) if rng.random() < 0.8 else values[2]
             values[3] = rng.choice((1, 2)) if rng.random() < 0.8 else values[3]
             values[5] = values[5] if rng.random() < 0.2 else 0
-            tail = list(frame.tail)[:8]  # type: ignore[arg-type]
+            pids = list(tail)[:8]
             if rng.random() < 0.5:
-                tail.append(foreign_pid)  # trust the other process
-            frame = Frame(frame.type, frame.req, frame.values, tuple(tail))
-        stats.substituted[frame.type.name] += 1
-    elif frame.type in (Msg.IMPORT, Msg.SET_PIDS) and exported and rng.random() < 0.6:
+                pids.append(foreign_pid)  # trust the other process
+            tail = tuple(pids)
+        stats.substituted[kind.name] += 1
+    elif kind in (Msg.IMPORT, Msg.SET_PIDS) and exported and rng.random() < 0.6:
         handle, share_type, secret = rng.choice(exported)
         values[0] = handle
         values[1] = share_type if rng.random() < 0.8 else values[1]
-        if frame.type is Msg.IMPORT:
+        if kind is Msg.IMPORT:
             values[2] = secret if rng.random() < 0.8 else values[2]
         else:
-            pids = (*list(frame.tail)[:8], foreign_pid)  # type: ignore[arg-type]
-            frame = Frame(frame.type, frame.req, frame.values, pids)
-        stats.substituted[frame.type.name] += 1
+            tail = (*list(tail)[:8], foreign_pid)
+        stats.substituted[kind.name] += 1
     else:
         return case, size_hint
-    packet = P.encode(frame.type, frame.req, *values, tail=frame.tail)
+    packet = P.encode(layout.build(tuple(values), tail), frame.req)
     return Case(packet, case.nfds, case.origin, case.kind, (*case.ops, "live-object")), size_hint
 
 
@@ -732,41 +741,43 @@ def _check_reply(case: Case, valid: Frame | None, data: bytes, got: list[int], t
         stats.defect("over-long or fd-truncated reply", case)
         return None
     try:
-        reply = P.decode(data, len(got))
+        frame = P.decode(data, len(got))
     except ProtocolError as exc:
         stats.defect("reply does not decode", case, str(exc))
         return None
-    stats.replies[reply.type.name] += 1
-    if reply.req != P.peek_request_id(case.packet):
-        stats.defect("reply addressed to another request id", case, f"{reply.req}")
-    code = int(reply.values[0]) if reply.type is Msg.ERROR else 0
-    if reply.type is Msg.ERROR:
+    reply = frame.message
+    stats.replies[reply.TYPE.name] += 1
+    if frame.req != P.peek_request_id(case.packet):
+        stats.defect("reply addressed to another request id", case, f"{frame.req}")
+    code = reply.code if isinstance(reply, P.Error) else 0
+    if isinstance(reply, P.Error):
         stats.error_codes[code] += 1
-        if not isinstance(reply.tail, str) or not reply.tail.strip():
+        if not isinstance(reply.message, str) or not reply.message.strip():
             stats.defect("ERROR reply without a message", case)
         if code == INTERNAL:
-            stats.internal_messages[str(reply.tail)[:300]] += 1
-    if valid is None or valid.type >= 64:  # the codec refuses it (or it is a reply): 507022 and nothing else
-        if reply.type is not Msg.ERROR or code != IPC_ERROR:
+            stats.internal_messages[reply.message[:300]] += 1
+    if valid is None or valid.message.TYPE >= 64:  # the codec refuses it (or it is a reply): 507022 and nothing else
+        if not isinstance(reply, P.Error) or code != IPC_ERROR:
             stats.defect("malformed packet not answered with ERROR 507022", case, repr(reply)[:300])
-        return reply
-    expected = REPLY_TO[valid.type]
-    if reply.type is Msg.ERROR:
+        return frame
+    request = valid.message
+    expected = REPLY_TO[request.TYPE]
+    if isinstance(reply, P.Error):
         if code not in REQUEST_ERRORS:
-            stats.defect(f"valid {valid.type.name} refused with unexpected code {code}", case, str(reply.tail))
-        if code == 107017 and valid.type in (Msg.IMPORT, Msg.SET_PIDS):  # revoked (or never was): stop using it
-            exported[:] = [e for e in exported if e[0] != valid.values[0]]
-        return reply
-    if reply.type is not expected:
-        stats.defect(f"{valid.type.name} answered with {reply.type.name}", case)
-        return reply
-    if reply.type is Msg.TOKEN:
-        conn.tokens[int(reply.values[0])] = int(valid.values[1])
-    elif reply.type is Msg.OK and valid.type is Msg.RELEASE:
-        conn.tokens.pop(int(valid.values[0]), None)
-    elif reply.type is Msg.EXPORTED:
+            stats.defect(f"valid {request.TYPE.name} refused with unexpected code {code}", case, reply.message)
+        if code == 107017 and isinstance(request, (P.Import, P.SetPids)):  # revoked (or never was): stop using it
+            exported[:] = [e for e in exported if e[0] != request.shareable]
+        return frame
+    if reply.TYPE is not expected:
+        stats.defect(f"{request.TYPE.name} answered with {reply.TYPE.name}", case)
+        return frame
+    if isinstance(reply, P.Token) and isinstance(request, (P.Charge, P.ChargeGpu)):
+        conn.tokens[reply.hold] = request.size
+    elif isinstance(reply, P.Ok) and isinstance(request, P.Release):
+        conn.tokens.pop(request.hold, None)
+    elif isinstance(reply, P.Exported):
         stats.exported += 1
-        raw = bytes(reply.tail)  # type: ignore[arg-type]
+        raw = reply.shareable
         if len(raw) == 8:
             exported.append((int.from_bytes(raw, "little"), 1, bytes(32)))
         elif len(raw) == 128:
@@ -774,12 +785,12 @@ def _check_reply(case: Case, valid: Frame | None, data: bytes, got: list[int], t
         else:
             stats.defect("EXPORTED tail is neither 8 nor 128 bytes", case, raw.hex())
         del exported[:-64]
-    elif reply.type is Msg.IMPORTED:
+    elif isinstance(reply, P.Imported):
         stats.imported += 1
         if len(got) != 1:
             stats.defect("IMPORTED without exactly one fd", case)
-        conn.tokens[int(reply.values[0])] = int(reply.values[1])
-    return reply
+        conn.tokens[reply.hold] = reply.size
+    return frame
 
 
 def _with_scripted(cases: Iterator[Case], rng: random.Random, rate: float) -> Iterator[Case | None]:
@@ -798,22 +809,22 @@ def _scripted(rng: random.Random, conn: Conn, exported: list[tuple[int, int, byt
     token = rng.choice(list(conn.tokens)) if conn.tokens else 0
     if not token or r < 0.3:
         device = rng.choice((-1, *range(8)))
-        return Case(P.encode(Msg.CHARGE, req, device, rng.randrange(1, 5) * MiB2), 0, "scripted", Msg.CHARGE)
+        return Case(P.encode(P.Charge(device, rng.randrange(1, 5) * MiB2), req), 0, "scripted", Msg.CHARGE)
     if r < 0.55:
         size = conn.tokens[token]
         pids = [foreign_pid] if rng.random() < 0.5 else []
-        packet = P.encode(Msg.EXPORT, req, token, size, rng.choice((0, 1)), rng.choice((1, 2)), 0, 0, 0, 0, 5, 1, 0,
-                          tail=pids)
+        packet = P.encode(P.Export(token, size, rng.choice((0, 1)), rng.choice((1, 2)), 0, 0, 0, 0, 5, 1, 0,
+                                   tuple(pids)), req)
         return Case(packet, 1, "scripted", Msg.EXPORT, memfd_size=size if size <= 1 << 40 else MiB2)
     if r < 0.8 and exported:
         handle, share_type, secret = rng.choice(exported)
-        return Case(P.encode(Msg.IMPORT, req, handle, share_type, secret), 0, "scripted", Msg.IMPORT)
+        return Case(P.encode(P.Import(handle, share_type, secret), req), 0, "scripted", Msg.IMPORT)
     if r < 0.88 and exported:
         handle, share_type, _ = rng.choice(exported)
-        return Case(P.encode(Msg.SET_PIDS, req, handle, share_type, tail=[foreign_pid, os.getpid()]), 0,
+        return Case(P.encode(P.SetPids(handle, share_type, (foreign_pid, os.getpid())), req), 0,
                     "scripted", Msg.SET_PIDS)
-    kind = Msg.RELEASE if rng.random() < 0.6 else Msg.REVOKE
-    return Case(P.encode(kind, req, token), 0, "scripted", kind)
+    message = P.Release(token) if rng.random() < 0.6 else P.Revoke(token)
+    return Case(P.encode(message, req), 0, "scripted", message.TYPE)
 
 
 def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = None,
@@ -888,7 +899,7 @@ def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = Non
             # the broker answers only after closing every fd it does not keep, so this check needs no waiting;
             # it keeps one only for an EXPORT it accepted (a KIND_GPU export takes any fd of the right size)
             kept = [r for r in pipes if not _released(r)] if data is not None else []
-            if kept and not (reply is not None and reply.type is Msg.EXPORTED):
+            if kept and not (reply is not None and isinstance(reply.message, P.Exported)):
                 stats.defect("the broker kept a pipe fd it was sent", case)
             for r in pipes:
                 if r in kept or data is None:

@@ -58,7 +58,7 @@ ME = str(Path(__file__).resolve())
 
 
 def _start_ticks(pid: int) -> int | None:
-    from vmmshare.broker.wire import process_start_time
+    from vmmshare.broker.identity import process_start_time
 
     return process_start_time(pid)
 
@@ -421,15 +421,16 @@ def guess(path: Path, count: int, seed: int, batch: int = 32, limit: float | Non
             n = min(batch, count - sent)
             handles = [rng.getrandbits(64) for _ in range(n)]
             for k, handle in enumerate(handles):
-                raw.sock.send(P.encode(P.Msg.IMPORT, sent + k + 1, handle, c.DEFAULT, bytes(32)))
+                raw.sock.send(P.encode(P.Import(handle, c.DEFAULT, bytes(32)), sent + k + 1))
             for k, handle in enumerate(handles):
                 frame, fds = raw.recv()
                 for fd in fds:
                     os.close(fd)
-                if frame.type is P.Msg.ERROR and frame.values[0] == c.BAD_HANDLE and frame.req == sent + k + 1:
+                reply = frame.message
+                if isinstance(reply, P.Error) and reply.code == c.BAD_HANDLE and frame.req == sent + k + 1:
                     replies["107017"] += 1
                 else:
-                    key = frame.type.name if frame.type is not P.Msg.ERROR else str(frame.values[0])
+                    key = str(reply.code) if isinstance(reply, P.Error) else reply.TYPE.name
                     replies[key] += 1
                     if len(odd) < 10:
                         odd.append({"handle": handle, "reply": key, "req": frame.req})
@@ -437,8 +438,7 @@ def guess(path: Path, count: int, seed: int, batch: int = 32, limit: float | Non
         elapsed = time.perf_counter() - t0
         controls = []
         for handle in control or []:
-            frame = raw.ask(P.Msg.IMPORT, handle, c.DEFAULT, bytes(32))
-            controls.append(frame.type.name)
+            controls.append(raw.ask(P.Import(handle, c.DEFAULT, bytes(32))).TYPE.name)
     return {"guesses": sent, "not_107017": sent - replies["107017"], "replies": dict(replies), "odd": odd,
             "seconds": round(elapsed, 3), "guesses_per_s": round(sent / elapsed, 1) if elapsed else None,
             "control_replies": controls}

@@ -144,12 +144,12 @@ def bare_tgid_round_trip(path: Path) -> int:
     s.settimeout(HANG_GUARD)
     try:
         s.connect(str(path))
-        s.send(P.encode(P.Msg.BARE_TGID, 5))
+        s.send(P.encode(P.BareTgid(), 5))
         frame = P.decode(s.recv(P.MAX_FRAME + 1))
     finally:
         s.close()
-    assert frame.type is P.Msg.PID and frame.req == 5
-    return int(frame.values[0])
+    assert isinstance(frame.message, P.Pid) and frame.req == 5
+    return frame.message.pid
 
 
 def gone(pid: int) -> bool:
@@ -473,14 +473,15 @@ def test_signal_stops_an_idle_broker(procs: Procs, tmp_path: Path, sig: int) -> 
 
 BOUNDED = """
 import os, signal, socket, sys
+import vmmshare.broker.autostart as au
 import vmmshare.broker.client as cl
 from vmmshare.config import Config
 from vmmshare.errors import AclError
 
-cl.REPLY_TIMEOUT = cl.CONNECT_TIMEOUT = cl.START_TIMEOUT = 0.3
+cl.REPLY_TIMEOUT = au.CONNECT_TIMEOUT = au.START_TIMEOUT = 0.3
 connects = []
-_try_connect = cl._try_connect
-cl._try_connect = lambda path: connects.append(path) or _try_connect(path)
+_try_connect = au._try_connect
+au._try_connect = lambda path: connects.append(path) or _try_connect(path)
 case, broker = sys.argv[1], int(sys.argv[2])
 client = cl.BrokerClient(Config.from_env(), autostart=case == "start_lock")
 queued = []

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import rawsock
 from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 from vmmshare import protocol as P
-from vmmshare.protocol import HEADER, MAGIC, MAX_FRAME, SPECS, VERSION, Frame, Msg, ProtocolError
+from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_FRAME, VERSION, Frame, Msg, ProtocolError
 
 IPC_ERROR = 507022
 PARAM = 107000
@@ -94,44 +95,44 @@ class Raw(rawsock.Connection):
             os.close(fd)
         return frame
 
-    def request(self, kind: Msg, *values: int | bytes, tail: object = b"",
-                fds: tuple[int, ...] = ()) -> tuple[Frame, list[int]]:
-        """A well-formed request; returns the reply (which must address it) and its fds."""
+    def request(self, message: P.Message, fds: tuple[int, ...] = ()) -> tuple[Any, list[int]]:
+        """A well-formed request; returns the reply message (whose frame must address it) and its fds."""
         self.req += 1
-        assert self.send(P.encode(kind, self.req, *values, tail=tail), fds), "the broker closed the connection"  # type: ignore[arg-type]
+        assert self.send(P.encode(message, self.req), fds), "the broker closed the connection"
         frame, got = self.recv()
-        assert frame is not None, f"the broker closed the connection on a valid {kind.name}"
+        assert frame is not None, f"the broker closed the connection on a valid {message.TYPE.name}"
         assert frame.req == self.req
-        return frame, got
+        return frame.message, got
 
-    def ok(self, kind: Msg, *values: int | bytes, tail: object = b"", fds: tuple[int, ...] = ()) -> Frame:
-        frame, got = self.request(kind, *values, tail=tail, fds=fds)
+    def ok(self, message: P.Message, fds: tuple[int, ...] = ()) -> Any:
+        reply, got = self.request(message, fds=fds)
         for fd in got:
             os.close(fd)
-        assert frame.type is not Msg.ERROR, f"{kind.name} failed: {frame.values} {frame.tail!r}"
-        return frame
+        assert not isinstance(reply, P.Error), f"{message.TYPE.name} failed: {reply}"
+        return reply
 
-    def refused(self, kind: Msg, *values: int | bytes, tail: object = b"", fds: tuple[int, ...] = ()) -> int:
-        frame, got = self.request(kind, *values, tail=tail, fds=fds)
+    def refused(self, message: P.Message, fds: tuple[int, ...] = ()) -> int:
+        reply, got = self.request(message, fds=fds)
         for fd in got:
             os.close(fd)
-        assert frame.type is Msg.ERROR, f"{kind.name} was accepted: {frame!r}"
-        assert isinstance(frame.tail, str) and frame.tail.strip()
-        return int(frame.values[0])
+        assert isinstance(reply, P.Error), f"{message.TYPE.name} was accepted: {reply!r}"
+        assert isinstance(reply.message, str) and reply.message.strip()
+        return reply.code
 
 
 def expect_error_or_close(conn: Raw, packet: bytes, fds: tuple[int, ...] | list[int] = (),
                           code: int | None = IPC_ERROR) -> bool:
     """The broker answers `packet` with an ERROR (addressed to its request id when the header parses) or closes
     the connection. True when the connection is still usable."""
-    reply = conn.ask(packet, fds)
-    if reply is None:
+    frame = conn.ask(packet, fds)
+    if frame is None:
         return False
-    assert reply.type is Msg.ERROR, f"{packet[:16]!r}... was answered with {reply!r}"
-    assert reply.req == P.peek_request_id(packet)
-    assert isinstance(reply.tail, str) and reply.tail.strip(), "an error reply says what was wrong"
+    reply = frame.message
+    assert isinstance(reply, P.Error), f"{packet[:16]!r}... was answered with {reply!r}"
+    assert frame.req == P.peek_request_id(packet)
+    assert isinstance(reply.message, str) and reply.message.strip(), "an error reply says what was wrong"
     if code is not None:
-        assert reply.values[0] == code, f"expected {code}, got {reply.values[0]}: {reply.tail}"
+        assert reply.code == code, f"expected {code}, got {reply.code}: {reply.message}"
     return True
 
 
@@ -143,16 +144,16 @@ def settled_fd_count(broker: BrokerProc) -> int:
     """
     with Raw(broker.socket) as c:
         for _ in range(2):
-            reply = c.ok(Msg.BARE_TGID)
-            assert reply.type is Msg.PID and reply.values[0] == os.getpid()
+            reply = c.ok(P.BareTgid())
+            assert reply == P.Pid(os.getpid())
         return broker.fd_count()
 
 
 def free_capacity(broker: BrokerProc, device: int = 0) -> int:
     with Raw(broker.socket) as c:
-        reply = c.ok(Msg.MEM_INFO, device)
-        assert reply.type is Msg.MEM and reply.values[1] == CAPACITY
-        return int(reply.values[0])
+        reply = c.ok(P.MemInfo(device))
+        assert isinstance(reply, P.Mem) and reply.total == CAPACITY
+        return int(reply.free)
 
 
 def pipe_for_broker() -> tuple[int, int]:
@@ -184,14 +185,14 @@ def export_values(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, kind:
     format carries before the five prop fields (the exporter's server id: 0 here; last, the memory kind: 0 host,
     1 GPU), then the prop."""
     head = (token, size, flags, DEFAULT)
-    n = len(re.findall(r"[a-zA-Z]", SPECS[Msg.EXPORT].fixed.format.replace("32s", "s")))
+    n = len(LAYOUTS[Msg.EXPORT].fields)
     return (*head, *(0,) * (n - len(head) - len(PROP_FIELDS) - 1), kind, *PROP_FIELDS)
 
 
 def charge(conn: Raw, size: int = MiB2, device: int = 0) -> int:
-    reply = conn.ok(Msg.CHARGE, device, size)
-    assert reply.type is Msg.TOKEN
-    return int(reply.values[0])
+    reply = conn.ok(P.Charge(device, size))
+    assert isinstance(reply, P.Token)
+    return int(reply.hold)
 
 
 def assert_serves(broker: BrokerProc) -> None:
@@ -233,17 +234,17 @@ def baseline(broker: BrokerProc) -> int:
 def test_raw_client_speaks_the_protocol(broker: BrokerProc, baseline: int) -> None:
     """The hand-made frames below are right: a raw export is imported by a real client, byte for byte."""
     with Raw(broker.socket) as c:
-        assert c.ok(Msg.BARE_TGID).values == (os.getpid(),)
+        assert c.ok(P.BareTgid()) == P.Pid(os.getpid())
         token = charge(c, 2 * MiB2)
         assert free_capacity(broker) == CAPACITY - 2 * MiB2
         fd = memfd_of(2 * MiB2, b"raw export")
         try:
-            reply = c.ok(Msg.EXPORT, *export_values(token, 2 * MiB2), fds=(fd,))
+            reply = c.ok(P.Export(*export_values(token, 2 * MiB2)), fds=(fd,))
         finally:
             os.close(fd)
-        assert reply.type is Msg.EXPORTED and len(reply.tail) == 8
-        shareable = int.from_bytes(reply.tail, "little")  # type: ignore[arg-type]
-        listing = json.loads(c.ok(Msg.LIST, 0).tail)  # type: ignore[arg-type]
+        assert isinstance(reply, P.Exported) and len(reply.shareable) == 8
+        shareable = int.from_bytes(reply.shareable, "little")
+        listing = json.loads(c.ok(P.List(0)).page)
         assert [e["handle"] for e in listing["exports"]] == [f"{shareable:#018x}"]
         importer = Actor(broker.env)
         try:
@@ -254,16 +255,16 @@ def test_raw_client_speaks_the_protocol(broker: BrokerProc, baseline: int) -> No
             assert importer.call("!read", p, 10) == b"raw export"
         finally:
             importer.close()
-        assert c.ok(Msg.RELEASE, token).type is Msg.OK
-        assert c.refused(Msg.RELEASE, token) == BAD_HANDLE
+        assert c.ok(P.Release(token)) == P.Ok()
+        assert c.refused(P.Release(token)) == BAD_HANDLE
     assert_healthy(broker, baseline)
 
 
 # ---------------------------------------------------------------- malformed frames
 
 
-GOOD_CHARGE = P.encode(Msg.CHARGE, 0x1234, 0, MiB2)
-REQUESTS = [m for m in Msg if m < 64 and SPECS[m].fds == 0]
+GOOD_CHARGE = P.encode(P.Charge(0, MiB2), 0x1234)
+REQUESTS = [m for m in Msg if m < 64 and LAYOUTS[m].fds == 0]
 
 
 def _header(kind: int, length: int, req: int = 0x55, version: int = VERSION, magic: bytes = MAGIC) -> bytes:
@@ -282,7 +283,7 @@ BAD_FRAMES = {
     "version_0": GOOD_CHARGE[:2] + b"\x00" + GOOD_CHARGE[3:],
     "version_2": GOOD_CHARGE[:2] + b"\x02" + GOOD_CHARGE[3:],
     "version_255": GOOD_CHARGE[:2] + b"\xff" + GOOD_CHARGE[3:],
-    "bare_tgid_version_2": P.encode(Msg.BARE_TGID, 0x77)[:2] + b"\x02" + P.encode(Msg.BARE_TGID, 0x77)[3:],
+    "bare_tgid_version_2": P.encode(P.BareTgid(), 0x77)[:2] + b"\x02" + P.encode(P.BareTgid(), 0x77)[3:],
     "unknown_type_0": _header(0, 0),
     "unknown_type_10": _header(10, 0),
     "unknown_type_200": _header(200, 0),
@@ -299,7 +300,7 @@ def test_malformed_frame_gets_an_error_reply(broker: BrokerProc, baseline: int, 
         P.decode(packet)
     with Raw(broker.socket) as c:
         if expect_error_or_close(c, packet):
-            assert c.ok(Msg.BARE_TGID).values == (os.getpid(),), "the connection kept working after the error"
+            assert c.ok(P.BareTgid()) == P.Pid(os.getpid()), "the connection kept working after the error"
     assert_healthy(broker, baseline)
 
 
@@ -328,25 +329,25 @@ def test_oversized_frame(broker: BrokerProc, baseline: int, size: int) -> None:
         if alive:
             alive = expect_error_or_close(c, _header(Msg.CHARGE, size - HEADER.size, 0x9A) + bytes(size - 12))
         if alive:
-            assert c.ok(Msg.BARE_TGID).values == (os.getpid(),)
+            assert c.ok(P.BareTgid()) == P.Pid(os.getpid())
     assert_healthy(broker, baseline)
 
 
 @pytest.mark.parametrize("kind", [m for m in Msg if m >= 64], ids=lambda m: m.name)
 def test_reply_sent_as_a_request_is_refused(broker: BrokerProc, baseline: int, kind: Msg) -> None:
-    spec = SPECS[kind]
-    values = tuple(bytes(n) if code == "s" else 1 for code, n in _codes(spec.fixed.format))
-    packet = P.encode(kind, 0x4242, *values)
+    layout = LAYOUTS[kind]
+    values = tuple(bytes(n) if code == "s" else 1 for code, n in _codes(layout.fixed.format))
+    packet = P.encode(layout.build(values, b""), 0x4242)
     r, w = pipe_for_broker()
     try:
         with Raw(broker.socket) as c:
-            fds = (w,) * spec.fds
+            fds = (w,) * layout.fds
             alive = expect_error_or_close(c, packet, fds)
             os.close(w)
             w = -1
             assert_released(r)
             if alive:
-                assert c.ok(Msg.BARE_TGID).values == (os.getpid(),)
+                assert c.ok(P.BareTgid()) == P.Pid(os.getpid())
     finally:
         if w >= 0:
             os.close(w)
@@ -372,8 +373,8 @@ def _random_packet(rng: random.Random) -> bytes:
     if style == 3:  # a valid request with one byte changed
         kind = rng.choice(REQUESTS)
         values = tuple(rng.randbytes(n) if code == "s" else rng.randrange(0, 200) for code, n in
-                       _codes(SPECS[kind].fixed.format))
-        good = P.encode(kind, rng.randrange(1 << 32), *values)
+                       _codes(LAYOUTS[kind].fixed.format))
+        good = P.encode(LAYOUTS[kind].build(values, ()), rng.randrange(1 << 32))
         at = rng.randrange(len(good))
         return good[:at] + bytes([rng.randrange(256)]) + good[at + 1 :]
     return _header(kind, length, rng.randrange(1 << 32), version) + body
@@ -393,20 +394,21 @@ def test_seeded_random_packets(broker: BrokerProc, baseline: int) -> None:
                 valid = True
             except ProtocolError:
                 valid = False
-            reply = conn.ask(packet)
-            if reply is None:
+            frame = conn.ask(packet)
+            if frame is None:
                 closes += 1
                 conn.close()
                 conn = Raw(broker.socket)
                 continue
-            assert reply.req == P.peek_request_id(packet), f"packet {i}: reply addressed to {reply.req}"
+            assert frame.req == P.peek_request_id(packet), f"packet {i}: reply addressed to {frame.req}"
+            reply = frame.message
             if not valid:
-                assert reply.type is Msg.ERROR and reply.values[0] == IPC_ERROR, f"packet {i}: {reply!r}"
+                assert isinstance(reply, P.Error) and reply.code == IPC_ERROR, f"packet {i}: {reply!r}"
                 errors += 1
             else:
-                assert reply.type in (Msg.ERROR, Msg.OK, Msg.TOKEN, Msg.MEM, Msg.PID, Msg.LISTING), f"{reply!r}"
+                assert isinstance(reply, (P.Error, P.Ok, P.Token, P.Mem, P.Pid, P.Listing)), f"{reply!r}"
             if i % 50 == 49:
-                assert conn.ok(Msg.BARE_TGID).values == (os.getpid(),), f"packet {i}: connection stopped working"
+                assert conn.ok(P.BareTgid()) == P.Pid(os.getpid()), f"packet {i}: connection stopped working"
         assert errors > 300, "the random packets were not malformed enough to test anything"
         assert closes < 400
     finally:
@@ -428,12 +430,12 @@ def test_fd_attached_to_a_request_that_takes_none(broker: BrokerProc, baseline: 
     with Raw(broker.socket) as c:
         r, w = pipe_for_broker()
         try:
-            alive = expect_error_or_close(c, P.encode(kind, 0x321, *values), (w,))
+            alive = expect_error_or_close(c, P.encode(LAYOUTS[kind].build(values), 0x321), (w,))
         finally:
             os.close(w)
         assert_released(r)
         if alive:
-            assert c.ok(Msg.BARE_TGID).values == (os.getpid(),)
+            assert c.ok(P.BareTgid()) == P.Pid(os.getpid())
     assert free_capacity(broker) == CAPACITY, "a refused CHARGE charged the device anyway"
     assert_healthy(broker, baseline)
 
@@ -443,19 +445,19 @@ def test_too_many_fds(broker: BrokerProc, baseline: int) -> None:
     with Raw(broker.socket) as c:
         pipes = [pipe_for_broker() for _ in range(8)]
         try:
-            alive = expect_error_or_close(c, P.encode(Msg.BARE_TGID, 0x808), [w for _, w in pipes])
+            alive = expect_error_or_close(c, P.encode(P.BareTgid(), 0x808), [w for _, w in pipes])
         finally:
             for _, w in pipes:
                 os.close(w)
         for r, _ in pipes:
             assert_released(r)
         if alive:
-            assert c.ok(Msg.BARE_TGID).values == (os.getpid(),)
+            assert c.ok(P.BareTgid()) == P.Pid(os.getpid())
     assert_healthy(broker, baseline)
 
 
 def _export_frame(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, req: int = 0xE0, kind: int = 0) -> bytes:
-    return P.encode(Msg.EXPORT, req, *export_values(token, size, flags, kind))
+    return P.encode(P.Export(*export_values(token, size, flags, kind)), req)
 
 
 def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
@@ -464,9 +466,9 @@ def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
         assert expect_error_or_close(c, _export_frame(token)), "the broker dropped a client for a bad EXPORT"
         fd = memfd_of(MiB2)
         try:  # nothing was half-exported: the allocation still exports, once
-            reply = c.ok(Msg.EXPORT, *export_values(token), fds=(fd,))
-            assert reply.type is Msg.EXPORTED
-            assert c.refused(Msg.EXPORT, *export_values(token), fds=(fd,)) == PARAM
+            reply = c.ok(P.Export(*export_values(token)), fds=(fd,))
+            assert isinstance(reply, P.Exported)
+            assert c.refused(P.Export(*export_values(token)), fds=(fd,)) == PARAM
         finally:
             os.close(fd)
     assert_healthy(broker, baseline)
@@ -486,7 +488,7 @@ def test_export_with_three_fds(broker: BrokerProc, baseline: int) -> None:
         assert_released(r2)
         assert alive, "the broker dropped a client for a bad EXPORT"
         try:
-            assert c.ok(Msg.EXPORT, *export_values(token), fds=(fd,)).type is Msg.EXPORTED
+            assert isinstance(c.ok(P.Export(*export_values(token)), fds=(fd,)), P.Exported)
         finally:
             os.close(fd)
     assert_healthy(broker, baseline)
@@ -508,7 +510,7 @@ def test_export_of_a_pipe_with_a_valid_token(broker: BrokerProc, baseline: int) 
             assert expect_error_or_close(c, _export_frame(token, size=2 * MiB2), (wrong,), code=PARAM)
         finally:
             os.close(wrong)
-        assert c.ok(Msg.LIST, 0).tail and not json.loads(c.ok(Msg.LIST, 0).tail)["exports"]  # type: ignore[arg-type]
+        assert c.ok(P.List(0)).page and not json.loads(c.ok(P.List(0)).page)["exports"]
     assert_healthy(broker, baseline)
 
 
@@ -517,7 +519,7 @@ def test_export_must_be_of_the_memory_kind_charged(broker: BrokerProc, baseline:
     reach importers), nor GPU memory as host memory: the kind is the one the allocation was charged as."""
     with Raw(broker.socket) as c:
         host = charge(c)
-        gpu = int(c.ok(Msg.CHARGE_GPU, 0, MiB2).values[0])
+        gpu = int(c.ok(P.ChargeGpu(0, MiB2)).hold)
         r, w = pipe_for_broker()
         try:
             assert expect_error_or_close(c, _export_frame(host, kind=1), (w,), code=PARAM)
@@ -527,10 +529,10 @@ def test_export_must_be_of_the_memory_kind_charged(broker: BrokerProc, baseline:
         memfd = memfd_of(MiB2)
         try:
             assert expect_error_or_close(c, _export_frame(gpu, kind=0), (memfd,), code=PARAM)
-            assert c.ok(Msg.EXPORT, *export_values(host), fds=(memfd,)).type is Msg.EXPORTED  # the right kind
+            assert isinstance(c.ok(P.Export(*export_values(host)), fds=(memfd,)), P.Exported)  # the right kind
         finally:
             os.close(memfd)
-        assert len(json.loads(c.ok(Msg.LIST, 0).tail)["exports"]) == 1  # type: ignore[arg-type]
+        assert len(json.loads(c.ok(P.List(0)).page)["exports"]) == 1
     assert_healthy(broker, baseline)
 
 
@@ -541,10 +543,10 @@ def test_export_with_another_connections_token(broker: BrokerProc, baseline: int
         fd = memfd_of(MiB2)
         try:
             assert expect_error_or_close(thief, _export_frame(token), (fd,), code=BAD_HANDLE)
-            assert thief.refused(Msg.RELEASE, token) == BAD_HANDLE
-            assert thief.refused(Msg.REVOKE, token) == BAD_HANDLE
-            reply = owner.ok(Msg.EXPORT, *export_values(token), fds=(fd,))
-            assert reply.type is Msg.EXPORTED
+            assert thief.refused(P.Release(token)) == BAD_HANDLE
+            assert thief.refused(P.Revoke(token)) == BAD_HANDLE
+            reply = owner.ok(P.Export(*export_values(token)), fds=(fd,))
+            assert isinstance(reply, P.Exported)
         finally:
             os.close(fd)
     assert_healthy(broker, baseline)
@@ -560,14 +562,14 @@ def test_importer_cannot_revoke_the_exporters_handle(broker: BrokerProc, baselin
         shareable, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, NO_PID_CHECK, DEFAULT)
         assert ret == 0
         with Raw(broker.socket) as importer:
-            frame, got = importer.request(Msg.IMPORT, shareable, DEFAULT, bytes(32))
-            assert frame.type is Msg.IMPORTED and len(got) == 1, frame
+            reply, got = importer.request(P.Import(shareable, DEFAULT, bytes(32)))
+            assert isinstance(reply, P.Imported) and len(got) == 1, reply
             os.close(got[0])
-            import_token = int(frame.values[0])
-            frame, got = importer.request(Msg.REVOKE, import_token)
+            import_token = int(reply.hold)
+            reply, got = importer.request(P.Revoke(import_token))
             assert not got
-            assert frame.type is Msg.ERROR and frame.values[0] == 207006, frame  # only the exporter revokes
-            listing = json.loads(importer.ok(Msg.LIST, 0).tail)  # type: ignore[arg-type]
+            assert isinstance(reply, P.Error) and reply.code == 207006, reply  # only the exporter revokes
+            listing = json.loads(importer.ok(P.List(0)).page)
             assert [e["handle"] for e in listing["exports"]] == [f"{shareable:#018x}"], "an importer revoked it"
         other = Actor(broker.env)
         try:
@@ -593,8 +595,8 @@ def test_client_that_connects_and_sends_nothing(broker: BrokerProc, baseline: in
 def test_client_that_leaves_without_reading_its_reply(broker: BrokerProc, baseline: int) -> None:
     c = Raw(broker.socket)
     charge(c)
-    assert c.send(P.encode(Msg.CHARGE, 1, 0, MiB2))
-    assert c.send(P.encode(Msg.LIST, 2, 0))
+    assert c.send(P.encode(P.Charge(0, MiB2), 1))
+    assert c.send(P.encode(P.List(0), 2))
     c.close()
     assert_healthy(broker, baseline)
 
@@ -617,11 +619,11 @@ def test_fifty_connections_opened_and_closed(broker: BrokerProc, baseline: int) 
 
 def test_capacity_cannot_be_overcharged_by_a_raw_client(broker: BrokerProc, baseline: int) -> None:
     with Raw(broker.socket) as c:
-        assert c.refused(Msg.CHARGE, 0, CAPACITY + 1) == NO_MEMORY
-        assert c.refused(Msg.CHARGE, 8, MiB2) == BAD_DEVICE
-        assert c.refused(Msg.MEM_INFO, 0xFFFFFFFF) == BAD_DEVICE
+        assert c.refused(P.Charge(0, CAPACITY + 1)) == NO_MEMORY
+        assert c.refused(P.Charge(8, MiB2)) == BAD_DEVICE
+        assert c.refused(P.MemInfo(0xFFFFFFFF)) == BAD_DEVICE
         charge(c, CAPACITY)
-        assert c.refused(Msg.CHARGE, 0, 1) == NO_MEMORY
+        assert c.refused(P.Charge(0, 1)) == NO_MEMORY
         assert free_capacity(broker) == 0
     assert_healthy(broker, baseline)
 
@@ -630,17 +632,17 @@ def test_gpu_charges_are_recorded_not_capped_and_released_with_the_connection(br
                                                                               baseline: int) -> None:
     """CHARGE_GPU: GPU memory is the driver's to cap; the broker records it (ls) and frees the record on close."""
     with Raw(broker.socket) as c:
-        assert c.refused(Msg.CHARGE_GPU, 1024, MiB2) == BAD_DEVICE
-        token = int(c.ok(Msg.CHARGE_GPU, 3, 4 * CAPACITY).values[0])
+        assert c.refused(P.ChargeGpu(1024, MiB2)) == BAD_DEVICE
+        token = int(c.ok(P.ChargeGpu(3, 4 * CAPACITY)).hold)
         assert free_capacity(broker) == CAPACITY  # not the node's host-backed device memory
-        listing = json.loads(c.ok(Msg.LIST, 0).tail)
+        listing = json.loads(c.ok(P.List(0)).page)
         assert listing["gpu_used"] == {"3": 4 * CAPACITY}
-        c.ok(Msg.RELEASE, token)
-        assert json.loads(c.ok(Msg.LIST, 0).tail)["gpu_used"] == {}
-        c.ok(Msg.CHARGE_GPU, 0, MiB2)
+        c.ok(P.Release(token))
+        assert json.loads(c.ok(P.List(0)).page)["gpu_used"] == {}
+        c.ok(P.ChargeGpu(0, MiB2))
     with Raw(broker.socket) as c:
-        c.ok(Msg.BARE_TGID)  # a second round trip: every earlier close has been processed (settled_fd_count)
-        assert json.loads(c.ok(Msg.LIST, 0).tail)["gpu_used"] == {}
+        c.ok(P.BareTgid())  # a second round trip: every earlier close has been processed (settled_fd_count)
+        assert json.loads(c.ok(P.List(0)).page)["gpu_used"] == {}
     assert_healthy(broker, baseline)
 
 
@@ -672,4 +674,69 @@ def test_listing_of_exports_with_full_trustlists(broker: BrokerProc, baseline: i
             assert rows[handle]["owner_pid"] == actor.pid
     finally:
         actor.close()
+    assert_healthy(broker, baseline)
+
+
+# ---------------------------------------------------------------- import checks a raw client would get past
+
+
+def test_a_fabric_export_cannot_be_imported_as_a_default_handle(broker: BrokerProc, baseline: int) -> None:
+    """A FABRIC export made with DISABLE_PID_VALIDATION is named on the node by its 64-bit value (bytes 16-23). A raw
+    client in another process that sends that value as a DEFAULT handle, with no secret, must be refused (107000) and
+    get no fd: the FABRIC secret would mean nothing otherwise. (The runtime refuses this before it asks the broker;
+    a raw client does not go through the runtime.)"""
+    exporter = Actor(broker.env)
+    try:
+        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
+        assert ret == 0, exporter.last_err
+        fabric, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, NO_PID_CHECK, FABRIC)
+        assert ret == 0, exporter.last_err
+        assert len(fabric) == 128
+        value = int.from_bytes(fabric[16:24], "little")
+        with Raw(broker.socket) as thief:
+            reply, got = thief.request(P.Import(value, DEFAULT, bytes(32)))
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Error) and reply.code == PARAM, reply
+            assert not got, "the broker handed over the memory"
+            reply, got = thief.request(P.Import(value, FABRIC, bytes(32)))  # as FABRIC, without the secret
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Error) and reply.code == BAD_HANDLE and not got, reply
+            reply, got = thief.request(P.Import(value, FABRIC, bytes(fabric[64:96])))  # a positive control
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Imported) and len(got) == 1, reply
+            assert thief.ok(P.Release(reply.hold)) == P.Ok()
+    finally:
+        exporter.close()
+    assert_healthy(broker, baseline)
+
+
+@pytest.mark.parametrize("share_type", [DEFAULT, FABRIC])
+def test_the_exporting_process_cannot_import_its_own_handle(broker: BrokerProc, baseline: int,
+                                                            share_type: int) -> None:
+    """Rule 13 at the broker: a raw client exports without pid validation and imports its own handle, on the same
+    connection and on a second one of the same process: 107000, no fd. (The runtime refuses it first; a raw client
+    does not go through the runtime.)"""
+    with Raw(broker.socket) as c, Raw(broker.socket) as again:
+        token = charge(c)
+        fd = memfd_of(MiB2)
+        try:
+            values = (token, MiB2, NO_PID_CHECK, share_type, *export_values(token)[4:])
+            reply = c.ok(P.Export(*values), fds=(fd,))
+        finally:
+            os.close(fd)
+        assert isinstance(reply, P.Exported)
+        raw = reply.shareable
+        value = int.from_bytes(raw[16:24] if share_type == FABRIC else raw, "little")
+        secret = bytes(raw[64:96]) if share_type == FABRIC else bytes(32)
+        for conn in (c, again):
+            reply, got = conn.request(P.Import(value, share_type, secret))
+            for fd in got:
+                os.close(fd)
+            assert isinstance(reply, P.Error) and reply.code == PARAM, reply
+            assert not got, "the broker handed the exporter its own memory"
+        listing = json.loads(c.ok(P.List(0)).page)
+        assert [e["importer_count"] for e in listing["exports"]] == [0]
     assert_healthy(broker, baseline)

@@ -407,11 +407,11 @@ def test_rule_16_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Calla
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(str(broker.socket))
-        sock.send(P.encode(P.Msg.CHARGE_GPU, 1, 0, MiB2))
-        token = P.decode(sock.recv(P.MAX_FRAME)).values[0]
+        sock.send(P.encode(P.ChargeGpu(0, MiB2), 1))
+        token = P.decode(sock.recv(P.MAX_FRAME)).message.hold  # type: ignore[attr-defined]
         fields = (token, MiB2, 1, DEFAULT, 0, 1, 0, 0, 5, 1, 0)  # no pid validation; kind 1: a GPU export
-        socket.send_fds(sock, [P.encode(P.Msg.EXPORT, 2, *fields)], [r])
-        shareable = int.from_bytes(P.decode(sock.recv(P.MAX_FRAME)).tail, "little")  # type: ignore[arg-type]
+        socket.send_fds(sock, [P.encode(P.Export(*fields), 2)], [r])
+        shareable = int.from_bytes(P.decode(sock.recv(P.MAX_FRAME)).message.shareable, "little")  # type: ignore[attr-defined]
         a = gpu_actor()
         drop(a, *alloc_map(a))  # connected, context made
         fds = a.call("!fd_count")

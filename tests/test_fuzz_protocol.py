@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stress"))
 import fuzz_protocol as F
 
 from vmmshare import protocol as P
-from vmmshare.protocol import SPECS, Frame, Msg, ProtocolError
+from vmmshare.protocol import LAYOUTS, Frame, Msg, ProtocolError
 
 SEED = 20251130
 DECODER_FRAMES = 5_000
@@ -159,8 +159,8 @@ def test_stacked_mutations_give_a_canonical_frame_or_a_protocol_error(case: tupl
     except ProtocolError as exc:
         assert str(exc).strip()
         return
-    assert isinstance(frame, Frame) and nfds == SPECS[frame.type].fds
-    assert P.encode(frame.type, frame.req, *frame.values, tail=frame.tail) == packet, ops
+    assert isinstance(frame, Frame) and nfds == LAYOUTS[frame.message.TYPE].fds
+    assert P.encode(frame.message, frame.req) == packet, ops
 
 
 @settings(max_examples=300, deadline=None)
@@ -170,11 +170,11 @@ def test_type_confusion_body_of_one_type_under_another(built: Msg, claimed: Msg,
     packet, _ = F.valid_frame(random.Random(seed), built)
     confused = packet[:3] + bytes([claimed]) + packet[4:]
     try:
-        frame = P.decode(confused, SPECS[claimed].fds)
+        frame = P.decode(confused, LAYOUTS[claimed].fds)
     except ProtocolError:
         return
-    assert frame.type is claimed
-    assert P.encode(frame.type, frame.req, *frame.values, tail=frame.tail) == confused
+    assert frame.message.TYPE is claimed
+    assert P.encode(frame.message, frame.req) == confused
 
 
 # ---------------------------------------------------------------- hypothesis: a stateful model of the broker
@@ -219,14 +219,14 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
               size=st.sampled_from([MiB2, MiB2, 4 * MiB2, 4 * MiB2, CAPACITY // 2, CAPACITY, CAPACITY + 1, 2**63]))
         def charge(self, i: int, device: int, size: int) -> None:
             c = self.conns[i % len(self.conns)]
-            reply = c.call(Msg.CHARGE, device, size)
+            reply = c.call(P.Charge(device, size))
             if device != -1 and not 0 <= device < devices:
-                assert reply.type is Msg.ERROR and reply.values[0] == 107001, reply
+                assert isinstance(reply, P.Error) and reply.code == 107001, reply
             elif device >= 0 and self._used(device) + size > CAPACITY:
-                assert reply.type is Msg.ERROR and reply.values[0] == 207001, reply
+                assert isinstance(reply, P.Error) and reply.code == 207001, reply
             else:
-                assert reply.type is Msg.TOKEN, reply
-                self.charged[c][int(reply.values[0])] = (device, size)
+                assert isinstance(reply, P.Token), reply
+                self.charged[c][reply.hold] = (device, size)
 
         @rule(i=st.integers(0, 2), j=st.integers(0, 2), pick=st.integers(0, 1 << 16))
         def release(self, i: int, j: int, pick: int) -> None:
@@ -234,14 +234,14 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             c, owner = self.conns[i % len(self.conns)], self.conns[j % len(self.conns)]
             tokens = sorted(self.charged[owner])
             token = tokens[pick % len(tokens)] if tokens else pick
-            reply = c.call(Msg.RELEASE, token)
+            reply = c.call(P.Release(token))
             if owner is c and token in self.charged[c]:
-                assert reply.type is Msg.OK, reply
+                assert isinstance(reply, P.Ok), reply
                 del self.charged[c][token]
                 event("release of an exported token" if token in self.exported[c] else "release")
                 self.exported[c].discard(token)
             else:
-                assert reply.type is Msg.ERROR and reply.values[0] == 107017, reply
+                assert isinstance(reply, P.Error) and reply.code == 107017, reply
 
         @rule(i=st.integers(0, 2), pick=st.integers(0, 1 << 16), right_size=st.sampled_from([True, True, False]),
               flags=st.sampled_from([0, 1, 0, 1, 2]), share_type=st.sampled_from([1, 2, 1, 2, 0, 3]))
@@ -257,13 +257,13 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             fd = os.memfd_create("model", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size if right_size else size + 4096)
-                reply = c.call(Msg.EXPORT, token, size, flags, share_type, 0, 0, 0, 0, 5, 1, 0, fds=(fd,))
+                reply = c.call(P.Export(token, size, flags, share_type, 0, 0, 0, 0, 5, 1, 0), fds=(fd,))
             finally:
                 os.close(fd)
             if token in self.exported[c] or flags > 1 or share_type not in (1, 2) or not right_size:
-                assert reply.type is Msg.ERROR and reply.values[0] == 107000, reply
+                assert isinstance(reply, P.Error) and reply.code == 107000, reply
             else:
-                assert reply.type is Msg.EXPORTED and len(reply.tail) == (8 if share_type == 1 else 128), reply
+                assert isinstance(reply, P.Exported) and len(reply.shareable) == (8 if share_type == 1 else 128), reply
                 self.exported[c].add(token)
                 event("export")
 
@@ -281,9 +281,9 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             assert c.send(packet, [])
             data, got, _ = c.recv()
             assert data is not None and not got
-            reply = P.decode(data, 0)
-            assert reply.type is Msg.ERROR and reply.values[0] == F.IPC_ERROR, reply
-            assert reply.req == P.peek_request_id(packet)
+            frame = P.decode(data, 0)
+            assert isinstance(frame.message, P.Error) and frame.message.code == F.IPC_ERROR, frame
+            assert frame.req == P.peek_request_id(packet)
 
         @invariant()
         def broker_agrees_with_the_model(self) -> None:
@@ -293,9 +293,9 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             observer = F.Conn(broker.socket)
             try:
                 for d in range(devices):
-                    reply = observer.call(Msg.MEM_INFO, d)
-                    assert reply.values == (CAPACITY - self._used(d), CAPACITY), (d, reply)
-                exports = json.loads(str(observer.call(Msg.LIST, 0).tail))["exports"]
+                    reply = observer.call(P.MemInfo(d))
+                    assert reply == P.Mem(CAPACITY - self._used(d), CAPACITY), (d, reply)
+                exports = json.loads(observer.call(P.List(0)).page)["exports"]
                 assert len(exports) == sum(len(e) for e in self.exported.values())
             finally:
                 observer.close()

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vmmshare import protocol as P
-from vmmshare.protocol import HEADER, MAGIC, MAX_BODY, MAX_FRAME, SPECS, VERSION, Frame, Msg, ProtocolError, Tail
+from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_BODY, MAX_FRAME, VERSION, Frame, Msg, ProtocolError, Tail
 
 MiB2 = 2 << 20
 U32_MAX = (1 << 32) - 1
@@ -38,7 +38,7 @@ _RANGES = {
 
 def fields(kind: Msg) -> list[tuple[str, int]]:
     """The fixed part of `kind` as (code, n): n ints for an int code, one n-byte string for 's'."""
-    fmt = SPECS[kind].fixed.format
+    fmt = LAYOUTS[kind].fixed.format
     assert fmt[0] == "<", f"{kind.name}: the wire format is little-endian, got {fmt!r}"
     out = []
     for count, code in re.findall(r"(\d*)([a-zA-Z])", fmt[1:]):
@@ -49,6 +49,17 @@ def fields(kind: Msg) -> list[tuple[str, int]]:
             assert code in _RANGES, f"{kind.name}: unexpected struct code {code!r}"
             out.extend((code, 1) for _ in range(n))
     return out
+
+
+def msg(kind: Msg, *values: object, tail: object = b"") -> P.Message:
+    """The message of type `kind` with these fixed values (and tail, for a type that has one)."""
+    return LAYOUTS[kind].build(values, tail)
+
+
+def tail_of(message: P.Message) -> object:
+    """The tail field of a message whose type has one (b"" otherwise)."""
+    layout = LAYOUTS[message.TYPE]
+    return getattr(message, layout.tail_field) if layout.tail_field else b""
 
 
 PROP_FIELDS = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location.type, location.id
@@ -74,19 +85,19 @@ def extreme_values(kind: Msg, high: bool) -> tuple[int | bytes, ...]:
 
 def full_tail(kind: Msg) -> bytes | str | tuple[int, ...]:
     """A tail exactly as long as `kind` allows."""
-    spec = SPECS[kind]
-    if spec.tail is Tail.U32:
-        return tuple(range(U32_MAX, U32_MAX - spec.max_tail // 4, -1))
-    if spec.tail is Tail.TEXT:
-        return "é" * (spec.max_tail // 2)
-    if spec.tail is Tail.BYTES:
-        return bytes(range(256)) * (spec.max_tail // 256) + bytes(range(spec.max_tail % 256))
+    layout = LAYOUTS[kind]
+    if layout.tail is Tail.U32:
+        return tuple(range(U32_MAX, U32_MAX - layout.max_tail // 4, -1))
+    if layout.tail is Tail.TEXT:
+        return "é" * (layout.max_tail // 2)
+    if layout.tail is Tail.BYTES:
+        return bytes(range(256)) * (layout.max_tail // 256) + bytes(range(layout.max_tail % 256))
     return b""
 
 
 def decoded_tail(kind: Msg, tail: bytes | str | tuple[int, ...] | list[int]) -> bytes | str | tuple[int, ...]:
     """What decode gives back for a tail that encode was handed."""
-    t = SPECS[kind].tail
+    t = LAYOUTS[kind].tail
     if t is Tail.U32:
         return tuple(tail)  # type: ignore[arg-type]
     if t is Tail.TEXT:
@@ -108,9 +119,9 @@ def raw_frame(kind: int, body: bytes, req: int = 7, **kw: object) -> bytes:
 def assert_canonical(packet: bytes, nfds: int, frame: Frame) -> None:
     """A decoded frame re-encodes to exactly the packet it came from (decode is strict, so it is one-to-one)."""
     assert isinstance(frame, Frame)
-    assert isinstance(frame.type, Msg)
-    assert nfds == SPECS[frame.type].fds
-    again = P.encode(frame.type, frame.req, *frame.values, tail=frame.tail)
+    assert isinstance(frame.message, P.Message) and isinstance(frame.message.TYPE, Msg)
+    assert nfds == LAYOUTS[frame.message.TYPE].fds
+    again = P.encode(frame.message, frame.req)
     assert again == packet, f"{frame!r} re-encodes differently"
 
 
@@ -120,7 +131,7 @@ def assert_canonical(packet: bytes, nfds: int, frame: Frame) -> None:
 def test_header_layout() -> None:
     assert HEADER.size == 12
     assert MAX_FRAME == 64 * 1024
-    packet = P.encode(Msg.CHARGE, 0x01020304, 3, 5)
+    packet = P.encode(P.Charge(3, 5), 0x01020304)
     assert packet[:2] == b"VB"
     assert packet[2] == VERSION == 1
     assert packet[3] == Msg.CHARGE
@@ -136,9 +147,10 @@ def test_message_numbers_are_stable() -> None:
         "BARE_TGID": 8, "LIST": 9, "CHARGE_GPU": 10, "OK": 64, "ERROR": 65, "TOKEN": 66, "MEM": 67, "EXPORTED": 68,
         "IMPORTED": 69, "PID": 70, "LISTING": 71,
     }
-    assert set(SPECS) == set(Msg)
-    assert {m for m in Msg if SPECS[m].fds} == {Msg.EXPORT, Msg.IMPORTED}
-    assert all(SPECS[m].fds <= P.MAX_FDS for m in Msg)
+    assert set(LAYOUTS) == set(Msg)
+    assert all(layout.message.TYPE is kind for kind, layout in LAYOUTS.items())
+    assert {m for m in Msg if LAYOUTS[m].fds} == {Msg.EXPORT, Msg.IMPORTED}
+    assert all(LAYOUTS[m].fds <= P.MAX_FDS for m in Msg)
 
 
 @pytest.mark.parametrize("kind", list(Msg), ids=lambda m: m.name)
@@ -147,20 +159,21 @@ def test_round_trip_every_message_type(kind: Msg, high: bool) -> None:
     values = extreme_values(kind, high)
     req = U32_MAX if high else 0
     tail = full_tail(kind) if high else decoded_tail(kind, b"")
-    packet = P.encode(kind, req, *values, tail=tail)
+    packet = P.encode(msg(kind, *values, tail=tail), req)
     assert len(packet) <= MAX_FRAME
-    frame = P.decode(packet, SPECS[kind].fds)
-    assert frame == Frame(kind, req, values, decoded_tail(kind, tail))
+    frame = P.decode(packet, LAYOUTS[kind].fds)
+    assert frame == Frame(req, msg(kind, *values, tail=decoded_tail(kind, tail)))
     assert P.peek_request_id(packet) == req
-    assert frame.ints() == tuple(v for v in values if isinstance(v, int))
-    assert_canonical(packet, SPECS[kind].fds, frame)
+    ints = tuple(v for v in LAYOUTS[kind].values(frame.message) if isinstance(v, int))
+    assert ints == tuple(v for v in values if isinstance(v, int))
+    assert_canonical(packet, LAYOUTS[kind].fds, frame)
 
 
 def test_round_trip_typical_requests() -> None:
     secret = bytes(range(32))
     cases = [
         (Msg.CHARGE, (-1, MiB2), b""),
-        (Msg.EXPORT, export_values(5, MiB2, 1, 2, 3), (4, 5) if SPECS[Msg.EXPORT].tail is Tail.U32 else b""),
+        (Msg.EXPORT, export_values(5, MiB2, 1, 2, 3), (4, 5) if LAYOUTS[Msg.EXPORT].tail is Tail.U32 else b""),
         (Msg.SET_PIDS, (0xDEADBEEF, 1), (1, 2, 0x7FFFFFFF)),
         (Msg.IMPORT, (0xDEADBEEF, 2, secret), b""),
         (Msg.ERROR, (107017,), "handle 0x1 is unknown — révoqué"),
@@ -168,16 +181,16 @@ def test_round_trip_typical_requests() -> None:
         (Msg.LISTING, (), '{"exports": []}'),
     ]
     for kind, values, tail in cases:
-        packet = P.encode(kind, 42, *values, tail=tail)
-        assert P.decode(packet, SPECS[kind].fds) == Frame(kind, 42, values, decoded_tail(kind, tail))
+        packet = P.encode(msg(kind, *values, tail=tail), 42)
+        assert P.decode(packet, LAYOUTS[kind].fds) == Frame(42, msg(kind, *values, tail=decoded_tail(kind, tail)))
 
 
 def test_largest_frame_is_accepted() -> None:
     """A LISTING may fill a frame to exactly MAX_FRAME; one byte more is refused."""
     text = "x" * MAX_BODY
-    packet = P.encode(Msg.LISTING, 1, tail=text)
+    packet = P.encode(P.Listing(text), 1)
     assert len(packet) == MAX_FRAME
-    assert P.decode(packet).tail == text
+    assert P.decode(packet).message == P.Listing(text)
     with pytest.raises(ProtocolError):
         P.decode(raw_frame(Msg.LISTING, b"x" * (MAX_BODY + 1)))
 
@@ -189,10 +202,10 @@ def _set_pids(n_bytes_tail: bytes) -> bytes:
     return raw_frame(Msg.SET_PIDS, struct.pack("<QB", 9, 1) + n_bytes_tail)
 
 
-GOOD_CHARGE = P.encode(Msg.CHARGE, 7, 0, MiB2)
-GOOD_EXPORT = P.encode(Msg.EXPORT, 7, *export_values())
-GOOD_IMPORTED = P.encode(Msg.IMPORTED, 7, 3, MiB2, 0, 0, 0, 5, 1, 0)
-GOOD_ERROR = P.encode(Msg.ERROR, 7, 107000, tail="bad")
+GOOD_CHARGE = P.encode(P.Charge(0, MiB2), 7)
+GOOD_EXPORT = P.encode(P.Export(*export_values()), 7)
+GOOD_IMPORTED = P.encode(P.Imported(3, MiB2, 0, 0, 0, 5, 1, 0), 7)
+GOOD_ERROR = P.encode(P.Error(107000, "bad"), 7)
 
 
 def _with_length(packet: bytes, length: int) -> bytes:
@@ -210,18 +223,18 @@ MALFORMED = [
     ("version_0", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\x00" + GOOD_CHARGE[3:], 0),
     ("version_2", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\x02" + GOOD_CHARGE[3:], 0),
     ("version_255", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\xff" + GOOD_CHARGE[3:], 0),
-    ("type_0", P.encode(Msg.OK, 7), 0, raw_frame(0, b""), 0),
-    ("type_10", P.encode(Msg.OK, 7), 0, raw_frame(10, b""), 0),
-    ("type_63", P.encode(Msg.OK, 7), 0, raw_frame(63, b""), 0),
-    ("type_72", P.encode(Msg.OK, 7), 0, raw_frame(72, b""), 0),
-    ("type_255", P.encode(Msg.OK, 7), 0, raw_frame(255, b""), 0),
+    ("type_0", P.encode(P.Ok(), 7), 0, raw_frame(0, b""), 0),
+    ("type_10", P.encode(P.Ok(), 7), 0, raw_frame(10, b""), 0),
+    ("type_63", P.encode(P.Ok(), 7), 0, raw_frame(63, b""), 0),
+    ("type_72", P.encode(P.Ok(), 7), 0, raw_frame(72, b""), 0),
+    ("type_255", P.encode(P.Ok(), 7), 0, raw_frame(255, b""), 0),
     ("length_says_more", GOOD_CHARGE, 0, _with_length(GOOD_CHARGE, 13), 0),
     ("length_says_less", GOOD_CHARGE, 0, _with_length(GOOD_CHARGE, 11), 0),
     ("length_says_zero", GOOD_CHARGE, 0, _with_length(GOOD_CHARGE, 0), 0),
     ("length_says_u32_max", GOOD_CHARGE, 0, _with_length(GOOD_CHARGE, U32_MAX), 0),
     ("body_missing", GOOD_CHARGE, 0, GOOD_CHARGE[:12], 0),
     ("trailing_byte", GOOD_CHARGE, 0, raw_frame(Msg.CHARGE, GOOD_CHARGE[12:] + b"\0"), 0),
-    ("trailing_byte_empty_body", P.encode(Msg.BARE_TGID, 7), 0, raw_frame(Msg.BARE_TGID, b"\0"), 0),
+    ("trailing_byte_empty_body", P.encode(P.BareTgid(), 7), 0, raw_frame(Msg.BARE_TGID, b"\0"), 0),
     ("export_stray_byte", GOOD_EXPORT, 1, raw_frame(Msg.EXPORT, GOOD_EXPORT[12:] + b"\0"), 1),
     ("fixed_too_short", GOOD_CHARGE, 0, raw_frame(Msg.CHARGE, GOOD_CHARGE[12:-1]), 0),
     ("fixed_too_short_export", GOOD_EXPORT, 1, raw_frame(Msg.EXPORT, GOOD_EXPORT[12:-1]), 1),
@@ -233,7 +246,7 @@ MALFORMED = [
     ("text_cut_mid_char", GOOD_ERROR, 0, raw_frame(Msg.ERROR, GOOD_ERROR[12:16] + "é".encode()[:1]), 0),
     ("text_surrogate", GOOD_ERROR, 0, raw_frame(Msg.ERROR, GOOD_ERROR[12:16] + b"\xed\xa0\x80"), 0),
     ("text_overlong", GOOD_ERROR, 0, raw_frame(Msg.ERROR, GOOD_ERROR[12:16] + b"\xc0\xaf"), 0),
-    ("listing_invalid_utf8", P.encode(Msg.LISTING, 7, tail="{}"), 0, raw_frame(Msg.LISTING, b"{\x80}"), 0),
+    ("listing_invalid_utf8", P.encode(P.Listing("{}"), 7), 0, raw_frame(Msg.LISTING, b"{\x80}"), 0),
     ("bytes_tail_over_max", raw_frame(Msg.EXPORTED, bytes(128)), 0, raw_frame(Msg.EXPORTED, bytes(129)), 0),
     ("u32_tail_over_max", _set_pids(bytes(4096 * 4)), 0, _set_pids(bytes(4097 * 4)), 0),
     ("text_tail_over_max", raw_frame(Msg.ERROR, bytes(4) + b"a" * 4096), 0,
@@ -242,14 +255,14 @@ MALFORMED = [
     ("export_with_2_fds", GOOD_EXPORT, 1, GOOD_EXPORT, 2),
     ("export_with_3_fds", GOOD_EXPORT, 1, GOOD_EXPORT, 3),
     ("charge_with_fd", GOOD_CHARGE, 0, GOOD_CHARGE, 1),
-    ("bare_tgid_with_fd", P.encode(Msg.BARE_TGID, 7), 0, P.encode(Msg.BARE_TGID, 7), 1),
+    ("bare_tgid_with_fd", P.encode(P.BareTgid(), 7), 0, P.encode(P.BareTgid(), 7), 1),
     ("imported_without_fd", GOOD_IMPORTED, 1, GOOD_IMPORTED, 0),
     ("error_with_fd", GOOD_ERROR, 0, GOOD_ERROR, 1),
-    ("frame_over_max", P.encode(Msg.LISTING, 7, tail="x" * MAX_BODY), 0,
+    ("frame_over_max", P.encode(P.Listing("x" * MAX_BODY), 7), 0,
      raw_frame(Msg.LISTING, b"x" * (MAX_BODY + 1)), 0),
-    ("frame_far_over_max", P.encode(Msg.LISTING, 7, tail="x" * MAX_BODY), 0,
+    ("frame_far_over_max", P.encode(P.Listing("x" * MAX_BODY), 7), 0,
      raw_frame(Msg.LISTING, b"x" * (4 * MAX_FRAME)), 0),
-    ("frame_over_max_bad_length", P.encode(Msg.LISTING, 7, tail="x"), 0,
+    ("frame_over_max_bad_length", P.encode(P.Listing("x"), 7), 0,
      header(Msg.LISTING, 1) + b"x" * MAX_FRAME, 0),
 ]
 
@@ -269,7 +282,7 @@ def test_protocol_error_is_a_value_error() -> None:
 
 
 def test_peek_request_id() -> None:
-    assert P.peek_request_id(P.encode(Msg.BARE_TGID, 0xCAFE)) == 0xCAFE
+    assert P.peek_request_id(P.encode(P.BareTgid(), 0xCAFE)) == 0xCAFE
     assert P.peek_request_id(b"XXXX\x04\x03\x02\x01YYYY") == 0x01020304  # no need for the rest to parse
     assert P.peek_request_id(b"") == 0
     assert P.peek_request_id(b"VB\x01\x08\x05\x00\x00") == 0  # shorter than a header
@@ -312,16 +325,21 @@ ENCODE_REFUSED = [
 @pytest.mark.parametrize(("kind", "values", "tail"), [c[1:] for c in ENCODE_REFUSED],
                          ids=[c[0] for c in ENCODE_REFUSED])
 def test_encode_refuses_values_that_do_not_fit(kind: Msg, values: tuple, tail: object) -> None:
+    try:
+        message = msg(kind, *values, tail=tail)
+    except TypeError:  # the wrong number of values does not even make a message
+        assert len(values) != len(LAYOUTS[kind].fields)
+        return
     with pytest.raises(ProtocolError):
-        P.encode(kind, 1, *values, tail=tail)  # type: ignore[arg-type]
+        P.encode(message, 1)
 
 
 def test_encode_refuses_a_secret_longer_than_its_field() -> None:
     """IMPORT carries a 32-byte secret: 33 or 40 bytes do not fit (struct would silently cut them)."""
-    assert P.decode(P.encode(Msg.IMPORT, 1, 5, 2, bytes(range(32)))).values[2] == bytes(range(32))
+    assert P.decode(P.encode(P.Import(5, 2, bytes(range(32))), 1)).message == P.Import(5, 2, bytes(range(32)))
     for n in (33, 40):
         with pytest.raises(ProtocolError):
-            P.encode(Msg.IMPORT, 1, 5, 2, b"s" * n)
+            P.encode(P.Import(5, 2, b"s" * n), 1)
 
 
 @pytest.mark.parametrize(
@@ -336,23 +354,23 @@ def test_encode_refuses_a_secret_longer_than_its_field() -> None:
 )
 def test_long_text_is_cut_on_a_character_boundary(kind: Msg, tail: str) -> None:
     """An over-long TEXT tail is shortened, but what encode emits must still be a frame decode accepts."""
-    spec = SPECS[kind]
-    assert len(tail.encode()) > spec.max_tail
-    packet = P.encode(kind, 9, *extreme_values(kind, False), tail=tail)
-    frame = P.decode(packet)
-    assert isinstance(frame.tail, str)
-    assert tail.startswith(frame.tail)
-    assert spec.max_tail - 4 < len(frame.tail.encode()) <= spec.max_tail
+    layout = LAYOUTS[kind]
+    assert len(tail.encode()) > layout.max_tail
+    packet = P.encode(msg(kind, *extreme_values(kind, False), tail=tail), 9)
+    text = tail_of(P.decode(packet).message)
+    assert isinstance(text, str)
+    assert tail.startswith(text)
+    assert layout.max_tail - 4 < len(text.encode()) <= layout.max_tail
 
 
 def test_encode_never_emits_text_that_decode_refuses() -> None:
     """A TEXT tail handed over as bytes that are not UTF-8: refused at encode, or sent as valid text."""
     try:
-        packet = P.encode(Msg.ERROR, 1, 107000, tail=b"\xff\xfe broken")
+        packet = P.encode(P.Error(107000, b"\xff\xfe broken"), 1)  # type: ignore[arg-type]
     except ProtocolError:
         return
     frame = P.decode(packet)
-    assert isinstance(frame.tail, str)
+    assert isinstance(frame.message, P.Error) and isinstance(frame.message.message, str)
 
 
 # ---------------------------------------------------------------- property tests
@@ -370,13 +388,13 @@ def _fixed_strategy(kind: Msg) -> st.SearchStrategy[tuple[int | bytes, ...]]:
 
 
 def _tail_strategy(kind: Msg) -> st.SearchStrategy[object]:
-    spec = SPECS[kind]
-    if spec.tail is Tail.U32:
-        return st.lists(st.integers(0, U32_MAX), max_size=min(spec.max_tail // 4, 64)).map(tuple)
-    if spec.tail is Tail.TEXT:
-        return st.text(max_size=min(spec.max_tail // 4, 300))
-    if spec.tail is Tail.BYTES:
-        return st.binary(max_size=spec.max_tail)
+    layout = LAYOUTS[kind]
+    if layout.tail is Tail.U32:
+        return st.lists(st.integers(0, U32_MAX), max_size=min(layout.max_tail // 4, 64)).map(tuple)
+    if layout.tail is Tail.TEXT:
+        return st.text(max_size=min(layout.max_tail // 4, 300))
+    if layout.tail is Tail.BYTES:
+        return st.binary(max_size=layout.max_tail)
     return st.just(b"")
 
 
@@ -389,10 +407,10 @@ valid_frames = st.sampled_from(list(Msg)).flatmap(
 @given(valid_frames)
 def test_any_valid_frame_round_trips(parts: tuple) -> None:
     kind, req, values, tail = parts
-    packet = P.encode(kind, req, *values, tail=tail)
+    packet = P.encode(msg(kind, *values, tail=tail), req)
     assert len(packet) <= MAX_FRAME
-    frame = P.decode(packet, SPECS[kind].fds)
-    assert frame == Frame(kind, req, values, decoded_tail(kind, tail))
+    frame = P.decode(packet, LAYOUTS[kind].fds)
+    assert frame == Frame(req, msg(kind, *values, tail=decoded_tail(kind, tail)))
     assert P.peek_request_id(packet) == req
 
 
@@ -400,7 +418,7 @@ def test_any_valid_frame_round_trips(parts: tuple) -> None:
 @given(st.binary(max_size=200), st.integers(0, 4))
 @example(b"", 0)
 @example(GOOD_EXPORT, 1)
-@example(P.encode(Msg.LISTING, 1, tail="x" * MAX_BODY), 0)
+@example(P.encode(P.Listing("x" * MAX_BODY), 1), 0)
 def test_decode_of_random_bytes_returns_a_frame_or_raises_protocol_error(packet: bytes, nfds: int) -> None:
     try:
         frame = P.decode(packet, nfds)
@@ -432,7 +450,7 @@ def test_decode_of_random_bodies_behind_a_plausible_header(
 @st.composite
 def valid_packets(draw: st.DrawFn) -> tuple[bytes, int]:
     kind, req, values, tail = draw(valid_frames)
-    return P.encode(kind, req, *values, tail=tail), SPECS[kind].fds
+    return P.encode(msg(kind, *values, tail=tail), req), LAYOUTS[kind].fds
 
 
 @FUZZ

@@ -308,11 +308,11 @@ def test_a_finalizer_inside_a_broker_request_waits_instead_of_deadlocking() -> N
     code = """
         import vmmshare
         from vmmshare._process import runtime
-        from vmmshare.protocol import Msg, encode
+        from vmmshare import protocol as P
         rt = runtime()
         holder = [vmmshare.Device(0).allocate(2 << 20)]
         before = rt.counts()["allocations"]
-        rt.node.request(lambda r: encode(Msg.BARE_TGID, r), meanwhile=holder.clear)  # finalizer runs in there
+        rt.node.request(P.BareTgid(), P.Pid, meanwhile=holder.clear)  # finalizer runs in there
         deferred = rt.counts()["allocations"]
         vmmshare.Device(0).allocate(2 << 20).close()
         print(before, deferred, rt.counts()["allocations"])

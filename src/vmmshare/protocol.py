@@ -2,17 +2,21 @@
 
 One frame is one SOCK_SEQPACKET packet: a 12-byte header (magic ``b"VB"``, version, message type,
 request id, body length) and a body made of a fixed struct and, for some types, a tail (bytes, a u32
-array or UTF-8 text). Decoding is strict: an unknown type, a wrong version, a length that disagrees
+array or UTF-8 text). Each message type is a frozen dataclass whose fields are the fixed fields in wire
+order, then the tail. Decoding is strict: an unknown type, a wrong version, a length that disagrees
 with the packet, trailing bytes or the wrong number of attached file descriptors raise ProtocolError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
-import re
+import operator
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 MAGIC = b"VB"
 VERSION = 1
@@ -20,6 +24,7 @@ HEADER = struct.Struct("<2sBBII")
 MAX_FRAME = 64 * 1024
 MAX_BODY = MAX_FRAME - HEADER.size
 MAX_FDS = 1
+MAX_PIDS = 4096  # u32s in a pid tail
 PROP = "BBBBi"  # handleType, allocationType, memAttr, location.type, location.id
 
 
@@ -28,27 +33,26 @@ class ProtocolError(ValueError):
 
 
 class Msg(enum.IntEnum):
-    # requests
-    CHARGE = 1  # device i32 (-1: host), size
-    RELEASE = 2  # token
-    MEM_INFO = 3  # device
-    EXPORT = 4  # token, size, flags, share type, server id, kind, prop; tail: u32 pids to trust; one fd
-    # attached (kind: 0 host memfd, 1 CUDA allocation fd)
-    REVOKE = 5  # token
-    SET_PIDS = 6  # handle, share type; tail: u32 pids
-    IMPORT = 7  # handle, share type, 32-byte secret (zeros for DEFAULT)
+    """The message type numbers: part of the format (both ends of a socket may run different builds)."""
+
+    CHARGE = 1
+    RELEASE = 2
+    MEM_INFO = 3
+    EXPORT = 4
+    REVOKE = 5
+    SET_PIDS = 6
+    IMPORT = 7
     BARE_TGID = 8
-    LIST = 9  # offset
-    CHARGE_GPU = 10  # device, size: GPU memory, recorded but not capped (the driver has the capacity)
-    # replies
+    LIST = 9
+    CHARGE_GPU = 10
     OK = 64
-    ERROR = 65  # code; tail: message
-    TOKEN = 66  # token
-    MEM = 67  # free, total
-    EXPORTED = 68  # tail: the shareable handle (8 or 128 bytes)
-    IMPORTED = 69  # token, size, kind, prop; one fd attached
-    PID = 70  # pid
-    LISTING = 71  # tail: JSON text
+    ERROR = 65
+    TOKEN = 66
+    MEM = 67
+    EXPORTED = 68
+    IMPORTED = 69
+    PID = 70
+    LISTING = 71
 
 
 class Tail(enum.Enum):
@@ -58,102 +62,304 @@ class Tail(enum.Enum):
     TEXT = 3
 
 
-@dataclass(frozen=True)
-class Spec:
-    fixed: struct.Struct
-    tail: Tail = Tail.NONE
-    fds: int = 0
-    max_tail: int = 0
+class Message:
+    """Base of the message dataclasses below; TYPE is the message's number on the wire."""
 
-    @property
-    def byte_fields(self) -> dict[int, int]:
-        """Index -> size of each fixed-size bytes field (struct would silently cut or pad those)."""
-        fields: dict[int, int] = {}
-        index = 0
-        for count, code in re.findall(r"(\d*)([a-zA-Z?])", self.fixed.format):
-            if code == "x":
-                continue
-            if code == "s":
-                fields[index] = int(count or 1)
-                index += 1
-            else:
-                index += int(count or 1)
-        return fields
+    __slots__ = ()
+    TYPE: ClassVar[Msg]
 
 
-SPECS: dict[Msg, Spec] = {
-    Msg.CHARGE: Spec(struct.Struct("<iQ")),
-    Msg.RELEASE: Spec(struct.Struct("<Q")),
-    Msg.MEM_INFO: Spec(struct.Struct("<I")),
-    Msg.EXPORT: Spec(struct.Struct("<QQBBIB" + PROP), Tail.U32, fds=1, max_tail=4096 * 4),
-    Msg.REVOKE: Spec(struct.Struct("<Q")),
-    Msg.SET_PIDS: Spec(struct.Struct("<QB"), Tail.U32, max_tail=4096 * 4),
-    Msg.IMPORT: Spec(struct.Struct("<QB32s")),
-    Msg.BARE_TGID: Spec(struct.Struct("<")),
-    Msg.LIST: Spec(struct.Struct("<I")),
-    Msg.CHARGE_GPU: Spec(struct.Struct("<IQ")),
-    Msg.OK: Spec(struct.Struct("<")),
-    Msg.ERROR: Spec(struct.Struct("<I"), Tail.TEXT, max_tail=4096),
-    Msg.TOKEN: Spec(struct.Struct("<Q")),
-    Msg.MEM: Spec(struct.Struct("<QQ")),
-    Msg.EXPORTED: Spec(struct.Struct("<"), Tail.BYTES, max_tail=128),
-    Msg.IMPORTED: Spec(struct.Struct("<QQB" + PROP), fds=1),
-    Msg.PID: Spec(struct.Struct("<I")),
-    Msg.LISTING: Spec(struct.Struct("<"), Tail.TEXT, max_tail=MAX_BODY),
-}
+# ---------------------------------------------------------------- requests (client -> broker)
 
 
-@dataclass(frozen=True)
-class Frame:
-    """One decoded message: its type, request id, fixed fields and tail."""
+@dataclass(frozen=True, slots=True)
+class Charge(Message):
+    """Charge `size` bytes of host-backed memory to `device`'s capacity (-1: host memory, not capped)."""
 
-    type: Msg
+    TYPE: ClassVar[Msg] = Msg.CHARGE
+    device: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChargeGpu(Message):
+    """Record `size` bytes of GPU memory on GPU `device` (the driver caps it, the broker only counts it)."""
+
+    TYPE: ClassVar[Msg] = Msg.CHARGE_GPU
+    device: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Give up a hold (a charge or an import); an exporter's release revokes its export."""
+
+    TYPE: ClassVar[Msg] = Msg.RELEASE
+    hold: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemInfo(Message):
+    TYPE: ClassVar[Msg] = Msg.MEM_INFO
+    device: int
+
+
+@dataclass(frozen=True, slots=True)
+class Export(Message):
+    """Export the memory of a charge (one fd attached: a host memfd, or a CUDA allocation's fd)."""
+
+    TYPE: ClassVar[Msg] = Msg.EXPORT
+    hold: int
+    size: int
+    flags: int  # 1: DISABLE_PID_VALIDATION
+    share_type: int  # 1 DEFAULT, 2 FABRIC
+    server_id: int  # the exporter's server, written into a FABRIC handle
+    memory_kind: int  # 0 host memfd, 1 CUDA allocation
+    handle_type: int
+    allocation_type: int
+    mem_attr: int
+    location_type: int
+    location_id: int
+    pids: tuple[int, ...] = ()  # the initial trustlist
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke(Message):
+    """The exporter withdraws its export: no new imports (importers keep what they hold)."""
+
+    TYPE: ClassVar[Msg] = Msg.REVOKE
+    hold: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetPids(Message):
+    """Add `pids` to the trustlist of an export (the exporter's act)."""
+
+    TYPE: ClassVar[Msg] = Msg.SET_PIDS
+    shareable: int
+    share_type: int
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Import(Message):
+    """Import an export by its node-local 64-bit value; FABRIC imports present the handle's 32-byte secret."""
+
+    TYPE: ClassVar[Msg] = Msg.IMPORT
+    shareable: int
+    share_type: int
+    secret: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BareTgid(Message):
+    """The caller's pid as the broker's kernel sees it."""
+
+    TYPE: ClassVar[Msg] = Msg.BARE_TGID
+
+
+@dataclass(frozen=True, slots=True)
+class List(Message):
+    """One page of the node's exports, from export number `offset`."""
+
+    TYPE: ClassVar[Msg] = Msg.LIST
+    offset: int
+
+
+# ---------------------------------------------------------------- replies (broker -> client)
+
+
+@dataclass(frozen=True, slots=True)
+class Ok(Message):
+    TYPE: ClassVar[Msg] = Msg.OK
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    TYPE: ClassVar[Msg] = Msg.ERROR
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Token(Message):
+    """The hold id of a new charge."""
+
+    TYPE: ClassVar[Msg] = Msg.TOKEN
+    hold: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mem(Message):
+    TYPE: ClassVar[Msg] = Msg.MEM
+    free: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Exported(Message):
+    TYPE: ClassVar[Msg] = Msg.EXPORTED
+    shareable: bytes  # the handle's bytes: 8 (DEFAULT) or 128 (FABRIC)
+
+
+@dataclass(frozen=True, slots=True)
+class Imported(Message):
+    """An import's hold id, the memory and the exporter's properties (the memory's fd attached)."""
+
+    TYPE: ClassVar[Msg] = Msg.IMPORTED
+    hold: int
+    size: int
+    memory_kind: int
+    handle_type: int
+    allocation_type: int
+    mem_attr: int
+    location_type: int
+    location_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pid(Message):
+    TYPE: ClassVar[Msg] = Msg.PID
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Listing(Message):
+    TYPE: ClassVar[Msg] = Msg.LISTING
+    page: str  # JSON text
+
+
+class Frame(NamedTuple):
+    """One decoded packet: the request id it answers or asks under, and the message."""
+
     req: int
-    values: tuple[int | bytes, ...] = ()
-    tail: bytes | str | tuple[int, ...] = field(default=b"")
-
-    def ints(self) -> tuple[int, ...]:
-        """The fixed fields, all of which are ints for this message type."""
-        return tuple(v for v in self.values if isinstance(v, int))
+    message: Message
 
 
-def encode(kind: Msg, req: int, *values: int | bytes, tail: bytes | str | tuple[int, ...] | list[int] = b"") -> bytes:
-    """One frame; raises ProtocolError if the values do not fit the message type."""
-    spec = SPECS[kind]
-    for index, size in _byte_fields(kind).items():
-        value = values[index] if index < len(values) else None
-        if not isinstance(value, (bytes, bytearray)) or len(value) != size:
-            raise ProtocolError(f"{kind.name}: field {index} must be {size} bytes")
-    try:
-        body = spec.fixed.pack(*values)
-    except struct.error as exc:
-        raise ProtocolError(f"{kind.name}: {exc}") from None
-    if spec.tail is Tail.U32:
-        try:
-            extra = struct.pack(f"<{len(tail)}I", *tail)
-        except struct.error as exc:
-            raise ProtocolError(f"{kind.name} tail: {exc}") from None
-    elif spec.tail is Tail.TEXT:
-        text = tail if isinstance(tail, str) else bytes(tail).decode("utf-8", "replace")
-        extra = text.encode("utf-8", "replace")
-        if len(extra) > spec.max_tail:  # cut on a character boundary, so the peer can decode it
-            extra = extra[: spec.max_tail].decode("utf-8", "ignore").encode("utf-8")
-    elif spec.tail is Tail.BYTES:
-        extra = bytes(tail)  # type: ignore[arg-type]
-    else:
-        extra = b""
-    if len(extra) > spec.max_tail:
-        raise ProtocolError(f"{kind.name} tail of {len(extra)} bytes exceeds {spec.max_tail}")
-    body += extra
-    return HEADER.pack(MAGIC, VERSION, kind, req & 0xFFFFFFFF, len(body)) + body
+# ---------------------------------------------------------------- layouts
 
 
-_BY_TYPE: dict[int, tuple[Msg, Spec]] = {int(k): (k, v) for k, v in SPECS.items()}
+class Layout:
+    """How one message type lies on the wire: its fixed struct, its tail, and the fds that travel with it.
+
+    Everything encode and decode need per type is worked out here once, not per call.
+    """
+
+    def __init__(self, message: type[Message], fmt: str, tail: Tail = Tail.NONE, max_tail: int = 0,
+                 fds: int = 0) -> None:
+        self.type = message.TYPE
+        self.message = message
+        self.fixed = struct.Struct(fmt)
+        self.tail, self.max_tail, self.fds = tail, max_tail, fds
+        names = tuple(f.name for f in dataclasses.fields(message))  # type: ignore[arg-type]
+        self.fields = names[:-1] if tail is not Tail.NONE else names
+        self.tail_field = names[-1] if tail is not Tail.NONE else ""
+        zeros = self.fixed.unpack(bytes(self.fixed.size))
+        if len(zeros) != len(self.fields):
+            raise AssertionError(f"{message.__name__}: {fmt} packs {len(zeros)} fields, the class has {self.fields}")
+        # fixed-size bytes fields: struct would silently cut or pad those
+        self.sized = tuple((i, len(z)) for i, z in enumerate(zeros) if isinstance(z, bytes))
+        self.values: Callable[[Message], tuple[Any, ...]]  # the fixed fields of a message, in wire order
+        if not self.fields:
+            self.values = lambda m: ()
+        elif len(self.fields) == 1:
+            one = operator.attrgetter(self.fields[0])
+            self.values = lambda m: (one(m),)
+        else:
+            self.values = operator.attrgetter(*self.fields)
+        self._new = _constructor(message, names)
+
+    def build(self, values: tuple[Any, ...], tail: Any = None) -> Message:
+        """The message of these fixed values (and tail, for a type that has one)."""
+        return self._new(*values) if self.tail is Tail.NONE else self._new(*values, tail)
+
+
+def _constructor(cls: type[Message], names: tuple[str, ...]) -> Callable[..., Message]:
+    """A constructor of `cls` that fills its slots directly, for decode: it builds one message per packet, and a
+    frozen dataclass's own __init__ looks up object.__setattr__ for every field (twice the time)."""
+    args = ", ".join(f"v{i}" for i in range(len(names)))
+    sets = "".join(f"    set{i}(m, v{i})\n" for i in range(len(names)))
+    scope: dict[str, Any] = {"new": object.__new__, "cls": cls}
+    scope.update({f"set{i}": getattr(cls, name).__set__ for i, name in enumerate(names)})
+    exec(f"def build({args}):\n    m = new(cls)\n{sets}    return m\n", scope)
+    built: Callable[..., Message] = scope["build"]
+    return built
+
+
+LAYOUTS: dict[Msg, Layout] = {
+    Msg.CHARGE: Layout(Charge, "<iQ"),
+    Msg.RELEASE: Layout(Release, "<Q"),
+    Msg.MEM_INFO: Layout(MemInfo, "<I"),
+    Msg.EXPORT: Layout(Export, "<QQBBIB" + PROP, Tail.U32, max_tail=MAX_PIDS * 4, fds=1),
+    Msg.REVOKE: Layout(Revoke, "<Q"),
+    Msg.SET_PIDS: Layout(SetPids, "<QB", Tail.U32, max_tail=MAX_PIDS * 4),
+    Msg.IMPORT: Layout(Import, "<QB32s"),
+    Msg.BARE_TGID: Layout(BareTgid, "<"),
+    Msg.LIST: Layout(List, "<I"),
+    Msg.CHARGE_GPU: Layout(ChargeGpu, "<IQ"),
+    Msg.OK: Layout(Ok, "<"),
+    Msg.ERROR: Layout(Error, "<I", Tail.TEXT, max_tail=4096),
+    Msg.TOKEN: Layout(Token, "<Q"),
+    Msg.MEM: Layout(Mem, "<QQ"),
+    Msg.EXPORTED: Layout(Exported, "<", Tail.BYTES, max_tail=128),
+    Msg.IMPORTED: Layout(Imported, "<QQB" + PROP, fds=1),
+    Msg.PID: Layout(Pid, "<I"),
+    Msg.LISTING: Layout(Listing, "<", Tail.TEXT, max_tail=MAX_BODY),
+}
+_BY_NUMBER: dict[int, Layout] = {int(k): v for k, v in LAYOUTS.items()}
+_BY_CLASS: dict[type[Message], Layout] = {v.message: v for v in LAYOUTS.values()}
+_frame = tuple.__new__  # Frame(req, message) without the Python-level __new__ of a NamedTuple
 
 
 @functools.cache
-def _byte_fields(kind: Msg) -> dict[int, int]:
-    return SPECS[kind].byte_fields
+def _u32s(n: int) -> struct.Struct:
+    """The struct of an n-pid tail (n <= MAX_PIDS: both sides check the length first)."""
+    return struct.Struct(f"<{n}I")
+
+
+# ---------------------------------------------------------------- encode / decode
+
+
+def encode(message: Message, request_id: int) -> bytes:
+    """One frame; raises ProtocolError if the message's values do not fit its type."""
+    layout = _BY_CLASS.get(type(message))
+    if layout is None:
+        raise ProtocolError(f"{type(message).__name__} is not a message of this protocol")
+    values = layout.values(message)
+    for index, size in layout.sized:
+        value = values[index]
+        if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+            raise ProtocolError(f"{layout.type.name}: field {layout.fields[index]} must be {size} bytes")
+    try:
+        body = layout.fixed.pack(*values)
+    except struct.error as exc:
+        raise ProtocolError(f"{layout.type.name}: {exc}") from None
+    if layout.tail is not Tail.NONE:
+        body += _encode_tail(layout, getattr(message, layout.tail_field))
+    return HEADER.pack(MAGIC, VERSION, layout.type, request_id & 0xFFFFFFFF, len(body)) + body
+
+
+def _encode_tail(layout: Layout, tail: Any) -> bytes:
+    if layout.tail is Tail.U32:
+        try:
+            count = len(tail)
+            if count * 4 > layout.max_tail:
+                raise ProtocolError(f"{layout.type.name} tail of {count * 4} bytes exceeds {layout.max_tail}")
+            extra = _u32s(count).pack(*tail)
+        except (struct.error, TypeError) as exc:
+            raise ProtocolError(f"{layout.type.name} tail: {exc}") from None
+    elif layout.tail is Tail.TEXT:
+        text = tail if isinstance(tail, str) else bytes(tail).decode("utf-8", "replace")
+        extra = text.encode("utf-8", "replace")
+        if len(extra) > layout.max_tail:  # cut on a character boundary, so the peer can decode it
+            extra = extra[: layout.max_tail].decode("utf-8", "ignore").encode("utf-8")
+    elif isinstance(tail, (bytes, bytearray, memoryview)):
+        extra = bytes(tail)
+    else:
+        raise ProtocolError(f"{layout.type.name} tail must be bytes, not {type(tail).__name__}")
+    if len(extra) > layout.max_tail:
+        raise ProtocolError(f"{layout.type.name} tail of {len(extra)} bytes exceeds {layout.max_tail}")
+    return extra
 
 
 def peek_request_id(packet: bytes) -> int:
@@ -169,40 +375,41 @@ def decode(packet: bytes, nfds: int = 0) -> Frame:
         raise ProtocolError(f"frame of {len(packet)} bytes is shorter than the {HEADER.size}-byte header")
     if len(packet) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(packet)} bytes exceeds the {MAX_FRAME}-byte limit")
-    magic, version, kind_raw, req, length = HEADER.unpack_from(packet)
+    magic, version, kind, req, length = HEADER.unpack_from(packet)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
-    known = _BY_TYPE.get(kind_raw)
-    if known is None:
-        raise ProtocolError(f"unknown message type {kind_raw}")
-    kind, spec = known
+    layout = _BY_NUMBER.get(kind)
+    if layout is None:
+        raise ProtocolError(f"unknown message type {kind}")
+    name = layout.type.name
     if length != len(packet) - HEADER.size:
         raise ProtocolError(f"body length {length} disagrees with the {len(packet) - HEADER.size} bytes received")
-    if nfds != spec.fds:
-        raise ProtocolError(f"{kind.name} carries {spec.fds} file descriptor(s), got {nfds}")
-    body = packet[HEADER.size :]
-    if len(body) < spec.fixed.size:
-        raise ProtocolError(f"{kind.name} body of {len(body)} bytes is shorter than {spec.fixed.size}")
-    values = spec.fixed.unpack_from(body)
-    rest = body[spec.fixed.size :]
-    tail: bytes | str | tuple[int, ...]
-    if spec.tail is Tail.NONE:
+    if nfds != layout.fds:
+        raise ProtocolError(f"{name} carries {layout.fds} file descriptor(s), got {nfds}")
+    fixed = layout.fixed.size
+    if length < fixed:
+        raise ProtocolError(f"{name} body of {length} bytes is shorter than {fixed}")
+    values = layout.fixed.unpack_from(packet, HEADER.size)
+    rest = length - fixed
+    if layout.tail is Tail.NONE:
         if rest:
-            raise ProtocolError(f"{kind.name} has {len(rest)} trailing bytes")
-        tail = b""
-    elif len(rest) > spec.max_tail:
-        raise ProtocolError(f"{kind.name} tail of {len(rest)} bytes exceeds {spec.max_tail}")
-    elif spec.tail is Tail.U32:
-        if len(rest) % 4:
-            raise ProtocolError(f"{kind.name} tail of {len(rest)} bytes is not a whole number of u32s")
-        tail = struct.unpack(f"<{len(rest) // 4}I", rest)
-    elif spec.tail is Tail.TEXT:
+            raise ProtocolError(f"{name} has {rest} trailing bytes")
+        return _frame(Frame, (req, layout.build(values)))
+    if rest > layout.max_tail:
+        raise ProtocolError(f"{name} tail of {rest} bytes exceeds {layout.max_tail}")
+    raw = packet[HEADER.size + fixed :]
+    tail: bytes | str | tuple[int, ...]
+    if layout.tail is Tail.U32:
+        if rest % 4:
+            raise ProtocolError(f"{name} tail of {rest} bytes is not a whole number of u32s")
+        tail = _u32s(rest // 4).unpack(raw)
+    elif layout.tail is Tail.TEXT:
         try:
-            tail = rest.decode("utf-8")
+            tail = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ProtocolError(f"{kind.name} text is not UTF-8: {exc}") from None
+            raise ProtocolError(f"{name} text is not UTF-8: {exc}") from None
     else:
-        tail = bytes(rest)
-    return Frame(kind, req, values, tail)
+        tail = bytes(raw)
+    return _frame(Frame, (req, layout.build(values, tail)))

@@ -1,39 +1,38 @@
-"""The broker client: the runtime's `Node` on a real node, talking to the broker over its socket.
+"""The broker client: the runtime's `Node` on a real node, a session with the broker over its socket.
 
-It starts a broker when none answers (under a lock file, so many processes starting at once get one
-broker), and reconnects by itself when the broker restarts, charging its live allocations again.
+It reaches the broker through autostart.py (which starts one when none answers), and reconnects by itself when
+the broker restarts, charging its live allocations again. Two kinds of id meet here: a *token* is the runtime's
+name for an allocation or import (what `charge` and `import_handle` return, stable for the process's life); a
+*hold* is the broker's id for this connection's claim on it, which a restarted broker gives out anew.
 """
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import logging
 import os
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from .. import protocol as P
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..node import Imported
 from ..props import Location, PhysicalProp
-from ..protocol import Frame, Msg, ProtocolError, decode, encode, peek_request_id
-from .wire import DONTWAIT, close_fds, connect, recv_packet, send_packet, wait_readable
+from ..protocol import ProtocolError, decode, encode
+from .autostart import reach_broker
+from .wire import DONTWAIT, close_fds, recv_packet, send_packet
 
 log = logging.getLogger("vmmshare.client")
-START_TIMEOUT = 20.0
 REPLY_TIMEOUT = 60.0
-CONNECT_TIMEOUT = 10.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_SPIN_US", "100")) / 1e6
+R = TypeVar("R", bound=P.Message)
 
 
 class BrokerClient:
@@ -45,22 +44,14 @@ class BrokerClient:
         self.autostart = autostart
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._req = itertools.count(1)
-        self._ids = itertools.count(1)
-        self._broker_token: dict[int, int] = {}  # our token -> the broker's
-        self._charges: dict[int, tuple[Msg, int, int]] = {}  # our token -> (kind, device, size), to re-charge
+        self._req = itertools.count(1)  # request ids
+        self._tokens = itertools.count(1)
+        self._holds: dict[int, int] = {}  # token -> the broker's hold id on this connection
+        self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # token -> its charge, to repeat on a new broker
         self._waiter = _Waiter()
         self._owner: int | None = None  # the thread in a request, if any
 
     # ------------------------------------------------------------ connection
-
-    def _connect(self) -> socket.socket:
-        sock = _try_connect(self.path)
-        if sock is None:
-            if not self.autostart:
-                raise IpcError(f"no broker answers at {self.path}: start one with `vmmshare broker`")
-            sock = start_broker(self.path)
-        return sock
 
     def _reset(self) -> None:
         if self._sock is not None:
@@ -73,16 +64,16 @@ class BrokerClient:
         If the connection dies while re-charging, the next attempt starts over from all of them.
         """
         self._reset()
-        self._broker_token.clear()  # tokens of a broker that is gone
-        sock = self._connect()
+        self._holds.clear()  # hold ids of a broker that is gone
+        sock = reach_broker(self.path, self.autostart)
         self._sock = sock
-        for token, (kind, device, size) in list(self._charges.items()):
+        for token, charge in list(self._charges.items()):
             try:
-                reply, _ = self._exchange(sock, encode(kind, next(self._req), device, size), ())
+                reply, _ = self._exchange(sock, charge, P.Token, (), None)
             except AclError as exc:  # e.g. the new broker has less capacity: keep serving, uncharged
                 log.warning("could not charge an allocation to the restarted broker: %s", exc)
                 continue
-            self._broker_token[token] = int(reply.values[0])
+            self._holds[token] = reply.hold
         return sock
 
     def close(self) -> None:
@@ -90,18 +81,19 @@ class BrokerClient:
             self._reset()
 
     def after_fork(self) -> None:
-        """In a forked child: the parent's connection and tokens are not ours."""
+        """In a forked child: the parent's connection and holds are not ours."""
         self._lock = threading.Lock()
         self._reset()
-        self._broker_token.clear()
+        self._holds.clear()
         self._charges.clear()
 
     def _exchange(
-        self, sock: socket.socket, data: bytes, fds: tuple[int, ...], meanwhile: Callable[[], None] | None = None
-    ) -> tuple[Frame, list[int]]:
-        """Send a request and take its reply; `meanwhile` runs while the broker works on it."""
-        req = peek_request_id(data)
-        send_packet(sock, data, fds)
+        self, sock: socket.socket, message: P.Message, expect: type[R], fds: tuple[int, ...],
+        meanwhile: Callable[[], None] | None,
+    ) -> tuple[R, list[int]]:
+        """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
+        req = next(self._req) & 0xFFFFFFFF
+        send_packet(sock, encode(message, req), fds)
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
         packet, got, truncated = self._waiter.wait(sock)
@@ -110,22 +102,28 @@ class BrokerClient:
         try:
             if truncated:
                 raise ProtocolError("reply too large")
-            frame = decode(packet, len(got))
-            if frame.req != req:
-                raise ProtocolError(f"reply to request {frame.req}, expected {req}")
+            got_req, reply = decode(packet, len(got))
+            if got_req != req:
+                raise ProtocolError(f"reply to request {got_req}, expected {req}")
+            if isinstance(reply, P.Error):
+                close_fds(got)
+                raise error_from_code(reply.code, reply.message)
+            if not isinstance(reply, expect):
+                raise ProtocolError(f"{reply.TYPE.name} in reply to {message.TYPE.name}")
         except ProtocolError as exc:
             close_fds(got)
             self._reset()
             raise IpcError(f"bad reply from the broker: {exc}") from None
-        if frame.type is Msg.ERROR:
-            close_fds(got)
-            raise error_from_code(int(frame.values[0]), str(frame.tail))
-        return frame, got
+        return reply, got
 
     def request(
-        self, build: Callable[[int], bytes], fds: tuple[int, ...] = (), meanwhile: Callable[[], None] | None = None
-    ) -> tuple[Frame, list[int]]:
-        """Send the frame `build(request_id)` and return the reply; reconnects once if the broker went away.
+        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...] = (),
+        meanwhile: Callable[[], None] | None = None,
+    ) -> tuple[R, list[int]]:
+        """Send `message` and return the reply, of type `expect`; reconnects if the broker went away.
+
+        A message that names a hold is passed as a function that makes it, called on each attempt: after a
+        reconnection the new broker knows the allocation by another hold id.
 
         `meanwhile` (run once) overlaps local work with the broker's.
         """
@@ -138,7 +136,7 @@ class BrokerClient:
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                return self._request(build, fds, once)
+                return self._request(message, expect, fds, once)
             finally:
                 self._owner = None
 
@@ -147,12 +145,14 @@ class BrokerClient:
         return self._owner == threading.get_ident()
 
     def _request(
-        self, build: Callable[[int], bytes], fds: tuple[int, ...], once: Callable[[], None]
-    ) -> tuple[Frame, list[int]]:
+        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...],
+        once: Callable[[], None],
+    ) -> tuple[R, list[int]]:
         for attempt in range(RETRIES):
             try:
                 sock = self._sock or self._reconnect()
-                return self._exchange(sock, build(next(self._req)), fds, once)
+                made = message if isinstance(message, P.Message) else message()
+                return self._exchange(sock, made, expect, fds, once)
             except AclError:
                 raise
             except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries on it
@@ -164,63 +164,66 @@ class BrokerClient:
                     raise IpcError(f"lost the broker at {self.path}: {exc}") from None
         raise AssertionError("unreachable")
 
-    def _bt(self, token: int) -> int:
-        """The broker's token for ours (0 when the broker that issued it is gone)."""
-        return self._broker_token.get(token, 0)
+    def _hold_of(self, token: int) -> int:
+        """The broker's hold id for a token (0, which no hold has, when the broker that gave it is gone)."""
+        return self._holds.get(token, 0)
 
     # ------------------------------------------------------------ the Node protocol
 
     def charge(
         self, device: int, size: int, meanwhile: Callable[[], None] | None = None, gpu: bool = False
     ) -> int:
-        kind = Msg.CHARGE_GPU if gpu else Msg.CHARGE
-        reply, _ = self.request(lambda r: encode(kind, r, device, size), meanwhile=meanwhile)
-        token = next(self._ids)
-        self._broker_token[token] = int(reply.values[0])
-        self._charges[token] = (kind, device, size)
+        charge = P.ChargeGpu(device, size) if gpu else P.Charge(device, size)
+        reply, _ = self.request(charge, P.Token, meanwhile=meanwhile)
+        token = next(self._tokens)
+        self._holds[token] = reply.hold
+        self._charges[token] = charge
         return token
 
     def release(self, token: int) -> None:
         self._charges.pop(token, None)
-        if token not in self._broker_token:
+        if token not in self._holds:
             return
         try:
-            self.request(lambda r: encode(Msg.RELEASE, r, self._bt(token)))
+            self.request(lambda: P.Release(self._hold_of(token)), P.Ok)
         finally:
-            self._broker_token.pop(token, None)
+            self._holds.pop(token, None)
 
     def mem_info(self, device: int) -> tuple[int, int]:
-        reply, _ = self.request(lambda r: encode(Msg.MEM_INFO, r, device))
-        return int(reply.values[0]), int(reply.values[1])
+        reply, _ = self.request(P.MemInfo(device), P.Mem)
+        return reply.free, reply.total
 
     def export(
         self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
         gpu: bool = False,
     ) -> bytes:
-        fields = (int(gpu), prop.handle_type, prop.allocation_type, prop.mem_attr, prop.location.type, prop.location.id)
-        server = self.config.server_id
-        reply, _ = self.request(
-            lambda r: encode(Msg.EXPORT, r, self._bt(token), size, flags, share_type, server, *fields, tail=pids), (fd,)
-        )
-        return bytes(reply.tail)  # type: ignore[arg-type]
+        loc, server, trust = prop.location, self.config.server_id, tuple(pids)
+
+        def message() -> P.Export:
+            return P.Export(self._hold_of(token), size, flags, share_type, server, int(gpu), prop.handle_type,
+                            prop.allocation_type, prop.mem_attr, loc.type, loc.id, trust)
+
+        reply, _ = self.request(message, P.Exported, (fd,))
+        return reply.shareable
 
     def revoke(self, token: int) -> None:
-        if token in self._broker_token:
-            self.request(lambda r: encode(Msg.REVOKE, r, self._bt(token)))
+        if token in self._holds:
+            self.request(lambda: P.Revoke(self._hold_of(token)), P.Ok)
 
     def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None:
-        self.request(lambda r: encode(Msg.SET_PIDS, r, shareable, share_type, tail=pids))
+        self.request(P.SetPids(shareable, share_type, tuple(pids)), P.Ok)
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
-        reply, fds = self.request(lambda r: encode(Msg.IMPORT, r, shareable, share_type, secret.ljust(32, b"\0")))
-        btoken, size, kind, htype, atype, attr, ltype, lid = reply.ints()
-        token = next(self._ids)
-        self._broker_token[token] = btoken
-        return Imported(fds[0], token, size, PhysicalProp(htype, atype, attr, Location(ltype, lid)), bool(kind))
+        reply, fds = self.request(P.Import(shareable, share_type, secret.ljust(32, b"\0")), P.Imported)
+        token = next(self._tokens)
+        self._holds[token] = reply.hold
+        prop = PhysicalProp(reply.handle_type, reply.allocation_type, reply.mem_attr,
+                            Location(reply.location_type, reply.location_id))
+        return Imported(fds[0], token, reply.size, prop, bool(reply.memory_kind))
 
     def bare_tgid(self) -> int:
-        reply, _ = self.request(lambda r: encode(Msg.BARE_TGID, r))
-        return int(reply.values[0])
+        reply, _ = self.request(P.BareTgid(), P.Pid)
+        return reply.pid
 
     def listing(self) -> dict[str, Any]:
         """Every export on the node (what `vmmshare ls` shows), following the broker's pages."""
@@ -228,9 +231,8 @@ class BrokerClient:
         result: dict[str, Any] = {}
         rows: list[Any] = []
         while offset is not None:
-            at = offset
-            reply, _ = self.request(lambda r, at=at: encode(Msg.LIST, r, at))  # type: ignore[misc]
-            page = json.loads(str(reply.tail))
+            reply, _ = self.request(P.List(offset), P.Listing)
+            page = json.loads(reply.page)
             rows.extend(page.pop("exports"))
             offset = page.pop("next")
             result = page
@@ -273,86 +275,3 @@ class _Waiter:
         if not poller.poll(REPLY_TIMEOUT * 1000):
             raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
         return recv_packet(sock, DONTWAIT)
-
-
-def _try_connect(path: Path) -> socket.socket | None:
-    """A connection to the broker at `path`, or None when no broker listens there."""
-    try:
-        return connect(path, CONNECT_TIMEOUT)
-    except (FileNotFoundError, ConnectionRefusedError):
-        return None
-    except TimeoutError:
-        raise IpcError(f"the broker at {path} does not take connections (stopped, or overloaded) "
-                       f"within {CONNECT_TIMEOUT:.0f} s") from None
-    except OSError as exc:
-        raise IpcError(f"cannot reach the broker at {path}: {exc.strerror}") from None
-
-
-def start_broker(path: Path) -> socket.socket:
-    """Start the embedded default broker (idle-exiting) unless another process just did; connect to it."""
-    folder = path.parent
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lock = os.open(folder / "broker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise IpcError(f"cannot prepare {folder} for the broker: {exc.strerror}") from None
-    try:
-        _lock_within(lock, START_TIMEOUT, folder / "broker.lock")
-        sock = _try_connect(path)  # somebody else may have started one while we waited
-        if sock is not None:
-            return sock
-        _spawn(path)
-        sock = _try_connect(path)
-        if sock is None:
-            raise IpcError(f"the broker started but does not answer at {path}")
-        return sock
-    finally:
-        os.close(lock)
-
-
-def _lock_within(fd: int, seconds: float, what: Path) -> None:
-    """Take the start lock, waiting at most `seconds` for whoever holds it (flock itself has no timeout)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise IpcError(f"{what} stayed locked for {seconds:.0f} s: another process is stuck starting "
-                               "the broker") from None
-            time.sleep(0.005)
-
-
-def _spawn(path: Path) -> None:
-    rfd, wfd = os.pipe2(os.O_CLOEXEC)
-    log_path = path.parent / "broker.log"
-    cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(path), "--auto", "--ready-fd", str(wfd)]
-    try:
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(wfd,),
-                start_new_session=True, close_fds=True,
-            )
-    except OSError as exc:
-        os.close(rfd)
-        os.close(wfd)
-        raise IpcError(f"cannot start the broker ({' '.join(cmd)}): {exc.strerror}") from None
-    os.close(wfd)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        line = b""
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not wait_readable(rfd, left):
-                proc.kill()
-                proc.wait()
-                raise IpcError(f"the broker did not start within {START_TIMEOUT:.0f} s; see {log_path}")
-            chunk = os.read(rfd, 64)
-            if not chunk:
-                code = proc.wait()
-                raise IpcError(f"the broker exited ({code}) before serving {path}; see {log_path}")
-            line += chunk
-    finally:
-        os.close(rfd)
-    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it exits while we live

@@ -10,107 +10,55 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hmac
-import itertools
-import json
 import logging
 import os
 import resource
-import secrets
 import selectors
 import signal
 import socket
 import stat
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
+from .. import protocol as P
 from ..config import Config
-from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
-from ..protocol import MAX_BODY, MAX_FRAME, Frame, Msg, ProtocolError, decode, encode, peek_request_id
-from .wire import (
-    DONTWAIT,
-    Identity,
-    close_fds,
-    connect,
-    identity_of_pid,
-    identity_of_pidfd,
-    peer_credentials,
-    peer_pidfd,
-    recv_packet,
-    same_process,
-    send_packet,
-    wait_readable,
-)
+from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
+from .identity import identity_of_pid, identity_of_pidfd
+from .ledger import Client, Ledger
+from .wire import DONTWAIT, close_fds, connect, peer_credentials, peer_pidfd, recv_packet, send_packet, wait_readable
 
 log = logging.getLogger("vmmshare.broker")
-MAX_GPUS = 1024  # GPU ids the broker accepts for GPU charges (it cannot see the GPUs)
-LIST_PAGE = 100
-KIND_HOST, KIND_GPU = 0, 1
-LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)
 SPIN_SECONDS = float(os.environ.get("VMMSHARE_BROKER_SPIN_US", "200")) / 1e6
-
-
-class BrokerError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(eq=False)
 class Conn:
+    """A connected client's socket and pidfd, and the ledger's record of it."""
+
     sock: socket.socket
-    pid: int
-    uid: int
-    identity: Identity
     pidfd: int
-    holds: set[int] = field(default_factory=set)
+    client: Client
 
 
-@dataclass(eq=False)
-class Alloc:
-    device: int
-    size: int
-    holds: int = 0
-    export: Export | None = None  # set once exported
-    kind: int = KIND_HOST  # a sealed memfd, counted against the capacity; or KIND_GPU, which the driver caps
-
-
-@dataclass(eq=False)
-class Export:
-    handle: int
-    alloc: Alloc
-    fd: int
-    share_type: int
-    flags: int
-    prop: tuple[int, int, int, int, int]
-    owner: Conn
-    secret: bytes
-    trust: dict[int, Identity] = field(default_factory=dict)
-    importers: dict[int, Conn] = field(default_factory=dict)  # token -> importer
-
-
-@dataclass(eq=False)
-class Hold:
-    conn: Conn
-    alloc: Alloc
+def memfd_size(fd: int) -> int | None:
+    """The size of the regular file (an exported memfd) at `fd`; None for anything else (a pipe, a socket)."""
+    st = os.fstat(fd)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 class Broker:
-    """The node's sharing authority: capacity accounting, the table of shareable handles, trustlists."""
+    """The node's sharing authority on its socket: the event loop around the ledger (ledger.py), which keeps the
+    books; this side accepts clients, names them by their kernel credentials, and passes fds."""
 
     def __init__(self, path: Path, config: Config, idle: float | None = None, multi_user: bool = False) -> None:
         self.path = path
         self.config = config
         self.idle = idle
         self.multi_user = multi_user
-        self.used = [0] * config.devices  # host-backed device memory, per device (capped by device_memory)
-        self.gpu_used: Counter[int] = Counter()  # GPU memory, per GPU (recorded only)
-        self.holds: dict[int, Hold] = {}
-        self.exports: dict[int, Export] = {}
+        self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=os.close,
+                             memfd_size=memfd_size, broker_pid=os.getpid())
         self.conns: dict[int, Conn] = {}
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
@@ -159,7 +107,7 @@ class Broker:
             os.close(ready_fd)
         while not self.stopping:
             timeout = None
-            if self.idle is not None and not self.conns and not self.holds:
+            if self.idle is not None and not self.conns and not self.ledger.holds:
                 timeout = max(0.0, self.idle_since + self.idle - time.monotonic())
             events = self.sel.select(timeout)
             while events:
@@ -176,7 +124,7 @@ class Broker:
                         if isinstance(key.data, Conn):
                             self._drop(key.data)
                 events = self._poll_briefly()
-            idle = self.idle is not None and not self.conns and not self.holds
+            idle = self.idle is not None and not self.conns and not self.ledger.holds
             if idle and time.monotonic() - self.idle_since >= (self.idle or 0) and self._retire():
                 break
         self.close()
@@ -262,7 +210,7 @@ class Broker:
                 os.close(pidfd)
                 sock.close()
                 continue
-            conn = Conn(sock, pid, uid, identity, pidfd)
+            conn = Conn(sock, pidfd, self.ledger.connect(pid, uid, identity))
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
             log.debug("pid %d connected", pid)
@@ -280,21 +228,20 @@ class Broker:
         if not data and not fds:
             self._drop(conn)
             return
+        pid = conn.client.pid
         try:
             if truncated:
                 raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
-            frame = decode(data, len(fds))
-            reply, reply_fds = self.handle(conn, frame, fds)
-            fds = []  # handled: ownership of any received fd moved on
+            req, request = decode(data, len(fds))
+            answer, fd = self.ledger.handle(conn.client, request, fds.pop() if fds else -1)  # the fd is its now
+            reply, reply_fds = encode(answer, req), (fd,) if fd >= 0 else ()
         except ProtocolError as exc:
-            log.info("protocol error from pid %d: %s", conn.pid, exc)
-            reply = encode(Msg.ERROR, peek_request_id(data), C.ACL_ERROR_RT_IPC_ERROR, tail=f"protocol error: {exc}")
+            log.info("protocol error from pid %d: %s", pid, exc)
+            reply = encode(P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"protocol error: {exc}"), peek_request_id(data))
             reply_fds = ()
-        except BrokerError as exc:
-            reply, reply_fds = encode(Msg.ERROR, peek_request_id(data), exc.code, tail=exc.message), ()
         except Exception as exc:  # a bug must not take the node's broker down
-            log.exception("internal error serving pid %d", conn.pid)
-            reply = encode(Msg.ERROR, peek_request_id(data), C.ACL_ERROR_RT_INTERNAL_ERROR, tail=f"broker: {exc!r}")
+            log.exception("internal error serving pid %d", pid)
+            reply = encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data))
             reply_fds = ()
         finally:
             close_fds(fds)
@@ -309,254 +256,13 @@ class Broker:
             return
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
-        for token in list(conn.holds):
-            self._release(conn, token)
+        self.ledger.disconnect(conn.client)
         conn.sock.close()
         if conn.pidfd >= 0:
             os.close(conn.pidfd)
         if not self.conns:
             self.idle_since = time.monotonic()
-        log.debug("pid %d disconnected", conn.pid)
-
-    # ------------------------------------------------------------ requests
-
-    def handle(self, conn: Conn, f: Frame, fds: list[int]) -> tuple[bytes, tuple[int, ...]]:
-        """Serve one request; returns the reply frame and the fds to send with it."""
-        v = f.values
-        if f.type is Msg.CHARGE:
-            return encode(Msg.TOKEN, f.req, self.charge(conn, int(v[0]), int(v[1]))), ()
-        if f.type is Msg.CHARGE_GPU:
-            return encode(Msg.TOKEN, f.req, self.charge_gpu(conn, int(v[0]), int(v[1]))), ()
-        if f.type is Msg.RELEASE:
-            self._release(conn, int(v[0]), strict=True)
-            return encode(Msg.OK, f.req), ()
-        if f.type is Msg.MEM_INFO:
-            device = self._device(int(v[0]))
-            total = self.config.device_memory
-            return encode(Msg.MEM, f.req, total - self.used[device], total), ()
-        if f.type is Msg.EXPORT:
-            fd = fds.pop()
-            try:
-                shareable = self.export(conn, f, fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            return encode(Msg.EXPORTED, f.req, tail=shareable), ()
-        if f.type is Msg.REVOKE:
-            token = int(v[0])
-            alloc = self._own(conn, token).alloc
-            if alloc.export is not None and token in alloc.export.importers:
-                raise BrokerError(C.ACL_ERROR_RT_NO_PERMISSION, "only the exporter can revoke its handle")
-            self.revoke(alloc)
-            return encode(Msg.OK, f.req), ()
-        if f.type is Msg.SET_PIDS:
-            assert isinstance(f.tail, tuple)
-            self.set_pids(conn, int(v[0]), int(v[1]), f.tail)
-            return encode(Msg.OK, f.req), ()
-        if f.type is Msg.IMPORT:
-            token, exp = self.import_(conn, int(v[0]), int(v[1]), bytes(v[2]))
-            return encode(Msg.IMPORTED, f.req, token, exp.alloc.size, exp.alloc.kind, *exp.prop), (exp.fd,)
-        if f.type is Msg.BARE_TGID:
-            return encode(Msg.PID, f.req, conn.pid), ()
-        if f.type is Msg.LIST:
-            return encode(Msg.LISTING, f.req, tail=self.listing(int(v[0]), conn)), ()
-        raise ProtocolError(f"{f.type.name} is a reply, not a request")
-
-    def _device(self, device: int) -> int:
-        if not 0 <= device < self.config.devices:
-            raise BrokerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"device {device} does not exist on this node")
-        return device
-
-    def _new_token(self) -> int:
-        while True:
-            token = secrets.randbits(63) | 1
-            if token not in self.holds:
-                return token
-
-    def charge(self, conn: Conn, device: int, size: int) -> int:
-        if device != -1:
-            self._device(device)
-            free = self.config.device_memory - self.used[device]
-            if size > free:
-                raise BrokerError(
-                    C.ACL_ERROR_RT_MEMORY_ALLOCATION,
-                    f"device {device} has {free} of {self.config.device_memory} bytes free on this node; "
-                    f"{size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)",
-                )
-            self.used[device] += size
-        return self._hold_new(conn, Alloc(device, size, holds=1))
-
-    def charge_gpu(self, conn: Conn, device: int, size: int) -> int:
-        """Record GPU memory (a CUDA-backend allocation): the GPU's own capacity applies, not this node's."""
-        if device >= MAX_GPUS:
-            raise BrokerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"GPU {device} is beyond {MAX_GPUS} GPUs")
-        self.gpu_used[device] += size
-        return self._hold_new(conn, Alloc(device, size, holds=1, kind=KIND_GPU))
-
-    def _hold_new(self, conn: Conn, alloc: Alloc) -> int:
-        token = self._new_token()
-        self.holds[token] = Hold(conn, alloc)
-        conn.holds.add(token)
-        return token
-
-    def _own(self, conn: Conn, token: int) -> Hold:
-        hold = self.holds.get(token)
-        if hold is None or hold.conn is not conn:
-            raise BrokerError(C.ACL_ERROR_RT_INVALID_HANDLE, "unknown allocation token for this connection")
-        return hold
-
-    def _release(self, conn: Conn, token: int, strict: bool = False) -> None:
-        if strict:
-            self._own(conn, token)
-        hold = self.holds.pop(token)
-        conn.holds.discard(token)
-        alloc = hold.alloc
-        exp = alloc.export
-        if exp is not None:
-            if exp.owner is conn and token not in exp.importers:
-                self.revoke(alloc)
-            exp.importers.pop(token, None)
-        alloc.holds -= 1
-        if alloc.holds == 0:
-            if alloc.kind == KIND_GPU:
-                self.gpu_used[alloc.device] -= alloc.size
-            elif alloc.device != -1:
-                self.used[alloc.device] -= alloc.size
-
-    def revoke(self, alloc: Alloc) -> None:
-        """The exporter freed the allocation (or died): no new imports; importers keep what they hold."""
-        exp = alloc.export
-        if exp is None or exp.fd < 0:
-            return
-        self.exports.pop(exp.handle, None)
-        os.close(exp.fd)
-        exp.fd = -1
-        log.debug("handle %#x revoked", exp.handle)
-
-    def export(self, conn: Conn, f: Frame, fd: int) -> bytes:
-        token, size, flags, share_type, server_id, kind, *prop = (int(x) for x in f.values)
-        assert isinstance(f.tail, tuple)
-        hold = self._own(conn, token)
-        alloc = hold.alloc
-        if alloc.export is not None:
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
-        if flags not in (0, 1) or share_type not in (1, 2) or kind != alloc.kind:
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {flags} or share type {share_type}, or "
-                              f"memory kind {kind} for an allocation charged as kind {alloc.kind}")
-        st = os.fstat(fd)
-        if size != alloc.size or (kind == KIND_HOST and (not stat.S_ISREG(st.st_mode) or st.st_size != size)):
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
-        trust = self._bind(f.tail, {})
-        handle = secrets.randbits(64)
-        while handle == 0 or handle in self.exports:
-            handle = secrets.randbits(64)
-        secret = secrets.token_bytes(32) if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else bytes(32)
-        if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC:
-            shareable = FabricHandle(server_id, max(alloc.device, 0), handle, size, secret,
-                                     FLAG_NO_PID_VALIDATION if flags else 0).pack()
-        else:
-            shareable = default_bytes(handle)
-        exp = Export(handle, alloc, fd, share_type, flags, (prop[0], prop[1], prop[2], prop[3], prop[4]), conn,
-                     secret, trust)
-        alloc.export = exp
-        self.exports[handle] = exp
-        log.debug("pid %d exported %#x (%d bytes, share type %d, flags %d)", conn.pid, handle, size, share_type, flags)
-        return shareable
-
-    def _export_of(self, handle: int, share_type: int) -> Export:
-        exp = self.exports.get(handle)
-        if exp is None:
-            raise BrokerError(
-                C.ACL_ERROR_RT_INVALID_HANDLE,
-                f"shareable handle {handle:#x} is unknown on this node, or revoked (its exporter freed it or exited)",
-            )
-        if exp.share_type != share_type:
-            raise BrokerError(
-                C.ACL_ERROR_RT_PARAM_INVALID,
-                f"shareable handle {handle:#x} was exported with share type {exp.share_type}, not {share_type}",
-            )
-        return exp
-
-    def set_pids(self, conn: Conn, handle: int, share_type: int, pids: tuple[int, ...]) -> None:
-        exp = self._export_of(handle, share_type)
-        if exp.owner is not conn:
-            raise BrokerError(
-                C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {exp.owner.pid}) may set the trustlist of {handle:#x}",
-            )
-        exp.trust = self._bind(pids, exp.trust)
-
-    def _bind(self, pids: tuple[int, ...], trust: dict[int, Identity]) -> dict[int, Identity]:
-        """`trust` plus `pids`, each bound to the start time of the process that has it now (pid reuse)."""
-        if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-        new = {p for p in pids if p not in trust}
-        if len(trust) + len(new) > MAX_TRUSTLIST:
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
-        return {**trust, **{pid: identity_of_pid(pid) for pid in pids}}
-
-    def import_(self, conn: Conn, handle: int, share_type: int, secret: bytes) -> tuple[int, Export]:
-        exp = self._export_of(handle, share_type)
-        if share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC and not hmac.compare_digest(secret, exp.secret):
-            raise BrokerError(C.ACL_ERROR_RT_INVALID_HANDLE, f"FABRIC handle {handle:#x} does not carry its secret")
-        if conn.pid == exp.owner.pid:
-            raise BrokerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
-        if not exp.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
-            if conn.pid not in exp.trust:
-                raise BrokerError(
-                    C.ACL_ERROR_RT_NO_PERMISSION,
-                    f"process {conn.pid} is not on the trustlist of {handle:#x}: the exporter must add it with "
-                    "mem_set_pid_to_shareable_handle(_v2)",
-                )
-            if not same_process(exp.trust[conn.pid], conn.identity):
-                raise BrokerError(
-                    C.ACL_ERROR_RT_NO_PERMISSION,
-                    f"pid {conn.pid} was trustlisted for another process that had the same pid (pid reuse)",
-                )
-        token = self._hold_new(conn, exp.alloc)
-        exp.alloc.holds += 1
-        exp.importers[token] = conn
-        log.debug("pid %d imported %#x", conn.pid, handle)
-        return token, exp
-
-    def listing(self, offset: int, viewer: Conn) -> str:
-        """One page of `vmmshare ls` as JSON, starting at export number `offset`; pages fit in one frame.
-
-        Handle values are shown in full only to the exporter's user (and root): on a multi-user node a
-        handle exported without pid validation must not be handed to every user who can list.
-        """
-        total = len(self.exports)
-        page = itertools.islice(self.exports.values(), offset, None)  # not a copy of every export for each page
-        used = {str(d): u for d, u in enumerate(self.used) if u}
-        gpu_used = {str(d): u for d, u in sorted(self.gpu_used.items()) if u}
-        head = {"broker_pid": os.getpid(), "used": used, "capacity": self.config.device_memory,
-                "gpu_used": gpu_used, "clients": len(self.conns)}
-        rows: list[str] = []
-        budget = MAX_BODY - len(json.dumps(head)) - 128
-        at = offset
-        for exp in page:
-            if len(rows) >= LIST_PAGE:
-                break
-            importers = sorted(c.pid for c in exp.importers.values())
-            row = json.dumps({
-                "handle": f"{exp.handle:#018x}" if viewer.uid in (exp.owner.uid, 0) else "(hidden)",
-                "share_type": "fabric" if exp.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
-                "device": exp.alloc.device,
-                "gpu": exp.alloc.kind == KIND_GPU,
-                "size": exp.alloc.size,
-                "owner_pid": exp.owner.pid,
-                "pid_validation": not exp.flags & 1,
-                "trustlist": sorted(exp.trust),
-                "importers": importers[:LIST_IMPORTERS],
-                "importer_count": len(importers),
-            })
-            if rows and budget - len(row) - 1 < 0:
-                break
-            budget -= len(row) + 1
-            rows.append(row)
-            at += 1
-        head["next"] = at if at < total else None
-        return json.dumps(head)[:-1] + ', "exports": [' + ",".join(rows) + "]}"
+        log.debug("pid %d disconnected", conn.client.pid)
 
 
 _WAKE = object()

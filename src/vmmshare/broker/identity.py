@@ -1,0 +1,77 @@
+"""Which process a pid names: a pid can be reused, so a trustlist entry is bound to one process's identity.
+
+An identity is a process's start time (clock ticks since boot) or, on kernels with pidfs (Linux 6.9+), the
+inode of a pidfd for it, which no other process ever gets.
+"""
+
+from __future__ import annotations
+
+import os
+
+Identity = tuple[int | None, int | None]  # (start time in clock ticks, pidfs inode)
+
+
+def _pidfs_ino(fd: int) -> int:
+    return os.fstat(fd).st_ino
+
+
+def _pidfs_unique() -> bool:
+    """Whether pidfds carry a per-process inode (pidfs, Linux 6.9+), so an inode names one process for good."""
+    try:
+        a, b = os.pidfd_open(os.getpid()), os.pidfd_open(os.getppid())
+    except (OSError, AttributeError):
+        return False
+    try:
+        return _pidfs_ino(a) != _pidfs_ino(b)
+    finally:
+        os.close(a)
+        os.close(b)
+
+
+PIDFS = _pidfs_unique()
+
+
+def identity_of_pidfd(pid: int, pidfd: int) -> Identity:
+    """Who a connected peer is: its start time and, on pidfs kernels, its pidfd's inode."""
+    if PIDFS and pidfd >= 0:
+        return None, _pidfs_ino(pidfd)
+    return process_start_time(pid), None
+
+
+def identity_of_pid(pid: int) -> Identity:
+    """Who has `pid` right now ((None, None) when nobody does)."""
+    if not PIDFS:
+        return process_start_time(pid), None
+    try:
+        fd = os.pidfd_open(pid)  # first: the inode then names the process that has the pid now
+    except OSError:
+        return None, None
+    try:
+        return None, _pidfs_ino(fd)  # the inode alone decides (see same_process)
+    finally:
+        os.close(fd)
+
+
+def same_process(bound: Identity, peer: Identity) -> bool:
+    """Whether `peer` is the process a trustlist entry was bound to (pid reuse is refused).
+
+    The pidfs inode decides where both sides have one (it is never reused); the start time otherwise,
+    which cannot tell apart two processes started in the same clock tick.
+    """
+    if bound[1] is not None:
+        return bound[1] == peer[1]
+    return bound[0] is None or bound[0] == peer[0]
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None

@@ -191,8 +191,7 @@ def _parser() -> Parser:
     b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
     b.add_argument("--log-level", type=_level, default=None, metavar="LEVEL",
                    help=f"{', '.join(config.LOG_LEVELS)} (default: $VMMSHARE_LOG, else INFO)")
-    sub.add_parser("demo", help="share memory between three processes and check every rule on the way").add_argument(
-        "--size", default="64M", help="bytes to share (K/M/G suffixes; rounded up to 2 MiB)")
+    sub.add_parser("demo", help="three processes share memory, every rule checked on the way (see demo --help)")
     sub.add_parser("bench", help="sharing costs against shared_memory, Pipe and torch, in one run (see bench --help)")
     sub.add_parser("stress", help="the long reliability runs in stress/ (NAME [options]; no NAME lists them)")
     doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")
@@ -203,12 +202,16 @@ def _parser() -> Parser:
 
 
 def _main(argv: list[str]) -> int:
-    if argv[:1] == ["bench"]:  # its own options
+    if argv[:1] == ["bench"]:  # its own options and help
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["stress"]:
         return _stress(argv[1:])
+    if argv[:1] == ["demo"]:  # its own options and help
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None and not args.version:
@@ -225,10 +228,6 @@ def _main(argv: list[str]) -> int:
         return OK
     if args.command == "broker":
         return _broker(args)
-    if args.command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(["--size", args.size])
     return _ls(args)
 
 

@@ -209,3 +209,22 @@ def test_gpu_example_without_gpu_memory_says_so(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "gpu_share.py")], env=env_for(tmp_path),
                          capture_output=True, text=True, timeout=HANG_GUARD)
     refused(out, FAILED, "gpu_share.py", "VMMSHARE_BACKEND=cuda")
+
+
+def test_the_library_answers_a_bad_variable_with_107000_naming_it(tmp_path: Path) -> None:
+    """docs/configuration.md: an invalid variable makes `vmmshare.acl` calls return 107000 with a message that names
+    it; the Pythonic API raises InvalidParamError with that message."""
+    code = """if True:
+        import vmmshare, vmmshare.acl as acl
+        print(acl.rt.set_device(0), acl.get_recent_err_msg())
+        try:
+            vmmshare.Device(0).allocate(2 << 20)
+        except vmmshare.InvalidParamError as exc:
+            print(exc.code, exc.message)
+    """
+    out = subprocess.run([sys.executable, "-c", code], env=env_for(tmp_path, VMMSHARE_SERVER_ID="xyz"),
+                         capture_output=True, text=True, timeout=HANG_GUARD)
+    said = "configuration: VMMSHARE_SERVER_ID='xyz' is not an integer (such as 42 or 0x2a)"
+    lines = out.stdout.splitlines()
+    assert lines == [f"107000 set_device: {said}", f"107000 {said}"], out.stdout + out.stderr
+    assert not (tmp_path / "s").exists(), "a broker was started despite the bad configuration"

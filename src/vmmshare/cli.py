@@ -202,6 +202,10 @@ def _parser() -> Parser:
 
 
 def _main(argv: list[str]) -> int:
+    asks_help = bool({"-h", "--help"} & set(argv[1:]))
+    # bench and demo check before their modules are imported: the broker client reads VMMSHARE_SPIN_US on import
+    if argv[:1] in (["bench"], ["demo"]) and not asks_help and not environment_ok(f"vmmshare {argv[0]}"):
+        return USAGE
     if argv[:1] == ["bench"]:  # its own options and help
         from .bench import main as bench_main
 

@@ -115,7 +115,14 @@ class Role:
 
 
 def serve_role() -> int:
-    role = Role()
+    """One role process: run the conductor's requests until it closes the pipe (or Ctrl-C stops the demo)."""
+    try:
+        return _serve(Role())
+    except KeyboardInterrupt:  # the whole foreground process group got it: the conductor reports it
+        return 130
+
+
+def _serve(role: Role) -> int:
     for line in sys.stdin:
         req = json.loads(line)
         t0 = time.perf_counter()

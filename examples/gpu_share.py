@@ -1,7 +1,9 @@
 """GPU memory shared between two processes: a producer fills it, a consumer maps the same GPU memory and answers.
 
-Needs the CUDA backend: ``VMMSHARE_BACKEND=cuda python examples/gpu_share.py``. With a CUDA build of torch the
-consumer works on the memory as a torch tensor (DLPack, zero-copy); without one it uses ``acl.rt.memcpy``.
+Needs an NVIDIA GPU, cuda-bindings (``pip install 'vmmshare[cuda]'``) and the CUDA backend. Run from the repository
+root, after ``scripts/setup.sh``: ``VMMSHARE_BACKEND=cuda .venv/bin/python examples/gpu_share.py``. Without GPU
+memory it says so and exits with status 1. With a CUDA build of torch the consumer works on the memory as a torch
+tensor (DLPack, zero-copy); without one it uses ``acl.rt.memcpy``.
 """
 
 import ctypes
@@ -47,18 +49,27 @@ def consumer(text):
 
 
 def producer():
-    with vmmshare.Device(0).allocate(SIZE) as memory, memory.map() as mapping:
-        assert mapping.__dlpack_device__() == (2, 0), "not GPU memory: run with VMMSHARE_BACKEND=cuda"
+    try:
+        memory = vmmshare.Device(0).allocate(SIZE)
+    except vmmshare.AclError as exc:  # e.g. VMMSHARE_BACKEND=cuda without cuda-bindings or a usable GPU
+        raise SystemExit(f"gpu_share.py: no GPU memory: {exc.message}") from None
+    with memory, memory.map() as mapping:
+        if mapping.__dlpack_device__() != (2, 0):
+            raise SystemExit("gpu_share.py: device memory is host memory here, not GPU memory: run it with "
+                             "VMMSHARE_BACKEND=cuda on a machine with an NVIDIA GPU")
         check(acl.rt.memset(mapping.ptr, SIZE, 1, SIZE))  # every byte 1
         child = subprocess.Popen([sys.executable, __file__, "--consumer"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
         handle = memory.export(pids=[child.pid])
         out, _ = child.communicate(f"{handle}\n")
-        assert child.returncode == 0
-        assert int(out) == SIZE, f"the consumer saw a sum of {out.strip()}, not {SIZE}"
+        if child.returncode != 0:
+            raise SystemExit(f"gpu_share.py: the consumer failed ({child.returncode})")
+        if int(out) != SIZE:
+            raise SystemExit(f"gpu_share.py: the consumer saw a sum of {out.strip()}, not {SIZE}")
         tail = (ctypes.c_uint8 * 4)()
         check(acl.rt.memcpy(ctypes.addressof(tail), 4, mapping.ptr + SIZE - 4, 4, DEVICE_TO_HOST))
-        assert bytes(tail) == b"!!!!", "the consumer's answer is not in the GPU memory"
+        if bytes(tail) != b"!!!!":
+            raise SystemExit("gpu_share.py: the consumer's answer is not in the GPU memory")
         print(f"{handle} shared {SIZE >> 20} MiB of GPU memory; the consumer read it all and wrote its answer")
 
 

@@ -1,7 +1,7 @@
 """The Pythonic API with numpy: a producer shares a float32 matrix with a consumer process, zero-copy.
 
 The handle travels as text (``str(handle)``), the consumer's answer comes back through the same memory.
-Run: ``python examples/pythonic_numpy.py``.
+Needs numpy. Run from the repository root, after ``scripts/setup.sh``: ``.venv/bin/python examples/pythonic_numpy.py``.
 """
 
 import subprocess

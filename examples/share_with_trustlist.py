@@ -2,7 +2,8 @@
 
 The exporter allocates physical memory, maps and fills it, exports it (trustlist on), adds the
 importer's pid, and hands the shareable handle over a pipe; the importer maps the same memory and
-checks the bytes. Run: ``python examples/share_with_trustlist.py``.
+checks the bytes. Run from the repository root, after ``scripts/setup.sh``:
+``.venv/bin/python examples/share_with_trustlist.py``.
 """
 
 import ctypes

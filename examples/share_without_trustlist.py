@@ -1,6 +1,7 @@
 """Physical memory sharing without a trustlist (ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION), with the
 V1 calls, ported from the runtime's sample to `vmmshare.acl`: any process that can reach the node's broker
-may import, so the exporter never needs the importer's pid. Run: ``python examples/share_without_trustlist.py``.
+may import, so the exporter never needs the importer's pid. Needs numpy. Run from the repository root, after
+``scripts/setup.sh``: ``.venv/bin/python examples/share_without_trustlist.py``.
 """
 
 import subprocess

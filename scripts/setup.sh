@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install vmmshare with its development and test tools into it.
+# Create .venv (once) and install vmmshare with its development and test tools into it. The install is skipped when
+# .venv already holds it for this pyproject.toml and this script (a stamp of their hash), so repeated runs are quick;
+# a fresh clone, or a change to either file, installs in full.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+stamp=.venv/.vmmshare-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+here=$(.venv/bin/python -c 'import vmmshare, os; print(os.path.dirname(vmmshare.__file__))' 2>/dev/null || true)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ "$here" = "$PWD/src/vmmshare" ]; then
+  exit 0
+fi
+rm -f "$stamp"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 # CPU torch for the DLPack interop test, only from a local wheel (never a multi-GB download); else that test skips.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -14,3 +23,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "$wheel" || echo "torch not installed: its test will skip"
   fi
 fi
+echo "$want" > "$stamp"

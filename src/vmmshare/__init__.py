@@ -1,8 +1,14 @@
-"""vmmshare: the Ascend ACL virtual-memory-management runtime and its cross-process memory sharing."""
+"""vmmshare: the Ascend ACL virtual-memory-management runtime and its cross-process memory sharing.
+
+`acl` and the Pythonic objects are imported on first use, so that the command line loads only what it runs (and
+can report a bad VMMSHARE_* variable itself instead of failing while it imports the broker client).
+"""
 
 from __future__ import annotations
 
-from . import acl
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AclError,
     ContextNullError,
@@ -15,9 +21,30 @@ from .errors import (
     MemoryAllocationError,
     NoPermissionError,
 )
-from .memory import Device, Mapping, PhysicalMemory, ShareableHandle, VirtualRange, import_handle
+
+if TYPE_CHECKING:
+    from . import acl
+    from .memory import Device, Mapping, PhysicalMemory, ShareableHandle, VirtualRange, import_handle
 
 __version__ = "0.1.0"
+
+_LAZY = {"acl": "", **dict.fromkeys(
+    ("Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"), "memory")}
+
+
+def __getattr__(name: str) -> Any:
+    """`vmmshare.acl`, `vmmshare.Device`, ...: imported when first asked for."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if name == "acl" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AclError",

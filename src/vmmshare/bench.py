@@ -1,4 +1,4 @@
-"""``vmmshare bench``: sharing costs against the anchors, in one run on the embedded broker.
+"""vmmshare bench: sharing costs against the anchors, in one run on the auto-started default broker.
 
 Measured side by side (medians over repetitions, with the 10th–90th percentile spread):
 - share latency by step — allocate, map, export, trustlist | import, reserve+map, first touch — against
@@ -23,8 +23,30 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .console import (
+    FAILED,
+    OK,
+    USAGE,
+    Parser,
+    Progress,
+    check_outputs,
+    count_option,
+    counts_option,
+    environment_ok,
+    plain,
+    run_main,
+    say_error,
+    seconds_option,
+    sizes_option,
+)
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096
+Step = Callable[[str], None]  # told what the run measures now (a progress line on a terminal)
+
+
+def _quiet(_: str) -> None:
+    pass
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -124,7 +146,7 @@ def _read_bw(array: Any, reps: int) -> float:
 
 
 def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Callable[[int], int],
-                  with_torch: bool) -> dict[str, Any]:
+                  with_torch: bool, step: Step = _quiet) -> dict[str, Any]:
     from multiprocessing import shared_memory
 
     import numpy as np
@@ -142,6 +164,7 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
     for size, touch, n in plan:
         steps = all_steps[size]
         for i in range(n + 1):
+            step(f"share latency{' with first touch' if touch else ''}, {_fmt_size(size)}, round {i + 1} of {n + 1}")
             t0 = _now()
             mem = dev.allocate(size)
             t1 = _now()
@@ -181,6 +204,7 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
         steps = all_steps[size]
         n = reps(size)
         pipe_reps = max(2, min(n, (64 * MiB * 8) // size))
+        step(f"multiprocessing.Pipe, {_fmt_size(size)}")
         payload = np.ones(size, dtype=np.uint8).tobytes() if size <= 256 * MiB else None
         for _ in range(pipe_reps if payload is not None else 0):
             t0 = _now()
@@ -192,6 +216,7 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
         row["size"] = size
         rows[str(size)] = row
     if with_torch:
+        step("torch share_memory_()")
         rows_t = torch_share(sizes, reps)
         for key, value in rows_t.items():
             rows[key]["torch_share"] = value
@@ -256,7 +281,7 @@ def _tp_client(text: str, seconds: float, start: Any, conn: Connection) -> None:
     conn.send(n)
 
 
-def throughput(clients: list[int], seconds: float) -> dict[str, float]:
+def throughput(clients: list[int], seconds: float, step: Step = _quiet) -> dict[str, float]:
     import vmmshare
 
     ctx = mp.get_context("spawn")
@@ -264,6 +289,7 @@ def throughput(clients: list[int], seconds: float) -> dict[str, float]:
     h = mem.export(validate_pids=False)
     out = {}
     for n in clients:
+        step(f"broker throughput, {n} client(s)")
         start = ctx.Event()
         pipes, procs = [], []
         for _ in range(n):
@@ -288,9 +314,10 @@ def throughput(clients: list[int], seconds: float) -> dict[str, float]:
 # ---------------------------------------------------------------- bandwidth
 
 
-def bandwidth(peer: Connection, peer_pid: int, size: int, reps: int) -> dict[str, Any]:
+def bandwidth(peer: Connection, peer_pid: int, size: int, reps: int, step: Step = _quiet) -> dict[str, Any]:
     import vmmshare
 
+    step(f"read bandwidth and first touch, {_fmt_size(size)}")
     with vmmshare.Device(0).allocate(size) as mem:
         with mem.map() as m:
             v = m.numpy()
@@ -418,7 +445,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 def run(
     quick: bool, with_torch: bool | None = None, sizes: list[int] | None = None, reps_override: int | None = None,
-    clients: list[int] | None = None, seconds: float | None = None,
+    clients: list[int] | None = None, seconds: float | None = None, step: Step = _quiet,
 ) -> dict[str, Any]:
     import vmmshare
 
@@ -445,19 +472,20 @@ def run(
     bw_size = min(max(sizes), 64 * MiB if quick else 256 * MiB)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
+    step("starting the peer process")
     peer = ctx.Process(target=_peer, args=(b,))
     peer.start()
     b.close()  # the peer's end lives in the peer: if it dies, recv() here sees the pipe close instead of waiting
     peer_pid = a.recv()
     res: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     try:
-        res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch)
-        res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5)
+        res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch, step)
+        res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5, step)
     finally:
         with contextlib.suppress(OSError):  # a peer that died has closed its end
             a.send(("stop",))
         peer.join()
-    res["throughput"] = throughput(clients, seconds)
+    res["throughput"] = throughput(clients, seconds, step)
     res["targets"] = targets(res)
     return res
 
@@ -472,14 +500,24 @@ def _gpu_backend() -> bool:
     return backend == "cuda"
 
 
+def write_json(res: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """`vmmshare bench`: a closed stdout or Ctrl-C ends it without a traceback."""
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     if "--gpu" in argv or _gpu_backend():
         from . import bench_gpu  # device memory is GPU memory: the CPU-side measurements below do not apply
 
         return bench_gpu.main([a for a in argv if a != "--gpu"])
-    ap = argparse.ArgumentParser(prog="vmmshare bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="vmmshare bench", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Needs numpy (pip install 'vmmshare[bench]'); --plot needs matplotlib. Exit status: 0 done, "
+                       "1 a measurement failed, 2 bad usage or configuration.")
     ap.add_argument("--gpu", action="store_true",
                     help="GPU memory with the CUDA backend instead, against torch CUDA IPC (see --gpu --help); "
                          "the default when VMMSHARE_BACKEND gives GPU memory (cuda, or auto with a GPU)")
@@ -487,39 +525,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison even if torch is installed")
-    ap.add_argument("--sizes", help="comma-separated sizes to share, e.g. 4K,2M,1G")
-    ap.add_argument("--reps", type=int, help="repetitions per size (default: by size)")
-    ap.add_argument("--clients", help="comma-separated client counts for the throughput test (default 1,4,16)")
-    ap.add_argument("--seconds", type=float, help="seconds per throughput point")
+    ap.add_argument("--sizes", type=sizes_option, help="comma-separated sizes to share, e.g. 4K,2M,1G")
+    ap.add_argument("--reps", type=count_option, help="repetitions per size (default: by size)")
+    ap.add_argument("--clients", type=counts_option,
+                    help="comma-separated client counts for the throughput test (default 1,4,16)")
+    ap.add_argument("--seconds", type=seconds_option, help="seconds per throughput point")
     args = ap.parse_args(argv)
-    from .config import parse_size
+    if not environment_ok("vmmshare bench"):
+        return USAGE
+    check_outputs(ap, json=args.json, plot=args.plot)
+    try:
+        import numpy  # noqa: F401  (the measuring processes use it)
+    except ImportError:
+        say_error("vmmshare bench", "needs numpy, which is not installed: pip install 'vmmshare[bench]'")
+        return USAGE
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib, which is not installed: pip install 'vmmshare[bench]'")
     from .errors import AclError
 
     try:
-        sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
-        clients = [int(x) for x in args.clients.split(",")] if args.clients else None
-    except ValueError as exc:
-        ap.error(str(exc))
-    if sizes is not None and min(sizes) <= 0:
-        ap.error("--sizes: every size must be positive")
-    if clients is not None and min(clients) < 1:
-        ap.error("--clients: every count must be at least 1")
-    if args.reps is not None and args.reps < 1:
-        ap.error("--reps must be at least 1")
-    if args.seconds is not None and args.seconds <= 0:
-        ap.error("--seconds must be positive")
-    try:
-        res = run(args.quick, False if args.no_torch else None, sizes, args.reps, clients, args.seconds)
-    except (AclError, EOFError) as exc:
-        print(f"vmmshare bench: failed: {exc}", file=sys.stderr)
-        return 1
+        with Progress("vmmshare bench") as progress:
+            res = run(args.quick, False if args.no_torch else None, args.sizes, args.reps, args.clients,
+                      args.seconds, progress.step)
+    except AclError as exc:
+        say_error("vmmshare bench", f"failed: {exc}")
+        return FAILED
+    except (EOFError, OSError):  # the pipe to a measuring process: it died
+        say_error("vmmshare bench", "failed: a measuring process exited early (its error is above)")
+        return FAILED
+    try:  # the files first: a reader that stops early (| head) must not cost them
+        if args.json:
+            write_json(res, args.json)
+        if args.plot:
+            plot(res, args.plot)
+    except OSError as exc:
+        say_error("vmmshare bench", f"cannot write {exc.filename}: {exc.strerror}")
+        return FAILED
     print_report(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    if args.plot:
-        plot(res, args.plot)
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

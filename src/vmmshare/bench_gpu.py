@@ -1,4 +1,4 @@
-"""``vmmshare bench --gpu``: GPU sharing costs with the CUDA backend, against torch CUDA IPC, in one run.
+"""vmmshare bench --gpu: GPU sharing costs with the CUDA backend, against torch CUDA IPC, in one run.
 
 - create (malloc_physical + reserve + map), export (+ trustlist) and import (+ reserve + map), µs medians;
 - round trip: export, hand the handle to another process, which imports, maps and reads a byte, and answers
@@ -21,7 +21,20 @@ from typing import Any
 
 from . import acl
 from ._process import runtime
-from .config import parse_size
+from .console import (
+    FAILED,
+    OK,
+    USAGE,
+    Parser,
+    Progress,
+    check_outputs,
+    count_option,
+    environment_ok,
+    plain,
+    run_main,
+    say_error,
+    sizes_option,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
@@ -30,7 +43,7 @@ med = statistics.median
 
 def ok(ret: int) -> None:
     if ret:
-        raise SystemExit(f"failed ({ret}): {acl.get_recent_err_msg()}")
+        raise SystemExit(f"vmmshare bench --gpu: failed ({ret}): {acl.get_recent_err_msg()}")
 
 
 def us(t0: int) -> float:
@@ -150,8 +163,11 @@ def torch_parent(size: int, reps: int) -> float:
     return med(times)
 
 
-def run(sizes: list[int], reps: int | None = None) -> dict[str, Any]:
-    """Measure every size (in this process and an importer child); the bandwidth at the largest."""
+def run(sizes: list[int], reps: int | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Measure every size (in this process and an importer child); the bandwidth at the largest. Each size's row
+    is printed as soon as it is measured; `progress` shows the step in between."""
+    step = progress.step if progress is not None else (lambda _: None)
+    show = progress.print if progress is not None else print
     with_torch = torch_cuda()
     ok(acl.rt.set_device(0))
     child = subprocess.Popen([sys.executable, "-m", "vmmshare.bench_gpu", "--importer"], stdin=subprocess.PIPE,
@@ -164,6 +180,7 @@ def run(sizes: list[int], reps: int | None = None) -> dict[str, Any]:
         rows: dict[str, list[float]] = {"create_us": [], "export_us": [], "import_us": [], "round_trip_us": []}
         bw: dict[str, Any] = {}
         for i in range(n + 2):
+            step(f"{size >> 20} MiB, round {i + 1} of {n + 2}")
             t0 = time.perf_counter_ns()
             h, ptr = create(size)
             t_create = us(t0)
@@ -186,6 +203,8 @@ def run(sizes: list[int], reps: int | None = None) -> dict[str, Any]:
                 bw = reply
             destroy(h, ptr)
         row: dict[str, Any] = {k: med(v) for k, v in rows.items() if v}
+        if with_torch:
+            step(f"{size >> 20} MiB, torch CUDA IPC")
         row["torch_ipc_round_trip_us"] = torch_ipc(size, n) if with_torch else None
         row["round_trip_vs_torch"] = row["round_trip_us"] / row["torch_ipc_round_trip_us"] if with_torch else None
         if bw:
@@ -194,38 +213,45 @@ def run(sizes: list[int], reps: int | None = None) -> dict[str, Any]:
             row["d2d_ratio"] = bw["bw_imported_GBps"] / bw["bw_local_GBps"]
         results[f"{size >> 20}MiB"] = row
         shown = "  ".join(f"{k}={'n/a' if v is None else f'{v:.1f}' if v > 10 else f'{v:.3f}'}" for k, v in row.items())
-        print(f"{size >> 20:>5} MiB: {shown}", flush=True)
+        show(f"{size >> 20:>5} MiB: {shown}")
     child.stdin.close()
     child.wait()
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="vmmshare bench --gpu", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    """`vmmshare bench --gpu`: a closed stdout or Ctrl-C ends it without a traceback."""
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    ap = Parser(prog="vmmshare bench --gpu", description=plain(__doc__),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--quick", action="store_true", help="CI-sized: 2 MiB and 64 MiB, 5 repetitions")
-    ap.add_argument("--sizes", default="2M,1G", help="comma-separated sizes, multiples of 2 MiB (default 2M,1G)")
-    ap.add_argument("--reps", type=int, help="repetitions per size (default 30 below 1 GiB, else 10)")
+    ap.add_argument("--sizes", type=sizes_option, default=[2 * MiB, GiB],
+                    help="comma-separated sizes, multiples of 2 MiB (default 2M,1G)")
+    ap.add_argument("--reps", type=count_option, help="repetitions per size (default 30 below 1 GiB, else 10)")
     ap.add_argument("--importer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ["VMMSHARE_BACKEND"] = "cuda"  # this process and its children: device memory is GPU memory
     if args.importer:
         importer()
-        return 0
-    try:
-        sizes = [parse_size(x) for x in ("2M,64M" if args.quick else args.sizes).split(",")]
-    except ValueError as exc:
-        ap.error(str(exc))
-    if min(sizes) <= 0:
-        ap.error("--sizes: every size must be positive")
-    if args.reps is not None and args.reps < 1:
-        ap.error("--reps must be at least 1")
-    results = run(sizes, args.reps or (5 if args.quick else None))
+        return OK
+    if not environment_ok("vmmshare bench --gpu"):
+        return USAGE
+    check_outputs(ap, json=args.json)
+    sizes = [2 * MiB, 64 * MiB] if args.quick else args.sizes
+    with Progress("vmmshare bench --gpu") as progress:
+        results = run(sizes, args.reps or (5 if args.quick else None), progress)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+        try:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        except OSError as exc:
+            say_error("vmmshare bench --gpu", f"cannot write {exc.filename}: {exc.strerror}")
+            return FAILED
+    return OK
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""The ``vmmshare`` command line: broker, ls, demo, bench, doctor, version."""
+"""The ``vmmshare`` command line: broker, ls, demo, bench, stress, doctor, version.
+
+Every command except doctor first checks the VMMSHARE_* variables (doctor reports them as findings); exit codes
+are those of `console` (0 done, 1 failed, 2 usage or configuration, 3 another broker serves the path).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, config
+from .console import FAILED, IN_USE, OK, USAGE, Parser, Progress, environment_ok, run_main, say_error, seconds_option
 
 
 def _size(n: int) -> str:
@@ -19,19 +23,41 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+# ---------------------------------------------------------------- option types (their errors name the option)
+
+
+def _level(text: str) -> str:
+    if text.strip().upper() not in config.LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: use one of {', '.join(config.LOG_LEVELS)}")
+    return text.strip().upper()
+
+
+def _socket(text: str) -> Path:
+    try:
+        return config.check_socket_path(text, "--socket")
+    except config.ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--socket ")) from None
+
+
+# ---------------------------------------------------------------- ls
+
+
 def _ls(args: argparse.Namespace) -> int:
     from .broker.client import BrokerClient
-    from .config import Config
     from .errors import AclError
 
+    client = BrokerClient(config.Config.from_env(), autostart=False)
     try:
-        listing = BrokerClient(Config.from_env(), autostart=False).listing()
+        listing = client.listing()
     except AclError as exc:
-        print(f"vmmshare ls: {exc.message}", file=sys.stderr)
-        return 1
+        say_error("vmmshare ls", exc.message)
+        return FAILED
+    finally:
+        client.close()
+    listing["clients"] = max(0, listing["clients"] - 1)  # the broker counts this listing's own connection
     if args.json:
         print(json.dumps(listing, indent=2))
-        return 0
+        return OK
     rows: list[dict[str, Any]] = listing["exports"]
     print(f"broker pid {listing['broker_pid']}, {listing['clients']} client(s), {len(rows)} export(s)")
     for dev, used in sorted(listing["used"].items(), key=lambda kv: int(kv[0])):
@@ -39,7 +65,7 @@ def _ls(args: argparse.Namespace) -> int:
     for dev, used in sorted(listing.get("gpu_used", {}).items(), key=lambda kv: int(kv[0])):
         print(f"  GPU {dev}: {_size(used)} allocated through vmmshare")
     if not rows:
-        return 0
+        return OK
     head = ("HANDLE", "TYPE", "DEV", "SIZE", "OWNER", "PIDCHECK", "TRUSTLIST", "IMPORTERS")
     table = [head] + [
         (
@@ -53,79 +79,165 @@ def _ls(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    return 0
+    return OK
+
+
+# ---------------------------------------------------------------- broker
+
+
+def _folder_problem(path: Path) -> str | None:
+    """Why the broker could not serve at `path` (None if it can try): it creates only the socket's own folder."""
+    folder = path.parent
+    if path.is_dir():
+        return f"{path} is a folder"
+    if folder.exists():
+        return None if folder.is_dir() else f"{folder} is not a folder"
+    if not folder.parent.is_dir():
+        return (f"{folder.parent} does not exist: the broker creates only the socket's own folder ({folder.name}), "
+                "so create its parent first")
+    return None
+
+
+def _answers(path: Path) -> bool:
+    """Whether a broker already listens at `path` (one whose listen queue is full counts)."""
+    from .broker.wire import connect
+
+    try:
+        connect(path, 2.0).close()
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from .broker.__main__ import main as broker_main
+
+    prog = "vmmshare broker"
+    path, source = (args.socket, "--socket") if args.socket is not None else (config.socket_path(), "VMMSHARE_SOCKET")
+    problem = _folder_problem(path)
+    if problem:
+        say_error(prog, f"{source} {str(path)!r}: {problem}")
+        return USAGE
+    if _answers(path):
+        say_error(prog, f"a broker already serves {path}: stop it first, or choose another path with --socket")
+        return IN_USE
+    forward = ["--socket", str(path), "--log-level", args.log_level or config.log_level()]
+    if args.idle is not None:
+        forward += ["--idle", repr(args.idle)]
+    if args.multi_user:
+        forward.append("--multi-user")
+    return broker_main(forward)
+
+
+# ---------------------------------------------------------------- stress
 
 
 STRESS_DIR = Path(__file__).resolve().parents[2] / "stress"
 
 
 def _stress(argv: list[str]) -> int:
-    """Run `stress/NAME.py` of a source checkout with the remaining options."""
+    """Run `stress/NAME.py` of a source checkout with the remaining options; its output passes through this process
+    (a closed pipe ends the relay quietly), with a status line on a terminal while it runs."""
     scripts = sorted(p.stem for p in STRESS_DIR.glob("*.py") if not p.stem.startswith("_") and p.stem != "common")
     if not scripts:
-        print(f"vmmshare stress: no stress scripts at {STRESS_DIR} (they ship with the source checkout)",
-              file=sys.stderr)
-        return 2
+        say_error("vmmshare stress", f"no stress scripts at {STRESS_DIR} (they ship with the source checkout)")
+        return USAGE
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"vmmshare stress: unknown run {argv[0]!r}", file=sys.stderr)
+            say_error("vmmshare stress", f"unknown run {argv[0]!r}")
         print("usage: vmmshare stress NAME [options]   (NAME --help for its options)\nruns: " + ", ".join(scripts))
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return OK if not argv or argv[0] in ("-h", "--help") else USAGE
+    if not environment_ok("vmmshare stress"):
+        return USAGE
+    import os
     import subprocess
 
-    return subprocess.call([sys.executable, str(STRESS_DIR / f"{argv[0]}.py"), *argv[1:]])
+    cmd = [sys.executable, str(STRESS_DIR / f"{argv[0]}.py"), *argv[1:]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    try:
+        with Progress(f"vmmshare stress {argv[0]}") as progress:
+            progress.step("running")
+            for line in proc.stdout:
+                progress.emit(line)
+    except BrokenPipeError:  # nobody reads any more: let the run finish (it cleans up after itself), unheard
+        for _ in proc.stdout:
+            pass
+        raise
+    finally:
+        proc.stdout.close()
+        proc.wait()
+    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vmmshare", description="Ascend-style VMM memory sharing on Linux.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------- the command line
+
+
+def _parser() -> Parser:
+    parser = Parser(prog="vmmshare", description="Ascend-style VMM memory sharing on Linux.",
+                    epilog="exit status: 0 done, 1 failed, 2 bad usage or configuration, 3 (broker) another broker "
+                           "serves the path, 141 output closed early")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("version", help="print the version")
     b = sub.add_parser("broker", help="run the node broker in the foreground")
-    b.add_argument("--socket", help="socket path (default: $VMMSHARE_SOCKET or the per-user path)")
-    b.add_argument("--idle", type=float, default=None, help="exit after this many idle seconds (default: never)")
+    b.add_argument("--socket", type=_socket,
+                   help="socket path, at most 107 bytes (default: $VMMSHARE_SOCKET or the per-user path); the "
+                        "broker creates its folder, not the folders above it")
+    b.add_argument("--idle", type=seconds_option, default=None, metavar="SECONDS",
+                   help="exit after this many seconds with no client and nothing held (default: never)")
     b.add_argument("--multi-user", action="store_true", help="let other users connect; the trustlist still decides")
-    b.add_argument("--log-level", default=os.environ.get("VMMSHARE_LOG", "INFO"))
+    b.add_argument("--log-level", type=_level, default=None, metavar="LEVEL",
+                   help=f"{', '.join(config.LOG_LEVELS)} (default: $VMMSHARE_LOG, else INFO)")
+    sub.add_parser("demo", help="three processes share memory, every rule checked on the way (see demo --help)")
+    sub.add_parser("bench", help="sharing costs against shared_memory, Pipe and torch, in one run (see bench --help)")
     sub.add_parser("stress", help="the long reliability runs in stress/ (NAME [options]; no NAME lists them)")
-    sub.add_parser("bench", help="sharing costs against shared_memory, Pipe and torch, in one run (see --help)")
-    d = sub.add_parser("demo", help="share memory between three processes and check every rule on the way")
-    d.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes)")
     doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")
-    doc.add_argument("--json", action="store_true")
+    doc.add_argument("--json", action="store_true", help="print the findings as JSON")
     ls = sub.add_parser("ls", help="list the exports on this node")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own options
+    return parser
+
+
+def _main(argv: list[str]) -> int:
+    asks_help = bool({"-h", "--help"} & set(argv[1:]))
+    # bench and demo check before their modules are imported: the broker client reads VMMSHARE_SPIN_US on import
+    if argv[:1] in (["bench"], ["demo"]) and not asks_help and not environment_ok(f"vmmshare {argv[0]}"):
+        return USAGE
+    if argv[:1] == ["bench"]:  # its own options and help
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["stress"]:
         return _stress(argv[1:])
-    args = parser.parse_args(argv)
-    if args.command == "version":
-        print(f"vmmshare {__version__}")
-        return 0
-    if args.command == "broker":
-        from .broker.__main__ import main as broker_main
-
-        forward = ["--log-level", args.log_level]
-        if args.socket:
-            forward += ["--socket", args.socket]
-        if args.idle is not None:
-            forward += ["--idle", str(args.idle)]
-        if args.multi_user:
-            forward.append("--multi-user")
-        return broker_main(forward)
-    if args.command == "demo":
+    if argv[:1] == ["demo"]:  # its own options and help
         from .demo import main as demo_main
 
-        return demo_main(["--size", args.size])
+        return demo_main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None and not args.version:
+        parser.error("give a command (or --version)")
     if args.command == "doctor":
         from .doctor import run as doctor_run
 
         return doctor_run(args.json)
-    if args.command == "ls":
-        return _ls(args)
-    return 2
+    prog = f"vmmshare {args.command}" if args.command else "vmmshare"
+    if not environment_ok(prog):
+        return USAGE
+    if args.version or args.command == "version":
+        print(f"vmmshare {__version__}")
+        return OK
+    if args.command == "broker":
+        return _broker(args)
+    return _ls(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `vmmshare` console script."""
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,32 @@
-"""Configuration read from the environment (SPEC §7), parsed once per call so tests can change it."""
+"""Configuration read from the environment (SPEC §7), parsed once per call so tests can change it.
+
+Each variable has one reader; a value it cannot use raises `ConfigError`, whose message names the variable.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+BACKENDS = ("host", "cuda", "auto")
+MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, with the terminating NUL
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A VMMSHARE_* variable (or option) whose value cannot be used; the message names it, `.name` holds it."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 def parse_size(text: str) -> int:
@@ -20,17 +37,164 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
 
 
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+def _raw(name: str) -> str | None:
+    """The variable's value, or None when it is unset or blank."""
     raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
+    return None if raw is None or raw.strip() == "" else raw
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = _raw(name)
+    if raw is None:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ConfigError(f"{name}={raw!r} is not an integer", name) from None
     if not lo <= value <= hi:
-        raise ValueError(f"{name}={value} is out of range [{lo}, {hi}]")
+        raise ConfigError(f"{name}={raw!r} is out of range [{lo}, {hi}]", name)
     return value
+
+
+def devices() -> int:
+    """$VMMSHARE_DEVICES: how many devices, 1 to 1024 (default 8)."""
+    return _env_int("VMMSHARE_DEVICES", 8, 1, 1024)
+
+
+def device_memory() -> int:
+    """$VMMSHARE_DEVICE_MEMORY: each device's capacity in bytes (default 64G)."""
+    raw = _raw("VMMSHARE_DEVICE_MEMORY") or "64G"
+    try:
+        value = parse_size(raw)
+    except ValueError:
+        raise ConfigError(f"VMMSHARE_DEVICE_MEMORY={raw!r} is not a size (use bytes, or a number with K, M, G "
+                          "or T, such as 64G)", "VMMSHARE_DEVICE_MEMORY") from None
+    if value <= 0:
+        raise ConfigError(f"VMMSHARE_DEVICE_MEMORY={raw!r} must be positive", "VMMSHARE_DEVICE_MEMORY")
+    return value
+
+
+def backend() -> str:
+    """$VMMSHARE_BACKEND: host, cuda or auto (default host)."""
+    raw = os.environ.get("VMMSHARE_BACKEND", "")
+    value = raw.strip().lower() or "host"
+    if value not in BACKENDS:
+        raise ConfigError(f"VMMSHARE_BACKEND={raw!r}: use 'host', 'cuda' or 'auto'", "VMMSHARE_BACKEND")
+    return value
+
+
+def broker_idle() -> float:
+    """$VMMSHARE_BROKER_IDLE: seconds an auto-started broker lingers with nothing to do (default 60)."""
+    raw = _raw("VMMSHARE_BROKER_IDLE") or "60"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        raise ConfigError(f"VMMSHARE_BROKER_IDLE={raw!r} is not a number of seconds", "VMMSHARE_BROKER_IDLE")
+    return max(0.0, value)
+
+
+def prepopulate() -> bool:
+    """$VMMSHARE_PREPOPULATE: fault every mapping in when it is made (default off)."""
+    raw = os.environ.get("VMMSHARE_PREPOPULATE", "")
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"VMMSHARE_PREPOPULATE={raw!r}: use 1, true, yes or on; or 0, false, no or off",
+                          "VMMSHARE_PREPOPULATE")
+    return value in _TRUE
+
+
+def log_level() -> str:
+    """$VMMSHARE_LOG: the broker's log level (default INFO)."""
+    raw = os.environ.get("VMMSHARE_LOG", "")
+    value = raw.strip().upper() or "INFO"
+    if value not in LOG_LEVELS:
+        raise ConfigError(f"VMMSHARE_LOG={raw!r} is not a log level: use one of {', '.join(LOG_LEVELS)}",
+                          "VMMSHARE_LOG")
+    return value
+
+
+def spin_seconds(name: str, default_us: float) -> float:
+    """A polling window given in microseconds by the variable `name` (VMMSHARE_SPIN_US, VMMSHARE_BROKER_SPIN_US)."""
+    raw = _raw(name)
+    if raw is None:
+        return default_us / 1e6
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name}={raw!r} is not a number of microseconds (0 or more)", name)
+    return value / 1e6
+
+
+def check_socket_path(path: Path | str, name: str) -> Path:
+    """`path` if a Unix socket can be bound there (not empty, at most 107 bytes); `name` is the option or variable
+    it came from, for the message."""
+    text = os.fspath(path)
+    said = f"{name} {text!r}" if name.startswith("-") else f"{name}={text!r}"
+    if text == "":
+        raise ConfigError(f"{said}: the socket path is empty", name)
+    size = len(os.fsencode(text))
+    if size > MAX_SOCKET_PATH:
+        raise ConfigError(f"{said} is {size} bytes long: a Unix socket path holds at most {MAX_SOCKET_PATH} bytes; "
+                          "choose a shorter one", name)
+    return Path(text)
+
+
+def socket_path() -> Path:
+    """The broker socket: $VMMSHARE_SOCKET, else $XDG_RUNTIME_DIR/vmmshare/, else /tmp/vmmshare-<uid>/."""
+    explicit = os.environ.get("VMMSHARE_SOCKET")
+    if explicit:
+        return check_socket_path(explicit, "VMMSHARE_SOCKET")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        path = Path(xdg) / "vmmshare" / "broker.sock"
+        if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
+            raise ConfigError(f"XDG_RUNTIME_DIR={xdg!r} makes the socket path {str(path)!r}, longer than "
+                              f"{MAX_SOCKET_PATH} bytes: set VMMSHARE_SOCKET to a shorter path", "XDG_RUNTIME_DIR")
+        return path
+    return Path(f"/tmp/vmmshare-{os.getuid()}") / "broker.sock"
+
+
+def server_id() -> int:
+    """This server's 32-bit id: $VMMSHARE_SERVER_ID, else derived from /etc/machine-id."""
+    raw = _raw("VMMSHARE_SERVER_ID")
+    if raw is not None:
+        try:
+            value = int(raw, 0)
+        except ValueError:
+            raise ConfigError(f"VMMSHARE_SERVER_ID={raw!r} is not an integer (such as 42 or 0x2a)",
+                              "VMMSHARE_SERVER_ID") from None
+        if not 0 <= value < 1 << 32:
+            raise ConfigError(f"VMMSHARE_SERVER_ID={raw!r} must fit in 32 bits", "VMMSHARE_SERVER_ID")
+        return value
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+    return int.from_bytes(hashlib.sha256(os.uname().nodename.encode()).digest()[:4], "little")
+
+
+_READERS: tuple[Callable[[], object], ...] = (
+    devices, device_memory, socket_path, server_id, backend, broker_idle, prepopulate, log_level,
+    lambda: spin_seconds("VMMSHARE_SPIN_US", 100), lambda: spin_seconds("VMMSHARE_BROKER_SPIN_US", 200),
+)
+
+
+def problems() -> list[ConfigError]:
+    """Every VMMSHARE_* variable that cannot be used, each as the error that names it (empty: all are usable)."""
+    found = []
+    for read in _READERS:
+        try:
+            read()
+        except ConfigError as exc:
+            found.append(exc)
+    return found
 
 
 @dataclass(frozen=True)
@@ -44,56 +208,18 @@ class Config:
     backend: str
     broker_idle: float
     prepopulate: bool
+    log_level: str = "INFO"
 
     @classmethod
     def from_env(cls) -> Config:
-        mem_raw = os.environ.get("VMMSHARE_DEVICE_MEMORY", "64G")
-        memory = parse_size(mem_raw)
-        if memory <= 0:
-            raise ValueError(f"VMMSHARE_DEVICE_MEMORY={mem_raw!r} must be positive")
-        backend = os.environ.get("VMMSHARE_BACKEND", "host").strip().lower() or "host"
-        if backend not in ("host", "cuda", "auto"):
-            raise ValueError(f"VMMSHARE_BACKEND={backend!r}: use 'host', 'cuda' or 'auto'")
-        idle_raw = os.environ.get("VMMSHARE_BROKER_IDLE", "60")
-        try:
-            idle = float(idle_raw)
-        except ValueError:
-            raise ValueError(f"VMMSHARE_BROKER_IDLE={idle_raw!r} is not a number of seconds") from None
+        """Read the variables; the first that cannot be used raises `ConfigError` (a ValueError) naming it."""
         return cls(
-            devices=_env_int("VMMSHARE_DEVICES", 8, 1, 1024),
-            device_memory=memory,
+            devices=devices(),
+            device_memory=device_memory(),
             socket_path=socket_path(),
             server_id=server_id(),
-            backend=backend,
-            broker_idle=max(0.0, idle),
-            prepopulate=os.environ.get("VMMSHARE_PREPOPULATE", "0").strip().lower() in ("1", "true", "yes"),
+            backend=backend(),
+            broker_idle=broker_idle(),
+            prepopulate=prepopulate(),
+            log_level=log_level(),
         )
-
-
-def socket_path() -> Path:
-    """The broker socket: $VMMSHARE_SOCKET, else $XDG_RUNTIME_DIR/vmmshare/, else /tmp/vmmshare-<uid>/."""
-    explicit = os.environ.get("VMMSHARE_SOCKET")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "vmmshare" / "broker.sock"
-    return Path(f"/tmp/vmmshare-{os.getuid()}") / "broker.sock"
-
-
-def server_id() -> int:
-    """This server's 32-bit id: $VMMSHARE_SERVER_ID, else derived from /etc/machine-id."""
-    raw = os.environ.get("VMMSHARE_SERVER_ID")
-    if raw:
-        value = int(raw, 0)
-        if not 0 <= value < 1 << 32:
-            raise ValueError(f"VMMSHARE_SERVER_ID={raw!r} must fit in 32 bits")
-        return value
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text:
-            return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
-    return int.from_bytes(hashlib.sha256(os.uname().nodename.encode()).digest()[:4], "little")

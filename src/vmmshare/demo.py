@@ -1,4 +1,7 @@
-"""``vmmshare demo``: an exporter and two importers, as three processes, on the embedded default broker.
+"""vmmshare demo: an exporter and two importers, as three processes, on the node's default broker.
+
+The broker is the one already running, or one the demo's first call starts (it exits by itself once idle for
+VMMSHARE_BROKER_IDLE seconds, 60 by default).
 
 Each role is the same module run with ``--role``; the conductor drives them over pipes (one JSON line per
 step) and prints what each did. Every step's outcome is checked: the exit status is 0 only if all behaved.
@@ -19,6 +22,7 @@ from typing import Any
 from . import acl
 from ._process import runtime
 from .config import parse_size
+from .console import FAILED, USAGE, Parser, Progress, environment_ok, plain, run_main, say_error
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": acl.ACL_HBM_MEM_NORMAL,
         "location": {"id": 0, "type": acl.ACL_MEM_LOCATION_TYPE_DEVICE}, "reserve": 0}
@@ -111,7 +115,14 @@ class Role:
 
 
 def serve_role() -> int:
-    role = Role()
+    """One role process: run the conductor's requests until it closes the pipe (or Ctrl-C stops the demo)."""
+    try:
+        return _serve(Role())
+    except KeyboardInterrupt:  # the whole foreground process group got it: the conductor reports it
+        return 130
+
+
+def _serve(role: Role) -> int:
     for line in sys.stdin:
         req = json.loads(line)
         t0 = time.perf_counter()
@@ -156,7 +167,7 @@ class Proc:
 
 
 def _human(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20)):
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):g} {unit}"
     return f"{n} B"
@@ -164,11 +175,17 @@ def _human(n: int) -> str:
 
 def conduct(size: int, out: Any = sys.stdout) -> int:
     """Run the demo; print the report to `out`; 0 if every step behaved as the runtime's rules say."""
+    with Progress("vmmshare demo") as progress:
+        return _conduct(size, out, progress)
+
+
+def _conduct(size: int, out: Any, progress: Progress) -> int:
     failures: list[str] = []
     new_sha = ""
+    step = progress.step
 
     def say(text: str) -> None:
-        print(text, file=out, flush=True)
+        progress.print(text, out)
 
     def check(cond: bool, what: str) -> None:
         say(f"   {'ok  ' if cond else 'FAIL'} {what}")
@@ -177,6 +194,7 @@ def conduct(size: int, out: Any = sys.stdout) -> int:
 
     g = 2 << 20
     size = -(-size // g) * g
+    step("starting the exporter and two importers")
     procs = {name: Proc(name) for name in ("exporter", "importer-A", "importer-B")}
     e, a, b = procs["exporter"], procs["importer-A"], procs["importer-B"]
     try:
@@ -188,6 +206,7 @@ def conduct(size: int, out: Any = sys.stdout) -> int:
         say(f"vmmshare demo: {_human(size)}{kind} shared between three processes on the node broker")
         say("   " + ", ".join(f"{n} pid {p.pid}" for n, p in procs.items()))
 
+        step(f"exporter: allocating, mapping and filling {_human(size)}")
         r = e.do("create", size, 1)
         say(f"1. exporter: malloc_physical + reserve + map {_human(size)} ({r['vmm_us']:.0f} us), "
             f"then fill it ({(r['us'] - r['vmm_us']) / 1000:.0f} ms)")
@@ -197,15 +216,19 @@ def conduct(size: int, out: Any = sys.stdout) -> int:
         say(f"2. exporter: export V2 DEFAULT -> shareable handle {shareable:#018x}, trustlist [{a.pid}] "
             f"({r['us']:.0f} us)")
 
+        step("importer-A: importing and mapping")
         r = a.do("import_", shareable, size)
         say(f"3. importer-A (trustlisted): import + reserve + map ({r['us']:.0f} us)")
         a_mapped = r["ret"] == 0
         check(a_mapped, f"importer-A imported (ret {r['ret']})")
         if a_mapped:
+            step(f"importer-A: reading {_human(size)}, then writing it")
             check(a.do("checksum")["sha256"] == exp_sha, "importer-A reads the exporter's bytes (sha256 equal)")
             new_sha = a.do("fill", 2)["sha256"]
+            step(f"exporter: reading {_human(size)}")
             check(e.do("checksum")["sha256"] == new_sha, "exporter reads importer-A's writes (sha256 equal)")
 
+        step("importer-B: importing")
         r = b.do("import_", shareable, size)
         say(f"4. importer-B (not trustlisted): import -> {r['ret']}")
         check(r["ret"] == acl.ACL_ERROR_RT_NO_PERMISSION, f"importer-B refused with 207006: {r.get('message', '')}")
@@ -216,20 +239,59 @@ def conduct(size: int, out: Any = sys.stdout) -> int:
         say(f"6. late import by importer-B -> {r['ret']}")
         check(r["ret"] == acl.ACL_ERROR_RT_INVALID_HANDLE, f"late import refused with 107017: {r.get('message', '')}")
         if a_mapped:
+            step(f"importer-A: reading {_human(size)} again")
             check(a.do("checksum")["sha256"] == new_sha, "importer-A's memory is intact after the exporter freed it")
             a.do("release")
     except RuntimeError as exc:
         failures.append(str(exc))
         say(f"   FAIL {exc}")
     finally:
+        step("stopping the three processes")
         for p in procs.values():
             p.close()
     say("all steps behaved" if not failures else f"{len(failures)} step(s) misbehaved")
     return 0 if not failures else 1
 
 
+def _capacity_problem(size: int) -> str | None:
+    """Why a running broker cannot hold `size` bytes on a device (None if it can, or none runs: then the demo's
+    first call starts one with this environment's values). A running broker keeps the capacity it started with."""
+    from .broker.client import BrokerClient
+    from .config import Config
+    from .errors import AclError
+
+    config = Config.from_env()
+    if config.backend != "host":  # GPU memory: the driver's capacity applies, not the broker's
+        return None
+    client = BrokerClient(config, autostart=False)
+    try:
+        listing = client.listing()
+    except AclError:
+        return None
+    finally:
+        client.close()
+    capacity, pid = int(listing["capacity"]), int(listing["broker_pid"])
+    if size <= capacity:
+        return None
+    ours = config.device_memory
+    head = (f"{_human(size)} does not fit the running broker (pid {pid} at {config.socket_path}): it has "
+            f"{_human(capacity)} per device, the VMMSHARE_DEVICE_MEMORY it was started with")
+    if ours >= size:
+        return (f"{head}; this environment's {_human(ours)} counts only for a broker started from it. Stop that "
+                f"broker (kill {pid}) and run the demo again")
+    return f"{head}. Raise VMMSHARE_DEVICE_MEMORY, stop that broker (kill {pid}) and run the demo again"
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="vmmshare demo", description=__doc__)
+    """`vmmshare demo`: a closed stdout or Ctrl-C ends it without a traceback (the three processes are stopped)."""
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    ap = Parser(prog="vmmshare demo", description="\n\n".join(plain(__doc__).split("\n\n")[:2]),
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Exit status: 0 every step behaved, 1 a step misbehaved (or the running broker cannot hold "
+                       "--size), 2 bad usage or configuration.")
     ap.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes; rounded up to 2 MiB)")
     ap.add_argument("--role", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -238,9 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         size = parse_size(args.size)
     except ValueError as exc:
-        ap.error(str(exc))
+        ap.error(f"--size: {exc}")
     if size <= 0:
         ap.error("--size must be positive")
+    if not environment_ok("vmmshare demo"):
+        return USAGE
+    problem = _capacity_problem(-(-size // (2 << 20)) * (2 << 20))
+    if problem:
+        say_error("vmmshare demo", problem)
+        return FAILED
     os.environ.setdefault("VMMSHARE_LOG", "WARNING")
     return conduct(size)
 

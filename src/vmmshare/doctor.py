@@ -11,14 +11,17 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import config as cfg
 from .backends import host
 from .broker.wire import peer_pidfd
-from .config import Config
 
 
 @dataclass
 class Finding:
-    status: str  # "ok", "slow" (works, with a cost) or "missing"
+    """One line of the report. `status`: "ok"; "slow" (works, with a cost); "limit" (works, up to a capacity limit);
+    "missing" (does not work until fixed)."""
+
+    status: str
     item: str
     detail: str
     fix: str = ""
@@ -96,14 +99,20 @@ def kernel_features() -> list[Finding]:
                        if pid_ns_ok else "user namespaces disabled: unshare --pid needs root here",
                        "" if pid_ns_ok else "sudo sysctl user.max_user_namespaces=15000"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    status = "ok" if hard >= 65536 else "slow"
-    out.append(Finding(status, "open-file limit", f"soft {soft}, hard {hard}: the broker holds one fd per export",
+    status = "ok" if hard >= 65536 else "limit"
+    out.append(Finding(status, "open-file limit",
+                       f"soft {soft}, hard {hard}: the broker holds one fd per export, so at most about {hard} exports",
                        "" if status == "ok" else "raise the hard limit (ulimit -Hn / LimitNOFILE=) to 65536 or more"))
     return out
 
 
-def broker(config: Config) -> list[Finding]:
-    path = config.socket_path
+def configuration() -> list[Finding]:
+    """Each VMMSHARE_* variable that cannot be used: a finding of its own, not a failure of the report."""
+    return [Finding("missing", exc.name, str(exc), f"unset {exc.name}, or give it a value from docs/configuration.md")
+            for exc in cfg.problems()]
+
+
+def broker(path: Path) -> list[Finding]:
     out = []
     folder = path.parent
     if not folder.exists():
@@ -129,15 +138,15 @@ def broker(config: Config) -> list[Finding]:
     return out
 
 
-def backend(config: Config) -> list[Finding]:
-    if config.backend == "host":
+def backend(name: str) -> list[Finding]:
+    if name == "host":
         return [Finding("ok", "backend", "host: device memory is host shared memory (memfd)")]
     try:
         from cuda.bindings import driver  # noqa: F401
     except ImportError:
-        if config.backend == "auto":
+        if name == "auto":
             return [Finding("ok", "backend", "auto: cuda-bindings is not installed, device memory is host memory")]
-        return [Finding("missing", "backend", f"VMMSHARE_BACKEND={config.backend} but cuda-bindings is not installed",
+        return [Finding("missing", "backend", f"VMMSHARE_BACKEND={name} but cuda-bindings is not installed",
                         "pip install 'vmmshare[cuda]'")]
     from .backends.cuda import CudaBackend
     from .errors import AclError
@@ -147,16 +156,24 @@ def backend(config: Config) -> list[Finding]:
         gpus = ", ".join(f"GPU {d}: {gpu.total_memory(d) >> 20} MiB, granularity {gpu.granularity(d) >> 10} KiB"
                          for d in range(gpu.count))
     except AclError as exc:
-        if config.backend == "auto":
+        if name == "auto":
             return [Finding("ok", "backend", f"auto: no usable GPU ({exc.message}), device memory is host memory")]
         return [Finding("missing", "backend", f"VMMSHARE_BACKEND=cuda but no usable GPU: {exc.message}",
                         "install the NVIDIA driver, or use VMMSHARE_BACKEND=host")]
-    return [Finding("ok", "backend", f"{config.backend}: device memory is GPU memory ({gpus})")]
+    return [Finding("ok", "backend", f"{name}: device memory is GPU memory ({gpus})")]
 
 
 def run(as_json: bool = False) -> int:
-    config = Config.from_env()
-    findings = huge_pages() + kernel_features() + broker(config) + backend(config)
+    """Print the findings (a table, or JSON); 1 if anything is missing, a bad VMMSHARE_* variable included."""
+    findings = huge_pages() + kernel_features() + configuration()
+    try:
+        findings += broker(cfg.socket_path())
+    except cfg.ConfigError as exc:
+        findings.append(Finding("missing", "broker socket", f"unknown: {exc.name} cannot be used", f"fix {exc.name}"))
+    try:
+        findings += backend(cfg.backend())
+    except cfg.ConfigError as exc:
+        findings.append(Finding("missing", "backend", f"unknown: {exc.name} cannot be used", f"fix {exc.name}"))
     if as_json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:

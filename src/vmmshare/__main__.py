@@ -1,0 +1,7 @@
+"""``python -m vmmshare``: the ``vmmshare`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

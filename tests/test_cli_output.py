@@ -1,0 +1,141 @@
+"""Where the `vmmshare` commands write: a reader that stops early (`| head`) ends a command quietly with status 141
+and no traceback; long runs show a status line on a terminal's stderr and nothing when stderr is not a terminal;
+scripts/setup.sh installs only when what it installs changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pty
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from clirun import HANG_GUARD, ROOT, VMMSHARE, env_for
+
+PIPE_CLOSED = 141
+TINY_BENCH = ["bench", "--quick", "--sizes", "4K", "--reps", "1", "--clients", "1", "--seconds", "0.1", "--no-torch"]
+
+
+def with_closed_stdout(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `vmmshare args` with stdout a pipe whose reader is gone before the first write (as `| head` leaves it
+    once head has read its lines)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([*VMMSHARE, *args], env=env, stdout=w, stderr=subprocess.PIPE, text=True,
+                              timeout=HANG_GUARD)
+    finally:
+        os.close(w)
+
+
+def test_demo_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
+    out = with_closed_stdout(env_for(tmp_path), "demo", "--size", "2M")
+    assert out.returncode == PIPE_CLOSED and out.stderr == "", out.stderr
+
+
+def test_bench_into_a_closed_pipe_stops_quietly_and_keeps_its_json(tmp_path: Path) -> None:
+    target = tmp_path / "bench.json"
+    out = with_closed_stdout(env_for(tmp_path), *TINY_BENCH, "--json", str(target))
+    assert out.returncode == PIPE_CLOSED and "Traceback" not in out.stderr and out.stderr == "", out.stderr
+    assert "latency" in json.loads(target.read_text())
+
+
+@pytest.mark.parametrize("args", [["stress"], ["stress", "fuzz_protocol", "--frames", "50", "--atheris-runs", "0"],
+                                  ["version"]])
+def test_other_output_into_a_closed_pipe_stops_quietly(tmp_path: Path, args: list[str]) -> None:
+    out = with_closed_stdout(env_for(tmp_path), *args)
+    assert out.returncode == PIPE_CLOSED and out.stderr == "", (args, out.stderr)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["broker", "--help"], ["bench", "--help"]])
+def test_help_into_a_closed_pipe_is_quiet(tmp_path: Path, args: list[str]) -> None:
+    """argparse drops help it cannot write and exits 0: quiet too, which is what matters."""
+    out = with_closed_stdout(env_for(tmp_path), *args)
+    assert out.returncode in (0, PIPE_CLOSED) and out.stderr == "", (args, out.stderr)
+
+
+def test_shell_pipe_into_head(tmp_path: Path) -> None:
+    """The case as typed: `vmmshare demo | head -4`; whichever side finishes first, no traceback and all 4 lines."""
+    cmd = " ".join(VMMSHARE) + " demo --size 2M | head -4; echo ${PIPESTATUS[0]} >&2"
+    out = subprocess.run(["bash", "-c", cmd], env=env_for(tmp_path), capture_output=True, text=True,
+                         timeout=HANG_GUARD)
+    assert len(out.stdout.splitlines()) == 4 and out.stdout.startswith("vmmshare demo:")
+    assert out.stderr.strip() in ("0", str(PIPE_CLOSED)), out.stderr
+
+
+def run_on_a_terminal(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run `vmmshare args` with stderr on a pseudo-terminal (stdout a pipe); return the result and what the
+    terminal received."""
+    master, slave = pty.openpty()
+    seen = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        out = subprocess.run([*VMMSHARE, *args], env=env, stdout=subprocess.PIPE, stderr=slave, text=True,
+                             timeout=HANG_GUARD)
+    finally:
+        os.close(slave)
+        reader.join(HANG_GUARD)
+        os.close(master)
+    return out, seen.decode(errors="replace")
+
+
+def test_demo_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    out, terminal = run_on_a_terminal(env_for(tmp_path), "demo", "--size", "4M")
+    assert out.returncode == 0, out.stdout
+    assert "vmmshare demo: exporter: allocating, mapping and filling 4 MiB" in terminal
+    assert terminal.rstrip("\r\n").endswith("\x1b[K"), "the status line is left on the terminal"
+    assert "\x1b" not in out.stdout and out.stdout.rstrip().endswith("all steps behaved")
+    piped = subprocess.run([*VMMSHARE, "demo", "--size", "4M"], env=env_for(tmp_path), capture_output=True,
+                           text=True, timeout=HANG_GUARD)
+    assert piped.returncode == 0 and piped.stderr == "", "progress written to a stderr that is not a terminal"
+
+
+def test_bench_shows_progress_on_a_terminal(tmp_path: Path) -> None:
+    out, terminal = run_on_a_terminal(env_for(tmp_path), *TINY_BENCH)
+    assert out.returncode == 0, out.stdout
+    for step in ("vmmshare bench: share latency, 4KiB, round 1 of 2", "broker throughput, 1 client(s)"):
+        assert step in terminal, terminal
+    assert "\x1b" not in out.stdout and "targets:" in out.stdout
+
+
+def test_stress_shows_progress_on_a_terminal_and_passes_the_output_through(tmp_path: Path) -> None:
+    out, terminal = run_on_a_terminal(env_for(tmp_path), "stress", "fuzz_protocol", "--frames", "50",
+                                      "--atheris-runs", "0")
+    assert out.returncode == 0, out.stdout
+    assert "vmmshare stress fuzz_protocol: running" in terminal
+    assert out.stdout.startswith("decoder: 50 frames")
+
+
+def test_setup_skips_the_install_when_nothing_it_installs_changed() -> None:
+    """A second scripts/setup.sh (as every scripts/demo.sh runs) leaves the installed package alone."""
+    stamp = ROOT / ".venv" / ".vmmshare-setup"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "scripts" / "setup.sh").read_bytes())
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve() or not stamp.exists():
+        pytest.skip("not running in this checkout's scripts/setup.sh venv")
+    if stamp.read_text().strip() != want.hexdigest():
+        pytest.skip("pyproject.toml or scripts/setup.sh changed since the last set-up: the next one installs")
+    installed = sorted(Path(sys.prefix).glob("lib/python*/site-packages/vmmshare-*.dist-info"))
+    assert installed, "no installed vmmshare metadata to watch"
+    before = [p.stat().st_mtime_ns for p in installed]
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
+    after = sorted(Path(sys.prefix).glob("lib/python*/site-packages/vmmshare-*.dist-info"))
+    assert after == installed and [p.stat().st_mtime_ns for p in after] == before, "setup reinstalled vmmshare"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes as _ctypes
 import errno as _errno
 import functools as _functools
+import inspect as _inspect
 import logging as _logging
 import math as _math
 import threading as _threading
@@ -128,6 +129,25 @@ def numpy_contiguous_to_ptr(array: _Any) -> int:
     return int(array.ctypes.data)
 
 
+def _thread_call(failed: _Any) -> _Callable[[_Callable[P, _Any]], _Callable[P, _Any]]:
+    """Arguments that do not fit the signature return `failed` (EINVAL, as pthread reports it) with a message."""
+
+    def wrap(fn: _Callable[P, _Any]) -> _Callable[P, _Any]:
+        @_functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> _Any:
+            try:
+                _inspect.signature(fn).bind(*args, **kwargs)
+            except TypeError as exc:
+                _set_recent_error(f"{fn.__name__}: {exc}")
+                return failed
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+@_thread_call((0, _errno.EINVAL))
 def start_thread(fn: _Any, args: _Any = None) -> tuple[int, int]:
     """Run `fn(args)` (or `fn()` when `args` is None) on a new thread: (thread id, 0); (0, EINVAL) when `fn` cannot
     be called. An exception in `fn` is logged; `stop_thread` joins the thread."""
@@ -138,8 +158,9 @@ def start_thread(fn: _Any, args: _Any = None) -> tuple[int, int]:
     def run() -> None:
         try:
             fn() if args is None else fn(args)
-        except Exception:
-            _log.exception("a thread of acl.util.start_thread raised")
+        except Exception as exc:  # the thread's own failure: said once in the log, the traceback at debug level
+            _log.error("a thread of acl.util.start_thread raised %s: %s", type(exc).__name__, exc)
+            _log.debug("the thread's traceback", exc_info=True)
 
     thread = _threading.Thread(target=run, name="acl.util.start_thread", daemon=True)
     thread.start()
@@ -149,6 +170,7 @@ def start_thread(fn: _Any, args: _Any = None) -> tuple[int, int]:
     return ident, 0
 
 
+@_thread_call(_errno.EINVAL)
 def stop_thread(thread_id: _Any) -> int:
     """Wait for a thread of `start_thread` to end: 0, or ESRCH for an id it did not give (pthread_join's codes)."""
     with _threads_lock:

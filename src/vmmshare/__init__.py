@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from . import acl
+from .buffers import DeviceBuffer, IpcMemory, ipc_open
 from .errors import (
     AclError,
+    AclInvalidParamError,
     ContextNullError,
     FeatureNotSupportedError,
     InternalError,
     InvalidDeviceError,
     InvalidHandleError,
+    InvalidMemoryTypeError,
     InvalidParamError,
     IpcError,
     MemoryAllocationError,
@@ -21,14 +24,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AclError",
+    "AclInvalidParamError",
     "ContextNullError",
     "Device",
+    "DeviceBuffer",
     "FeatureNotSupportedError",
     "InternalError",
     "InvalidDeviceError",
     "InvalidHandleError",
+    "InvalidMemoryTypeError",
     "InvalidParamError",
     "IpcError",
+    "IpcMemory",
     "Mapping",
     "MemoryAllocationError",
     "NoPermissionError",
@@ -38,4 +45,5 @@ __all__ = [
     "__version__",
     "acl",
     "import_handle",
+    "ipc_open",
 ]

@@ -122,12 +122,12 @@ def test_binding_to_a_nonexistent_node_fails_in_the_kernel_with_nothing_mapped()
     """bind_numa itself: the kernel refuses a node it does not have, and the temporary mapping is gone."""
     mem = host.allocate(G2M)
     try:
-        before = open("/proc/self/maps").read().count("memfd:vmmshare")
+        before = Path("/proc/self/maps").read_text().count("memfd:vmmshare")
         with pytest.raises(OSError):
             host.bind_numa(mem.fd, G2M, max(host.numa_nodes()) + 1)
         with pytest.raises(OSError):
             host.bind_numa(mem.fd, G2M, 1 << 20)  # beyond any node mask
-        assert open("/proc/self/maps").read().count("memfd:vmmshare") == before
+        assert Path("/proc/self/maps").read_text().count("memfd:vmmshare") == before
         host.bind_numa(mem.fd, G2M, 0)
     finally:
         mem.close()

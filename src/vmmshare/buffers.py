@@ -23,7 +23,7 @@ __all__ = ["DeviceBuffer", "IpcMemory", "ipc_open"]
 def _pid_list(pids: Iterable[int], allow_empty: bool) -> list[int]:
     try:
         listed = list(pids)
-    except TypeError:
+    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
         raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
     return check_pids(listed, allow_empty)
 

@@ -137,6 +137,8 @@ class ShareableHandle:
     fabric: FabricHandle | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise InvalidParamError(f"kind must be 'default' or 'fabric', got {type(self.kind).__name__}")
         if not isinstance(self.raw, bytes):
             raise InvalidParamError(f"a shareable handle's raw form is bytes, not {type(self.raw).__name__}")
         fabric = None

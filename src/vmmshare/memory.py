@@ -73,7 +73,7 @@ def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
     """A trustlist argument: any iterable of positive 32-bit pids."""
     try:
         listed = list(pids)
-    except TypeError:
+    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
         raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
     return check_pids(listed, allow_empty)
 

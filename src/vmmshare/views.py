@@ -75,9 +75,11 @@ class MemoryViews:
         many whole elements as fit), which must lie inside the memory."""
         import numpy as np
 
+        if isinstance(dtype, (int, np.integer)):
+            raise InvalidParamError(f"dtype {dtype!r} is a number: pass a numpy dtype, such as 'float32'")
         try:
             dt = np.dtype(dtype)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # numpy refuses it in many ways (TypeError, ValueError, ...)
             raise InvalidParamError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
         if dt.hasobject or dt.itemsize == 0:
             raise InvalidParamError(f"dtype {dt} does not describe plain bytes of memory")
@@ -124,5 +126,5 @@ def _pair(value: Any) -> tuple[int, int]:
     try:
         a, b = value
         return (int(a), int(b))
-    except (TypeError, ValueError, OverflowError) as exc:
+    except Exception as exc:  # not a pair, or a value that fails when unpacked or converted
         raise DLPackRequestError(f"{value!r} is not a pair of ints: {exc}") from None

@@ -127,6 +127,8 @@ class Fuzzer:
         self.host_blocks: dict[int, int] = {}
         self.dead_host: list[int] = []  # only ever passed where nothing is written through them
         self.streams: set[int] = set()
+        self.made_here: set[int] = set()  # handles malloc_physical gave (exportable, once)
+        self.exported: set[int] = set()
         self.blocks: dict[int, int] = {}  # acl.rt.malloc pointer -> size
         self.dead_blocks: list[int] = []
         self.keys: Counter[str] = Counter()  # IPC keys this process exported -> get_export_key calls not closed
@@ -268,8 +270,9 @@ class Fuzzer:
 
     def prop(self) -> Any:
         rng = self.rng
-        p: dict[str, Any] = {"handleType": rng.choice((0, 0, 2)), "allocationType": 0,
-                             "memAttr": rng.choice((0, 1, 5, 3, 12, 13, 10, 14, rng.randrange(18))),
+        # mostly what the acl layer takes (handle type NONE, an attribute of its table), now and then what it refuses
+        p: dict[str, Any] = {"handleType": rng.choice((0, 0, 0, 0, 2)), "allocationType": 0,
+                             "memAttr": rng.choice((5, 5, 4, 12, 13, 16, 10, 14, 3, 0, 1, rng.randrange(18))),
                              "location": {"id": rng.choice((0, 0, 1, 7)), "type": rng.choice((1, 1, 1, 0))},
                              "reserve": 0}
         r = rng.random()
@@ -493,6 +496,9 @@ class Fuzzer:
         if fn == "free_host" and self.host_blocks:
             return [rng.choice(list(self.host_blocks))]
         if fn in ("mem_export_to_shareable_handle_v2", "mem_export_to_shareable_handle") and h is not None:
+            fresh = [x for x in self.handles if x in self.made_here and x not in self.exported]
+            if fresh and rng.random() < 0.7:  # an export happens once: mostly one that can still succeed
+                h = rng.choice(fresh)
             if fn.endswith("v2"):
                 return [h, rng.choice((0, 1)), rng.choice((1, 2))]
             return [h, 0, rng.choice((0, 1))]
@@ -751,6 +757,8 @@ class Fuzzer:
         out = outputs[0] if outputs else None
         if name in ("malloc_physical", "mem_import_from_shareable_handle", "mem_import_from_shareable_handle_v2",
                     "mem_retain_allocation_handle"):
+            if name == "malloc_physical":
+                self.made_here.add(out)
             self.handles[out] += 1
             with contextlib.suppress(Exception):
                 self.handle_size[out] = self.runtime().memory.allocation(out).size
@@ -761,6 +769,8 @@ class Fuzzer:
                 del self.handles[h]
                 self.handle_size.pop(h, None)
                 self.dead_handles = [*self.dead_handles[-32:], h]
+                self.made_here.discard(h)
+                self.exported.discard(h)
         elif name == "reserve_mem_address":
             self.reservations[out] = int(a[0])
         elif name == "release_mem_address":
@@ -787,6 +797,7 @@ class Fuzzer:
         elif name in ("destroy_stream", "destroy_stream_force"):
             self.streams.discard(int(a[0]))
         elif name in ("mem_export_to_shareable_handle", "mem_export_to_shareable_handle_v2"):
+            self.exported.add(int(a[0]))
             st = 1 if name == "mem_export_to_shareable_handle" else int(a[2])
             self.shareables = [*self.shareables[-32:], (out, st)]
         else:
@@ -860,6 +871,8 @@ class Fuzzer:
         self.reservations.clear()
         self.host_blocks.clear()
         self.streams.clear()
+        self.made_here.clear()
+        self.exported.clear()
         self.blocks.clear()
         self.keys.clear()
         self.key_of.clear()

@@ -600,7 +600,7 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
     sys.path.insert(0, str(HERE.parent / "stress"))
     import fuzz_api
 
-    result = fuzz_api.run(5_000, 20261130, seconds=60, hang_guard=180,
+    result = fuzz_api.run(8_000, 20261130, seconds=60, hang_guard=180,  # ~110 calls for each of 72 functions
                           extra_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
     assert result["ok"], result["violations"]
     for name in ("malloc_physical", "map_mem", "memcpy", "memset", "mem_export_to_shareable_handle_v2",

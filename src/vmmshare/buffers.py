@@ -45,7 +45,7 @@ class DeviceBuffer(MemoryViews):
         self.on_gpu = block.alloc.backend.kind is MemoryKind.GPU
         self.key: str | None = None
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, rt.blocks.free, self.ptr)
+        self._finalizer = weakref.finalize(self, _quietly, _free_block, self.ptr)
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.size} bytes at {self.ptr:#x} on device {self.device}{self._state()}>"
@@ -116,7 +116,7 @@ class IpcMemory(MemoryViews):
     def __init__(self, key: str, ptr: int, size: int, device: int, on_gpu: bool) -> None:
         self.key, self.ptr, self.size, self.device, self.on_gpu = key, ptr, size, device, on_gpu
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, runtime().ipc.close, key)
+        self._finalizer = weakref.finalize(self, _quietly, _close_key, key)
 
     def __repr__(self) -> str:
         return f"<IpcMemory {self.size} bytes at {self.ptr:#x}, key {self.key}{', closed' if self.closed else ''}>"
@@ -156,6 +156,14 @@ def ipc_open(key: str, device: int | None = None) -> IpcMemory:
     ptr = rt.ipc.import_key(key, dev)
     block = rt.blocks.at(ptr, IPC)
     return IpcMemory(key, ptr, block.alloc.size, dev, block.alloc.backend.kind is MemoryKind.GPU)
+
+
+def _free_block(ptr: int) -> None:
+    runtime().blocks.free(ptr)
+
+
+def _close_key(key: str) -> None:
+    runtime().ipc.close(key)
 
 
 def _quietly(fn: Callable[[Any], None], arg: Any) -> None:

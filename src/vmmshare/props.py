@@ -19,7 +19,7 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
         raise InvalidParamError(f"{name} must be an int, got {type(value).__name__}")
     if not lo <= value <= hi:
         raise InvalidParamError(f"{name}={value} is out of range [{lo}, {hi}]")
-    return value
+    return int(value)  # a plain int, even for an int subclass: what is kept and handed back is the value
 
 
 def check_device(value: object) -> int:

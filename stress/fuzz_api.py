@@ -50,7 +50,9 @@ sys.path.insert(0, str(HERE))
 import common as c  # noqa: E402
 from fuzz_protocol import Broker, broker_state, settled_fd_count  # noqa: E402
 
-DOCUMENTED = {0, 100002, 100003, 100037, 107000, 107001, 107002, 107017, 207000, 207001, 207006}
+DOCUMENTED = {0, 100000, 100002, 100003, 100037, 107000, 107001, 107002, 107016, 107017, 207000, 207001, 207006,
+              507046}
+LAST_ERROR = frozenset({"peek_at_last_error", "get_last_error"})  # their ret is an earlier call's code
 INTERNAL = 507000
 MiB = 1 << 20
 MiB2 = 2 * MiB
@@ -59,8 +61,10 @@ ARENA_START, ARENA_END = 16 << 40, 24 << 40
 TOUCH_CAP = 16 * MiB  # most bytes one memcpy / memset / ptr_to_bytes may touch (see below)
 DEVICE_MEMORY = "256M"
 DEVICES = 8
-LIMITS = {"handles": 48, "reservations": 32, "mappings": 32, "host_blocks": 32, "streams": 64}
+LIMITS = {"handles": 48, "reservations": 32, "mappings": 32, "host_blocks": 32, "streams": 64, "blocks": 24,
+          "ipc_imports": 16, "contexts": 16, "threads": 16}
 PEER_EXPORTS = 8
+PEER_KEYS = 4
 
 # ---------------------------------------------------------------- values of every wrong kind
 
@@ -91,7 +95,8 @@ HUGE = [2**64, -(2**64), 2**63, -(2**63), 2**70, -1, 2**64 - 1, 2**63 - 1, 2**32
 
 
 class Fuzzer:
-    def __init__(self, seed: int, peer: list[tuple[Any, int]], peer_pid: int, tmp: Path) -> None:
+    def __init__(self, seed: int, peer: list[tuple[Any, int]], peer_pid: int, tmp: Path,
+                 peer_keys: list[str] | None = None) -> None:
         import numpy as np
 
         import vmmshare.acl as acl
@@ -105,8 +110,10 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.wrong = _wrong_values()
         self.peer = peer  # (shareable, share type) exported by the peer process
+        self.peer_keys = peer_keys or []  # IPC keys of the peer's acl.rt.malloc memory (importable here)
         self.peer_pid = peer_pid
         self.tmp = tmp
+        self.server_id = runtime().config.server_id
         self.targets = discover(acl)
         self.sigs = {name: inspect.signature(fn) for name, fn, _ in self.targets}
         self.by_target = {name: (fn, params) for name, fn, params in self.targets}
@@ -120,6 +127,15 @@ class Fuzzer:
         self.host_blocks: dict[int, int] = {}
         self.dead_host: list[int] = []  # only ever passed where nothing is written through them
         self.streams: set[int] = set()
+        self.made_here: set[int] = set()  # handles malloc_physical gave (exportable, once)
+        self.exported: set[int] = set()
+        self.blocks: dict[int, int] = {}  # acl.rt.malloc pointer -> size
+        self.dead_blocks: list[int] = []
+        self.keys: Counter[str] = Counter()  # IPC keys this process exported -> get_export_key calls not closed
+        self.key_of: dict[int, str] = {}  # malloc pointer -> its key
+        self.ipc_imports: dict[str, list[int]] = {}  # imported key -> [pointer, imports not closed]
+        self.contexts: set[int] = set()
+        self.threads: set[int] = set()
         self.shareables: list[tuple[Any, int]] = []  # our exports (importing them is refused: 107000)
         self.keep: list[Any] = []  # objects whose addresses bytes_to_ptr / numpy_to_ptr were given
         # results
@@ -216,6 +232,11 @@ class Fuzzer:
         if r < 0.6 and self.host_blocks:
             p, n = rng.choice(list(self.host_blocks.items()))
             return rng.choice((p, p + rng.randrange(n)))  # never past the end: the next page may be the heap's
+        if r < 0.62 and self.blocks:
+            p, n = rng.choice(list(self.blocks.items()))
+            return rng.choice((p, p, p + rng.randrange(n)))
+        if r < 0.63 and self.ipc_imports:
+            return rng.choice([v[0] for v in self.ipc_imports.values()])
         if r < 0.65 and self.dead_reservations:
             return rng.choice(self.dead_reservations)
         if r < 0.7 and self.dead_host and not write:
@@ -249,8 +270,9 @@ class Fuzzer:
 
     def prop(self) -> Any:
         rng = self.rng
-        p: dict[str, Any] = {"handleType": rng.choice((0, 0, 2)), "allocationType": 0,
-                             "memAttr": rng.choice((0, 1, 5, 3, 12, 13, 10, 14, rng.randrange(18))),
+        # mostly what the acl layer takes (handle type NONE, an attribute of its table), now and then what it refuses
+        p: dict[str, Any] = {"handleType": rng.choice((0, 0, 0, 0, 2)), "allocationType": 0,
+                             "memAttr": rng.choice((5, 5, 4, 12, 13, 16, 10, 14, 3, 0, 1, rng.randrange(18))),
                              "location": {"id": rng.choice((0, 0, 1, 7)), "type": rng.choice((1, 1, 1, 0))},
                              "reserve": 0}
         r = rng.random()
@@ -356,6 +378,38 @@ class Fuzzer:
     def config_path(self) -> Any:
         return self.rng.choice((None, *self.config_files)) if self.rng.random() < 0.8 else self.anything()
 
+    def key(self) -> Any:
+        """An IPC key: ours, the peer's, a mutated or made-up one, or anything."""
+        rng = self.rng
+        pool = [*self.keys, *self.peer_keys, *self.ipc_imports]
+        r = rng.random()
+        if r < 0.55 and pool:
+            return rng.choice(pool)
+        if r < 0.7 and pool:
+            k = rng.choice(pool)
+            at = rng.randrange(len(k))
+            return k[:at] + rng.choice("0123456789abcdefXz ") + k[at + 1:]
+        if r < 0.8:
+            return rng.randbytes(12).hex()
+        return rng.choice(("", "x" * 70, None, "\0", "0" * 24)) if r < 0.9 else self.anything()
+
+    def context(self) -> Any:
+        r = self.rng.random()
+        if r < 0.6 and self.contexts:
+            return self.rng.choice(list(self.contexts))
+        return self.rng.choice((0, None, 0xC700_0001, 0xC700_0100)) if r < 0.8 else self.some_int()
+
+    def server_pids(self) -> Any:
+        rng = self.rng
+        r = rng.random()
+        if r < 0.6:
+            return [{"sdid": rng.choice((self.server_id, self.server_id, 0, 0x1234)),
+                     "pid": self.pid_list() if rng.random() < 0.3 else [self.peer_pid]}
+                    for _ in range(rng.choice((1, 1, 2)))]
+        if r < 0.8:
+            return rng.choice(([], None, [{}], [{"sdid": 0}], [{"pid": [1]}], [{"sdid": 0, "pid": None}], [5]))
+        return self.anything()
+
     def by_name(self, fn: str, name: str) -> Any:
         """A value for parameter `name` of `fn`: mostly of the right kind, sometimes anything."""
         if self.rng.random() < 0.15:
@@ -376,7 +430,13 @@ class Fuzzer:
             "location": self.location, "handle_type": lambda: self.rng.choice((0, 2, 1, 3, -1)),
             "shareable_handle": self.shareable, "share_type": self.share_type, "pid_list": self.pid_list,
             "shape": self.shape, "npy_type": self.npy_type, "array": self.array_like, "data": self.data_like,
-            "config_path": self.config_path,
+            "config_path": self.config_path, "key": self.key,
+            "key_len": lambda: self.rng.choice((65, 65, 128, 24, 0, 1024)),
+            "policy": lambda: self.rng.choice((0, 1, 2, 3, 6, 0x100, 0x1002, -1)), "context": self.context,
+            "server_pids": self.server_pids, "type": lambda: self.rng.choice((0, 0, 1, -1)),
+            "level": lambda: self.rng.choice((0, 0, 1)), "timeout": lambda: self.rng.choice((-1, 0, 10, 1000, -2)),
+            "thread_id": lambda: self.rng.choice([*self.threads, 0, 12345]) if self.rng.random() < 0.8 else None,
+            "fn": lambda: self.rng.choice((int, len, str, None, 5)), "args": lambda: self.rng.choice((None, 1, "s")),
         }
         return gen.get(name, self.anything)()
 
@@ -436,6 +496,9 @@ class Fuzzer:
         if fn == "free_host" and self.host_blocks:
             return [rng.choice(list(self.host_blocks))]
         if fn in ("mem_export_to_shareable_handle_v2", "mem_export_to_shareable_handle") and h is not None:
+            fresh = [x for x in self.handles if x in self.made_here and x not in self.exported]
+            if fresh and rng.random() < 0.7:  # an export happens once: mostly one that can still succeed
+                h = rng.choice(fresh)
             if fn.endswith("v2"):
                 return [h, rng.choice((0, 1)), rng.choice((1, 2))]
             return [h, 0, rng.choice((0, 1))]
@@ -452,8 +515,40 @@ class Fuzzer:
                 return [s, t, [self.peer_pid]]
             if t == 1:
                 return [s, [self.peer_pid]]
-        if fn in ("destroy_stream", "synchronize_stream", "destroy_stream_force") and self.streams:
+        if fn in ("destroy_stream", "synchronize_stream", "destroy_stream_force", "stream_query") and self.streams:
             return [rng.choice(list(self.streams))]
+        return self.plausible_more(fn)
+
+    def plausible_more(self, fn: str) -> list[Any] | None:
+        """Plausible arguments for aclrtMalloc memory, asynchronous copies, contexts and IPC keys."""
+        rng = self.rng
+        if fn in ("malloc", "malloc_align32", "malloc_cached"):
+            return [rng.choice((1, 4096, MiB, MiB2, 3 * MiB)), rng.choice((0, 1, 2, 5))]
+        if fn == "free" and self.blocks:
+            return [rng.choice(list(self.blocks))]
+        blocks = [*self.mappings.items(), *self.host_blocks.items(), *self.blocks.items()]
+        if fn == "memcpy_async" and blocks:
+            (d, dn), (s, sn) = rng.choice(blocks), rng.choice(blocks)
+            n = rng.randrange(0, min(dn, sn, TOUCH_CAP) + 1)
+            return [d, dn, s, n, 4, self.stream()]
+        if fn == "memset_async" and blocks:
+            p, n = rng.choice(blocks)
+            return [p, n, rng.randrange(256), rng.randrange(0, min(n, TOUCH_CAP) + 1), self.stream()]
+        if fn == "ipc_mem_get_export_key" and self.blocks:
+            p, n = rng.choice(list(self.blocks.items()))
+            return [p, n, 65, rng.choice((0, 1))]
+        if fn == "ipc_mem_set_import_pid" and self.keys:
+            return [rng.choice(list(self.keys)), [self.peer_pid]]
+        if fn == "ipc_mem_import_by_key" and self.peer_keys:
+            return [rng.choice(self.peer_keys), rng.choice((0, 1))]
+        if fn == "ipc_mem_close" and (self.keys or self.ipc_imports):
+            return [rng.choice([*self.keys, *self.ipc_imports])]
+        if fn in ("destroy_context", "set_context", "set_current_context") and self.contexts:
+            return [rng.choice(list(self.contexts))]
+        if fn == "create_context":
+            return [rng.choice((0, 1))]
+        if fn == "stop_thread" and self.threads:
+            return [rng.choice(list(self.threads))]
         return None
 
     # ------------------------------------------------------------ one call
@@ -480,6 +575,14 @@ class Fuzzer:
             return "free_host", [rng.choice(list(self.host_blocks))]
         if pool == "streams":
             return "destroy_stream", [rng.choice(list(self.streams))]
+        if pool == "blocks":
+            return "free", [rng.choice(list(self.blocks))]
+        if pool == "ipc_imports":
+            return "ipc_mem_close", [rng.choice(list(self.ipc_imports))]
+        if pool == "contexts":
+            return "destroy_context", [rng.choice(list(self.contexts))]
+        if pool == "threads":
+            return "stop_thread", [rng.choice(list(self.threads))]
         if pool == "reservations":
             busy = {r for r, n in self.reservations.items() for m in self.mappings if r <= m < r + n}
             empty = [r for r in self.reservations if r not in busy]
@@ -491,7 +594,8 @@ class Fuzzer:
 
     def _pool(self, kind: str) -> Any:
         return {"handles": self.handles, "reservations": self.reservations, "mappings": self.mappings,
-                "host_blocks": self.host_blocks, "streams": self.streams}[kind]
+                "host_blocks": self.host_blocks, "streams": self.streams, "blocks": self.blocks,
+                "ipc_imports": self.ipc_imports, "contexts": self.contexts, "threads": self.threads}[kind]
 
     def arguments(self, name: str, params: list[str]) -> tuple[list[Any], dict[str, Any]]:
         rng = self.rng
@@ -514,11 +618,11 @@ class Fuzzer:
             else:  # an unknown keyword
                 kwargs["bogus"] = self.anything()
         # the touching calls, whatever produced their arguments: see touch_count
-        if name in ("memcpy", "memset") and len(args) >= 4:
+        if name in ("memcpy", "memset", "memcpy_async", "memset_async") and len(args) >= 4:
             args[3] = self._cap(args[3])
         if name == "ptr_to_bytes" and len(args) >= 2:
             args[1] = self._cap(args[1])
-        if name in ("memcpy", "memset") and args and self._unsafe_target(args[0]):
+        if name in ("memcpy", "memset", "memcpy_async", "memset_async") and args and self._unsafe_target(args[0]):
             args[0] = self.pointer(write=True)
             if self._unsafe_target(args[0]):
                 args[0] = 0
@@ -532,7 +636,7 @@ class Fuzzer:
     def _unsafe_target(self, p: Any) -> bool:
         """True for a write target that the runtime would check only against /proc/self/maps and that is not
         the fuzzer's: a freed host block (the interpreter may reuse it). Random 64-bit addresses stay allowed."""
-        return isinstance(p, int) and p in self.dead_host
+        return isinstance(p, int) and (p in self.dead_host or p in self.dead_blocks)
 
     def call(self) -> None:
         name, fn, params, forced = self.pick()
@@ -559,8 +663,14 @@ class Fuzzer:
         self.calls += 1
         self.per_function[name] += 1
         module = fn.__module__
-        if module.endswith(".util"):
+        if name in ("start_thread", "stop_thread"):
+            self._check_thread_call(name, args, kwargs, result)
+        elif module.endswith(".util"):
             self._check_util(name, args, kwargs, result)
+        elif name in LAST_ERROR:
+            self.codes_per_function.setdefault(name, Counter())[result] += 1
+            if type(result) is not int or result not in DOCUMENTED | {INTERNAL}:
+                self._defect("the last error is not a code", name, args, kwargs, repr(result))
         elif name == "get_recent_err_msg":
             if not isinstance(result, str):
                 self._defect("get_recent_err_msg returned a non-str", name, args, kwargs, repr(result))
@@ -573,8 +683,23 @@ class Fuzzer:
         if len(self.defects) < 100:
             self.defects.append({"what": what, "call": f"{name}({_short(args, kwargs)})", "detail": detail[:600]})
 
+    def _check_thread_call(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any) -> None:
+        """start_thread -> (thread id, pthread error); stop_thread -> pthread error (0, ESRCH); never raises."""
+        code = result[-1] if name == "start_thread" and isinstance(result, tuple) else result
+        if type(code) is not int:
+            self._defect("a thread call returned no int code", name, args, kwargs, repr(result))
+            return
+        self.codes_per_function.setdefault(name, Counter())[code] += 1
+        if code == 0:
+            self.ok_per_function[name] += 1
+            if name == "start_thread":
+                self.threads.add(result[0])
+            elif args:
+                self.threads.discard(args[0])
+
     def _check_util(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any) -> None:
-        want = {"ptr_to_numpy": self.np.ndarray, "numpy_to_ptr": int, "bytes_to_ptr": int, "ptr_to_bytes": bytes}
+        want = {"ptr_to_numpy": self.np.ndarray, "numpy_to_ptr": int, "bytes_to_ptr": int, "ptr_to_bytes": bytes,
+                "numpy_contiguous_to_ptr": int}
         if result is None:
             self.util_none += 1
             msg = self.acl.get_recent_err_msg()
@@ -587,7 +712,7 @@ class Fuzzer:
         self.codes_per_function.setdefault(name, Counter())["value"] += 1  # type: ignore[index]
         if not isinstance(result, want[name]):
             self._defect("util returned a value of the wrong type", name, args, kwargs, type(result).__name__)
-        if name in ("bytes_to_ptr", "numpy_to_ptr"):
+        if name in ("bytes_to_ptr", "numpy_to_ptr", "numpy_contiguous_to_ptr"):
             self.keep = [*self.keep[-16:], args]  # the pointer is only valid while the object lives
 
     def _check_ret(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any) -> None:
@@ -605,7 +730,7 @@ class Fuzzer:
             self.ok_per_function[name] += 1
             self._track(name, args, kwargs, outputs)
             for v in outputs:
-                if not (type(v) is int or isinstance(v, (bytes, dict))):
+                if not (type(v) is int or isinstance(v, (bytes, dict, str))):
                     self._defect("success output of an odd type", name, args, kwargs, repr(outputs)[:200])
             return
         if name in ("destroy_stream", "destroy_stream_force", "synchronize_stream") and args:
@@ -617,7 +742,7 @@ class Fuzzer:
         msg = self.acl.get_recent_err_msg()
         if not isinstance(msg, str) or not msg.strip() or name not in msg:
             self._defect("failure without a recent error message naming the call", name, args, kwargs, repr(msg))
-        if any(v not in (0, None) for v in outputs):
+        if any(v not in (0, None, "") for v in outputs):
             self._defect("failure with non-neutral outputs", name, args, kwargs, repr(outputs)[:200])
         if ret == INTERNAL:
             self.internal[f"{name}: {msg}"[:400]] += 1
@@ -632,6 +757,8 @@ class Fuzzer:
         out = outputs[0] if outputs else None
         if name in ("malloc_physical", "mem_import_from_shareable_handle", "mem_import_from_shareable_handle_v2",
                     "mem_retain_allocation_handle"):
+            if name == "malloc_physical":
+                self.made_here.add(out)
             self.handles[out] += 1
             with contextlib.suppress(Exception):
                 self.handle_size[out] = self.runtime().memory.allocation(out).size
@@ -642,6 +769,8 @@ class Fuzzer:
                 del self.handles[h]
                 self.handle_size.pop(h, None)
                 self.dead_handles = [*self.dead_handles[-32:], h]
+                self.made_here.discard(h)
+                self.exported.discard(h)
         elif name == "reserve_mem_address":
             self.reservations[out] = int(a[0])
         elif name == "release_mem_address":
@@ -668,8 +797,43 @@ class Fuzzer:
         elif name in ("destroy_stream", "destroy_stream_force"):
             self.streams.discard(int(a[0]))
         elif name in ("mem_export_to_shareable_handle", "mem_export_to_shareable_handle_v2"):
+            self.exported.add(int(a[0]))
             st = 1 if name == "mem_export_to_shareable_handle" else int(a[2])
             self.shareables = [*self.shareables[-32:], (out, st)]
+        else:
+            self._track_more(name, a, out)
+
+    def _track_more(self, name: str, a: list[Any], out: Any) -> None:
+        """Follow aclrtMalloc blocks, IPC keys and imports, contexts."""
+        if name in ("malloc", "malloc_align32", "malloc_cached"):
+            self.dead_blocks = [d for d in self.dead_blocks if d != out]
+            self.blocks[out] = int(a[0])
+        elif name == "free":
+            p = int(a[0])
+            self.blocks.pop(p, None)
+            self.dead_blocks = [*self.dead_blocks[-32:], p]
+            key = self.key_of.pop(p, None)
+            if key is not None:
+                self.keys.pop(key, None)
+        elif name == "ipc_mem_get_export_key":
+            self.keys[out] += 1
+            self.key_of[int(a[0])] = out
+        elif name == "ipc_mem_import_by_key":
+            self.ipc_imports.setdefault(a[0], [out, 0])[1] += 1
+        elif name == "ipc_mem_close":
+            key = a[0]
+            if key in self.ipc_imports:
+                self.ipc_imports[key][1] -= 1
+                if self.ipc_imports[key][1] == 0:
+                    del self.ipc_imports[key]
+            elif key in self.keys:
+                self.keys[key] -= 1
+                if self.keys[key] <= 0:
+                    del self.keys[key]
+        elif name == "create_context":
+            self.contexts.add(out)
+        elif name == "destroy_context":
+            self.contexts.discard(int(a[0]))
 
     # ------------------------------------------------------------ cleanup
 
@@ -677,6 +841,14 @@ class Fuzzer:
         """Free everything the fuzzer knows it holds, in order; counts the calls that failed."""
         rt = self.acl.rt
         failed: Counter[str] = Counter()
+        for key, (_, count) in list(self.ipc_imports.items()):
+            for _ in range(count):
+                failed["ipc_mem_close"] += rt.ipc_mem_close(key) != 0
+        for key, refs in list(self.keys.items()):
+            for _ in range(refs):
+                failed["ipc_mem_close"] += rt.ipc_mem_close(key) != 0
+        for p in list(self.blocks):
+            failed["free"] += rt.free(p) != 0
         for p in list(self.mappings):
             failed["unmap_mem"] += rt.unmap_mem(p) != 0
         for h, refs in list(self.handles.items()):
@@ -688,6 +860,10 @@ class Fuzzer:
             failed["free_host"] += rt.free_host(p) != 0
         for s in list(self.streams):  # reset_device drops a device's streams: those fail here, harmlessly
             failed["destroy_stream"] += rt.destroy_stream(s) != 0
+        for ctx in list(self.contexts):
+            failed["destroy_context"] += rt.destroy_context(ctx) != 0
+        for t in list(self.threads):
+            failed["stop_thread"] += self.acl.util.stop_thread(t) != 0
         if self.runtime().initialized:
             self.acl.finalize()
         self.mappings.clear()
@@ -695,6 +871,14 @@ class Fuzzer:
         self.reservations.clear()
         self.host_blocks.clear()
         self.streams.clear()
+        self.made_here.clear()
+        self.exported.clear()
+        self.blocks.clear()
+        self.keys.clear()
+        self.key_of.clear()
+        self.ipc_imports.clear()
+        self.contexts.clear()
+        self.threads.clear()
         self.keep.clear()
         return {k: v for k, v in failed.items() if v}
 
@@ -757,7 +941,9 @@ def _interpreter_vma(line: str) -> bool:
     parts = line.split()
     lo = int(parts[0].split("-")[0], 16)
     path = parts[5] if len(parts) > 5 else ""
-    return parts[1] == "rw-p" and path in ("", "[heap]") and not ARENA_START <= lo < ARENA_END
+    # rw-p: the allocators' memory; ---p: the guard pages of thread stacks and the reserve of the C library's
+    # per-thread malloc arenas, which stay (cached) after the stream and start_thread threads that made them end
+    return parts[1] in ("rw-p", "---p") and path in ("", "[heap]") and not ARENA_START <= lo < ARENA_END
 
 
 # ---------------------------------------------------------------- the peer: exports for the fuzzer to import
@@ -781,21 +967,31 @@ for i in range(n + 1):
     if i == n:  # one revoked handle: exported, then freed
         assert acl.rt.free_physical(h) == 0
     out.append([sh.hex() if isinstance(sh, bytes) else sh, st])
-print(json.dumps(out), flush=True)
+keys = []
+for i in range(int(sys.argv[3])):  # IPC keys of acl.rt.malloc memory, half of them with a trustlist
+    p, ret = acl.rt.malloc(2 << 20, 0)
+    assert ret == 0, acl.get_recent_err_msg()
+    key, ret = acl.rt.ipc_mem_get_export_key(p, 2 << 20, 65, i % 2)
+    assert ret == 0, acl.get_recent_err_msg()
+    if i % 2 == 0:
+        assert acl.rt.ipc_mem_set_import_pid(key, [trust]) == 0, acl.get_recent_err_msg()
+    keys.append(key)
+print(json.dumps({"handles": out, "keys": keys}), flush=True)
 sys.stdin.read()  # hold the exports until the fuzzer is done
 """
 
 
-def start_peer() -> tuple[subprocess.Popen[str], list[tuple[Any, int]]]:
-    proc = subprocess.Popen([sys.executable, "-c", PEER, str(os.getpid()), str(PEER_EXPORTS)],
+def start_peer() -> tuple[subprocess.Popen[str], list[tuple[Any, int]], list[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", PEER, str(os.getpid()), str(PEER_EXPORTS), str(PEER_KEYS)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
         proc.wait(30)
         raise RuntimeError(f"the peer exporter failed (exit {proc.returncode})")
-    handles = [(bytes.fromhex(v) if isinstance(v, str) else v, st) for v, st in json.loads(line)]
-    return proc, handles
+    got = json.loads(line)
+    handles = [(bytes.fromhex(v) if isinstance(v, str) else v, st) for v, st in got["handles"]]
+    return proc, handles, got["keys"]
 
 
 # ---------------------------------------------------------------- the child
@@ -807,12 +1003,12 @@ def child_main(calls: int, seconds: float, seed: int, result_path: Path, trace: 
     from vmmshare._process import runtime
 
     tmp = Path(tempfile.mkdtemp(prefix="vmmshare-fuzzapi-child-"))
-    peer, peer_handles = start_peer()
+    peer, peer_handles, peer_keys = start_peer()
     try:
-        fz = Fuzzer(seed, peer_handles, peer.pid, tmp)
+        fz = Fuzzer(seed, peer_handles, peer.pid, tmp, peer_keys)
         # warm up: connect to the broker, load numpy and every lazy path once, then free it all
         assert acl.rt.set_device(0) == 0
-        warm = Fuzzer(seed ^ 1, peer_handles, peer.pid, tmp)
+        warm = Fuzzer(seed ^ 1, peer_handles, peer.pid, tmp, peer_keys)
         for _ in range(300):
             warm.call()
         warm.cleanup()
@@ -842,7 +1038,9 @@ def child_main(calls: int, seconds: float, seed: int, result_path: Path, trace: 
                 _selftest(selftest)
         elapsed = time.perf_counter() - start
         live = {"handles": sum(fz.handles.values()), "reservations": len(fz.reservations),
-                "mappings": len(fz.mappings), "host_blocks": len(fz.host_blocks), "streams": len(fz.streams)}
+                "mappings": len(fz.mappings), "host_blocks": len(fz.host_blocks), "streams": len(fz.streams),
+                "blocks": len(fz.blocks), "ipc_keys": len(fz.keys), "ipc_imports": len(fz.ipc_imports),
+                "contexts": len(fz.contexts)}
         cleanup_failures = fz.cleanup()
         if acl.rt.set_device(0) == 0:
             acl.rt.reset_device_force(0)

@@ -43,10 +43,12 @@ G2M = 2 * MiB
 ARENA_START = 16 << 40
 ARENA_END = 24 << 40
 
+ACL_PARAM = 100000  # ACL_ERROR_INVALID_PARAM: a check of the acl layer itself (SPEC §4a)
 PARAM = 107000
 BAD_DEVICE = 107001
 NO_CONTEXT = 107002
 BAD_HANDLE = 107017
+BAD_MEMORY_TYPE = 107016
 NOT_SUPPORTED = 207000
 NO_MEMORY = 207001
 INTERNAL = 507000
@@ -157,8 +159,8 @@ def loc(dev: int = 0, loc_type: int = DEVICE) -> dict[str, int]:
     return {"id": dev, "type": loc_type}
 
 
-def prop(attr: int = 0, dev: int = 0, loc_type: int = DEVICE, handle_type: int = 0) -> dict[str, Any]:
-    """An aclrtPhysicalMemProp dict."""
+def prop(attr: int = 5, dev: int = 0, loc_type: int = DEVICE, handle_type: int = 0) -> dict[str, Any]:
+    """An aclrtPhysicalMemProp dict (default memAttr 5, ACL_HBM_MEM_NORMAL: valid on any location)."""
     return {"handleType": handle_type, "allocationType": 0, "memAttr": attr, "location": loc(dev, loc_type),
             "reserve": 0}
 
@@ -190,7 +192,7 @@ def expect_fail(code: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     assert len(msg) >= 15, f"message too short to act on: {msg!r}"
     assert fn.__name__ in msg, f"message {msg!r} does not say which call failed ({fn.__name__})"
     if isinstance(result, tuple):  # failed outputs are the neutral defaults, never half-made objects
-        assert all(v in (0, None) for v in result[:-1]), f"{fn.__name__} failed but returned outputs {result!r}"
+        assert all(v in (0, None, "") for v in result[:-1]), f"{fn.__name__} failed but returned outputs {result!r}"
     return msg
 
 
@@ -240,7 +242,7 @@ import ctypes, os, sys
 import vmmshare.acl as acl
 from vmmshare._process import runtime
 M = 1 << 20
-def P(dev=0, attr=0, t=1):
+def P(dev=0, attr=5, t=1):
     return {"handleType": 0, "allocationType": 0, "memAttr": attr, "location": {"id": dev, "type": t}, "reserve": 0}
 def ok(r):
     assert (r[-1] if isinstance(r, tuple) else r) == 0, (r, acl.get_recent_err_msg())

@@ -10,7 +10,10 @@ import pytest
 
 import vmmshare.acl as acl_module
 from conftest import (
+    ACL_PARAM,
     BAD_DEVICE,
+    BAD_HANDLE,
+    BAD_MEMORY_TYPE,
     G2M,
     HOST,
     NO_CONTEXT,
@@ -28,7 +31,7 @@ from conftest import (
     write,
 )
 from vmmshare._process import runtime
-from vmmshare.constants import HUGE1G_ATTRS
+from vmmshare.constants import DDR_MEM_ATTRS, HUGE1G_ATTRS, PHYSICAL_MEM_ATTRS
 
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_ERROR_INVALID_FILE = 100003
@@ -259,9 +262,12 @@ def test_mem_info_is_per_current_device(tmp_path):
     )
 
 
-@pytest.mark.parametrize("attr", [-1, 18, 1 << 64])
-def test_get_mem_info_attr_out_of_range_is_107000(acl, attr):
-    expect_fail(PARAM, acl.rt.get_mem_info, attr)
+@pytest.mark.parametrize("attr", [-1, 18, 1 << 31, 1 << 64, "0", None])
+def test_get_mem_info_attr_out_of_range_is_107016(acl, attr):
+    """An int outside aclrtMemAttr is the runtime's invalid memory type (107016); no int at all (or none that fits
+    the C enum) is 107000."""
+    code = BAD_MEMORY_TYPE if attr in (-1, 18) else PARAM
+    expect_fail(code, acl.rt.get_mem_info, attr)
 
 
 # ---------------------------------------------------------------- streams
@@ -277,10 +283,10 @@ def test_stream_lifecycle(vmm):
     assert runtime().counts()["streams"] == n0 + 2
     ok(acl.rt.synchronize_stream(s))
     ok(acl.rt.destroy_stream(s))
-    expect_fail(PARAM, acl.rt.destroy_stream, s)
-    expect_fail(PARAM, acl.rt.synchronize_stream, s)
+    expect_fail(BAD_HANDLE, acl.rt.destroy_stream, s)  # a destroyed stream is an unknown handle (107017)
+    expect_fail(BAD_HANDLE, acl.rt.synchronize_stream, s)
     ok(acl.rt.destroy_stream_force(s2))
-    expect_fail(PARAM, acl.rt.destroy_stream_force, s2)
+    expect_fail(BAD_HANDLE, acl.rt.destroy_stream_force, s2)
     assert runtime().counts()["streams"] == n0
 
 
@@ -292,7 +298,9 @@ def test_default_stream(acl):
 @pytest.mark.parametrize("fn_name", ["destroy_stream", "destroy_stream_force", "synchronize_stream"])
 @pytest.mark.parametrize("stream", [12345, 1 << 63, -1, 1 << 64, "s", 1.0, [1]], ids=repr)
 def test_unknown_or_bad_stream_is_107000(acl, fn_name, stream):
-    expect_fail(PARAM, getattr(acl.rt, fn_name), stream)
+    """Not a stream at all: 107000; a stream handle that is not (or no longer) live: 107017 (SPEC §4 General)."""
+    code = BAD_HANDLE if stream in (12345, 1 << 63) else PARAM
+    expect_fail(code, getattr(acl.rt, fn_name), stream)
 
 
 
@@ -467,9 +475,12 @@ def test_malloc_host_and_free_host(vmm):
 
 
 def test_granularity_all_attrs_and_options(acl):
-    for attr in range(18):
+    """Every attribute the acl layer takes, on every location that takes it (1 GiB pages: devices only)."""
+    for attr in sorted(PHYSICAL_MEM_ATTRS):
         for option in (0, 1):
-            for loc_type in (0, 1):
+            for loc_type in (0, 1, 4):
+                if (loc_type == 1 and attr in DDR_MEM_ATTRS) or (loc_type != 1 and attr in HUGE1G_ATTRS):
+                    continue  # refused: tests/test_acl_layer.py pins those
                 g = ok(acl.rt.mem_get_allocation_granularity(prop(attr, loc_type=loc_type), option))
                 assert g == (1 << 30 if attr in HUGE1G_ATTRS else G2M)
 
@@ -477,8 +488,8 @@ def test_granularity_all_attrs_and_options(acl):
 def test_granularity_rejects_what_malloc_rejects(acl):
     expect_fail(BAD_DEVICE, acl.rt.mem_get_allocation_granularity, prop(dev=1 << 20), 0)
     expect_fail(207000, acl.rt.mem_get_allocation_granularity, prop(loc_type=3), 0)
-    expect_fail(PARAM, acl.rt.mem_get_allocation_granularity, prop(attr=18), 0)
-    expect_fail(PARAM, acl.rt.mem_get_allocation_granularity, None, 0)
+    expect_fail(ACL_PARAM, acl.rt.mem_get_allocation_granularity, prop(attr=18), 0)  # the acl layer's checks
+    expect_fail(ACL_PARAM, acl.rt.mem_get_allocation_granularity, None, 0)
 
 
 # ---------------------------------------------------------------- acl.util

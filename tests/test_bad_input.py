@@ -14,8 +14,10 @@ import pytest
 
 import vmmshare.acl as acl_module
 from conftest import (
+    ACL_PARAM,
     BAD_DEVICE,
     BAD_HANDLE,
+    BAD_MEMORY_TYPE,
     G2M,
     NOT_SUPPORTED,
     PARAM,
@@ -54,6 +56,12 @@ SPECS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "get_mem_info": (lambda o: [0], ("int",)),
 }
 NUMERIC = {"size", "ptr", "handle", "flags", "int", "value", "expect_ptr"}
+# (call, argument) where None is a C NULL that the acl layer itself refuses (100000, SPEC §4a)
+ACL_NULL = {("malloc_physical", 1), ("free_physical", 0), ("mem_get_allocation_granularity", 0),
+            ("release_mem_address", 0), ("map_mem", 0), ("map_mem", 3), ("mem_map_no_access", 0),
+            ("mem_map_no_access", 3), ("unmap_mem", 0), ("mem_get_access", 0), ("mem_get_access", 1),
+            ("mem_retain_allocation_handle", 0), ("mem_get_allocation_properties_from_handle", 0),
+            ("mem_get_address_range", 0)}
 
 BAD_TYPES = {
     "str": "1",
@@ -128,17 +136,21 @@ def test_valid_arguments_succeed(vmm, live, name):
 
 @pytest.mark.parametrize(("name", "pos", "tname"), list(_cases_bad_type()))
 def test_wrong_type_is_107000(vmm, live, name, pos, tname):
+    """A wrong type is 107000; None is NULL, which the acl layer refuses itself (100000) where §4a says so."""
     args = SPECS[name][0](live)
     args[pos] = copy.deepcopy(BAD_TYPES[tname])
-    expect_fail(PARAM, getattr(acl_module.rt, name), *args)
+    code = ACL_PARAM if tname == "None" and (name, pos) in ACL_NULL else PARAM
+    expect_fail(code, getattr(acl_module.rt, name), *args)
     _assert_untouched(vmm, live)
 
 
 @pytest.mark.parametrize(("name", "pos", "value"), list(_cases_bad_number()))
 def test_negative_and_huge_numbers_are_107000(vmm, live, name, pos, value):
+    """107000; but get_mem_info(-1) is an int attribute outside aclrtMemAttr, 107016 as the runtime says."""
     args = SPECS[name][0](live)
     args[pos] = value
-    expect_fail(PARAM, getattr(acl_module.rt, name), *args)
+    code = BAD_MEMORY_TYPE if (name, value) == ("get_mem_info", -1) else PARAM
+    expect_fail(code, getattr(acl_module.rt, name), *args)
     _assert_untouched(vmm, live)
 
 
@@ -202,29 +214,28 @@ def test_prop_missing_field_is_107000(acl, fn_name, path):
 
 
 @pytest.mark.parametrize(
-    ("path", "value", "code"),
-    [
-        ("handleType", 1, PARAM),
-        ("handleType", 3, PARAM),
-        ("allocationType", 1, PARAM),
-        ("memAttr", 18, PARAM),
-        ("memAttr", -1, PARAM),
-        ("memAttr", 1 << 64, PARAM),
-        ("location.type", 5, PARAM),
-        ("location.type", -1, PARAM),
-        ("location.type", 2, NOT_SUPPORTED),
-        ("location.type", 3, NOT_SUPPORTED),
-        ("location.type", 4, NOT_SUPPORTED),
-        ("location.id", 1 << 20, BAD_DEVICE),
-        ("location.id", -1, BAD_DEVICE),
-        ("reserve", 1, PARAM),
+    ("path", "value", "malloc_code", "granularity_code"),
+    [  # malloc_physical's acl layer checks the types and locations; both check the attribute (SPEC §4a)
+        ("handleType", 1, ACL_PARAM, PARAM),
+        ("handleType", 3, ACL_PARAM, PARAM),
+        ("allocationType", 1, ACL_PARAM, PARAM),
+        ("memAttr", 18, ACL_PARAM, ACL_PARAM),
+        ("memAttr", -1, PARAM, PARAM),
+        ("memAttr", 1 << 64, PARAM, PARAM),
+        ("location.type", 5, PARAM, PARAM),
+        ("location.type", -1, PARAM, PARAM),
+        ("location.type", 2, ACL_PARAM, NOT_SUPPORTED),
+        ("location.type", 3, ACL_PARAM, NOT_SUPPORTED),
+        ("location.id", 1 << 20, BAD_DEVICE, BAD_DEVICE),
+        ("location.id", -1, BAD_DEVICE, BAD_DEVICE),
+        ("reserve", 1, PARAM, PARAM),
     ],
 )
 @pytest.mark.parametrize("fn_name", ["malloc_physical", "mem_get_allocation_granularity"])
-def test_prop_field_out_of_range(acl, fn_name, path, value, code):
+def test_prop_field_out_of_range(acl, fn_name, path, value, malloc_code, granularity_code):
     bad = _set_path(prop(), path, value)
     args = [G2M, bad, 0] if fn_name == "malloc_physical" else [bad, 0]
-    expect_fail(code, getattr(acl.rt, fn_name), *args)
+    expect_fail(malloc_code if fn_name == "malloc_physical" else granularity_code, getattr(acl.rt, fn_name), *args)
 
 
 @pytest.mark.parametrize(
@@ -267,7 +278,8 @@ def test_desc_list_with_bad_device_is_107001(vmm, live):
     ids=repr,
 )
 def test_bad_location_for_get_access_is_107000(vmm, live, location):
-    expect_fail(PARAM, vmm.rt.mem_get_access, live.mptr, location)
+    """107000; None is a NULL location, which the acl layer refuses itself (100000)."""
+    expect_fail(ACL_PARAM if location is None else PARAM, vmm.rt.mem_get_access, live.mptr, location)
 
 
 # ---------------------------------------------------------------- unknown handles and pointers
@@ -336,13 +348,17 @@ def _cases_pointer():
             yield pytest.param(name, which, id=f"{name}-{which}")
 
 
+ACL_NULL_PTR = {"unmap_mem", "release_mem_address", "mem_get_access", "mem_retain_allocation_handle",
+                "mem_get_address_range"}  # NULL is the acl layer's refusal there (100000, SPEC §4a)
+
+
 @pytest.mark.parametrize(("name", "which"), list(_cases_pointer()))
 def test_unknown_pointer_is_107000(vmm, live, name, which):
     keep: list[Any] = []
     p = _pointer(live, vmm, which, keep)
     args = [live.host if a == "HOST" else a for a in POINTER_CALLS[name](p)]
     fn = getattr(vmm.rt, name.split("-")[0])
-    expect_fail(PARAM, fn, *args)
+    expect_fail(ACL_PARAM if which == "null" and name in ACL_NULL_PTR else PARAM, fn, *args)
     _assert_untouched(vmm, live)
 
 

@@ -173,6 +173,31 @@ def test_gpu_memory_round_trip(gpu_actor: Callable[..., Actor]) -> None:
     assert a.call("rt.free_physical", h) == 0
 
 
+def test_malloc_ipc_and_streams_on_gpu_memory(gpu_actor: Callable[..., Actor]) -> None:
+    """aclrtMalloc memory is GPU memory under the CUDA backend: filled on a stream, shared by IPC key, imported in
+    another process that reads and writes it; the driver's allocation goes when both let go."""
+    a, b = gpu_actor(), gpu_actor()
+    assert a.call("get_soc_name") == "vmmshare-cuda"
+    ptr, ret = a.call("rt.malloc", MiB2, 0)
+    assert ret == 0, a.last_err
+    assert driver_allocations(a.pid) == 1
+    s, ret = a.call("rt.create_stream")
+    assert ret == 0
+    assert a.call("rt.memset_async", ptr, MiB2, 0x3C, MiB2, s) == 0, a.last_err
+    assert a.call("rt.synchronize_stream", s) == 0, a.last_err
+    key, ret = a.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
+    assert ret == 0, a.last_err
+    assert a.call("rt.ipc_mem_set_import_pid", key, [b.pid]) == 0, a.last_err
+    q, ret = b.call("rt.ipc_mem_import_by_key", key, 0)
+    assert ret == 0, b.last_err
+    assert download(b, q, 16) == b"\x3c" * 16
+    upload(b, q + 16, b"from the importer")
+    assert download(a, ptr + 16, 17) == b"from the importer"
+    assert b.call("rt.ipc_mem_close", key) == 0 and a.call("rt.ipc_mem_close", key) == 0
+    assert a.call("rt.free", ptr) == 0 and a.call("rt.destroy_stream", s) == 0
+    assert driver_allocations(a.pid) == 0 and driver_allocations(b.pid) == 0
+
+
 def test_host_location_memory_stays_host_memory(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     prop = {**PROP, "location": {"id": 0, "type": 0}}
@@ -580,7 +605,7 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
     sys.path.insert(0, str(HERE.parent / "stress"))
     import fuzz_api
 
-    result = fuzz_api.run(5_000, 20261130, seconds=60, hang_guard=180,
+    result = fuzz_api.run(8_000, 20261130, seconds=60, hang_guard=180,  # ~110 calls for each of 72 functions
                           extra_env={"VMMSHARE_BACKEND": "cuda", **cuda_env})
     assert result["ok"], result["violations"]
     assert result["calls"] == 5_000, "the time cap cut the fuzz short"

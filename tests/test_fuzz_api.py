@@ -170,7 +170,7 @@ def test_malloc_physical_of_a_host_size_beyond_off_t_is_a_memory_error(acl) -> N
     multiple of the granularity, and host allocations are not capped by VMMSHARE_DEVICE_MEMORY). Memory that
     cannot be created is ACL_ERROR_RT_MEMORY_ALLOCATION (207001), like any other size the host cannot back,
     and nothing is left behind."""
-    host_prop = {"handleType": 0, "allocationType": 0, "memAttr": 0, "location": {"id": 0, "type": 0},
+    host_prop = {"handleType": 0, "allocationType": 0, "memAttr": 12, "location": {"id": 0, "type": 0},
                  "reserve": 0}
     acl_module.rt.get_mem_info(0)  # the broker connection is made before the baseline is taken
     fds, mfds = fd_count(), memfds()

@@ -23,6 +23,7 @@ import pytest
 from conftest import cannot_run, require
 from procs import PROP, Actor, ActorDied, BrokerProc, MiB2, host_children, refusal
 
+ACL_PARAM = 100000  # the acl layer's own checks (SPEC §4a)
 PARAM = 107000
 BAD_DEVICE = 107001
 BAD_HANDLE = 107017
@@ -237,7 +238,8 @@ def test_rule_10_export_flags_and_share_type_are_checked(actor: MakeActor) -> No
     for share_type in (0, 3, -1, 0x100000001, "1", None):
         fails(e, PARAM, "rt.mem_export_to_shareable_handle_v2", h, 0, share_type)
     fails(e, PARAM, "rt.mem_export_to_shareable_handle", h, 0, 2)  # V1: flags
-    fails(e, PARAM, "rt.mem_export_to_shareable_handle", h, 1, 0)  # V1: handle type 1 is not NONE/POSIX
+    fails(e, ACL_PARAM, "rt.mem_export_to_shareable_handle", h, 1, 0)  # V1: handle type not NONE (the acl layer's)
+    fails(e, ACL_PARAM, "rt.mem_export_to_shareable_handle", h, 2, 0)  # POSIX is not NONE either
     # none of the refused calls used up the one export
     sh = ok(e, "rt.mem_export_to_shareable_handle_v2", h, NO_PID_CHECK, DEFAULT)
     ok(i, "rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
@@ -322,7 +324,9 @@ def test_rule_12_pids_must_be_positive_32_bit_ints(actor: MakeActor) -> None:
     # one bad pid spoils the whole call: the good pid next to it is not added
     fails(e, PARAM, "rt.mem_set_pid_to_shareable_handle_v2", s.shareable, DEFAULT, [i.pid, 0])
     fails(i, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
-    for bad_list in ([], None, i.pid, "1,2"):
+    for bad_list in ([], None):  # empty or NULL: the acl layer's checks
+        fails(e, ACL_PARAM, "rt.mem_set_pid_to_shareable_handle_v2", s.shareable, DEFAULT, bad_list)
+    for bad_list in (i.pid, "1,2"):  # not a list at all
         fails(e, PARAM, "rt.mem_set_pid_to_shareable_handle_v2", s.shareable, DEFAULT, bad_list)
     ok(e, "rt.mem_set_pid_to_shareable_handle_v2", s.shareable, DEFAULT, [(1 << 31) - 1, i.pid])
     ok(i, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
@@ -434,8 +438,9 @@ def test_rule_13_v2_import_flags_must_be_0(actor: MakeActor) -> None:
     s = export(e, pids=[i.pid])
     f = export(e, share_type=FABRIC, pids=[i.pid])
     for flags in (1, 2, -1, None, "0"):
-        fails(i, PARAM, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, flags)
-        fails(i, PARAM, "rt.mem_import_from_shareable_handle_v2", f.shareable, FABRIC, flags)
+        code = ACL_PARAM if flags in (1, 2) else PARAM  # a non-zero flags value is the acl layer's; no uint64, 107000
+        fails(i, code, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, flags)
+        fails(i, code, "rt.mem_import_from_shareable_handle_v2", f.shareable, FABRIC, flags)
     # the refused imports left nothing behind
     ok(i, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
     ok(i, "rt.mem_import_from_shareable_handle_v2", f.shareable, FABRIC, 0)
@@ -596,7 +601,7 @@ def test_rule_16_bad_default_handles_fail_cleanly(actor: MakeActor, broker: Brok
         (b"\x01" * 8, PARAM),
         ([s.shareable], PARAM),
     ]:
-        fails(i, code, v2, value, DEFAULT, 0)
+        fails(i, ACL_PARAM if value is None else code, v2, value, DEFAULT, 0)  # V2: None is a NULL handle (acl)
         fails(i, code, v1, value, 0)
     fails(e, BAD_HANDLE, "rt.mem_set_pid_to_shareable_handle_v2", unknown, DEFAULT, [i.pid])
     fails(e, BAD_HANDLE, "rt.mem_set_pid_to_shareable_handle", unknown, [i.pid])
@@ -618,8 +623,9 @@ def test_rule_16_bad_fabric_handles_fail_cleanly(actor: MakeActor, broker: Broke
     good = f.shareable
     imp = "rt.mem_import_from_shareable_handle_v2"
 
-    for shape in (b"", good[:127], good[:64], good + b"\0", good * 2, 12345, None, "VMMF"):
+    for shape in (b"", good[:127], good[:64], good + b"\0", good * 2, 12345, "VMMF"):
         fails(i, PARAM, imp, shape, FABRIC, 0)
+    fails(i, ACL_PARAM, imp, None, FABRIC, 0)  # a NULL handle: the acl layer's check
     fails(i, BAD_HANDLE, imp, os.urandom(128), FABRIC, 0)  # bad magic (random)
 
     def flipped(at: int, xor: int = 0xFF) -> bytes:

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     AclError,
+    AclInvalidParamError,
     ContextNullError,
     FeatureNotSupportedError,
     InternalError,
     InvalidDeviceError,
     InvalidHandleError,
+    InvalidMemoryTypeError,
     InvalidParamError,
     IpcError,
     MemoryAllocationError,
@@ -24,12 +26,17 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import acl
+    from .buffers import DeviceBuffer, IpcMemory, ipc_open
     from .memory import Device, Mapping, PhysicalMemory, ShareableHandle, VirtualRange, import_handle
 
 __version__ = "0.1.0"
 
-_LAZY = {"acl": "", **dict.fromkeys(
-    ("Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"), "memory")}
+_LAZY = {
+    "acl": "",
+    **dict.fromkeys(("Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"),
+                    "memory"),
+    **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "buffers"),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -48,14 +55,18 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AclError",
+    "AclInvalidParamError",
     "ContextNullError",
     "Device",
+    "DeviceBuffer",
     "FeatureNotSupportedError",
     "InternalError",
     "InvalidDeviceError",
     "InvalidHandleError",
+    "InvalidMemoryTypeError",
     "InvalidParamError",
     "IpcError",
+    "IpcMemory",
     "Mapping",
     "MemoryAllocationError",
     "NoPermissionError",
@@ -65,4 +76,5 @@ __all__ = [
     "__version__",
     "acl",
     "import_handle",
+    "ipc_open",
 ]

@@ -255,6 +255,17 @@ ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT = 0x0
 ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION = 0x1
 
 # ---------------------------------------------------------------------------
+# IPC memory (acl_rt.h: ACL_RT_IPC_MEM_IMPORT_FLAG_*, aclrtIpcMemAttrType and its link values)
+# ---------------------------------------------------------------------------
+ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT = 0x0
+ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS = 0x1
+ACL_RT_IPC_MEM_ATTR_ACCESS_LINK = 0
+ACL_RT_IPC_MEM_ATTR_ACCESS_LINK_SIO = 0
+ACL_RT_IPC_MEM_ATTR_ACCESS_LINK_HCCS = 1
+ACL_RT_IPC_MEM_ATTR_ACCESS_LINK_UB_ONE_PORT_PATH = 2
+ACL_RT_IPC_MEM_ATTR_ACCESS_LINK_UB_MULTI_PORT_PATH = 3
+
+# ---------------------------------------------------------------------------
 # aclrtMemSharedHandleType (acl_rt.h)
 # ---------------------------------------------------------------------------
 ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT = 0x1
@@ -323,6 +334,33 @@ ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
 ACL_MEMCPY_DEVICE_TO_DEVICE = 3
 ACL_MEMCPY_DEFAULT = 4
+ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE = 5
+
+# ---------------------------------------------------------------------------
+# aclrtMemMallocPolicy (acl_rt.h): page type and P2P in the low byte, flags above it
+# ---------------------------------------------------------------------------
+ACL_MEM_MALLOC_HUGE_FIRST = 0
+ACL_MEM_MALLOC_HUGE_ONLY = 1
+ACL_MEM_MALLOC_NORMAL_ONLY = 2
+ACL_MEM_MALLOC_HUGE_FIRST_P2P = 3
+ACL_MEM_MALLOC_HUGE_ONLY_P2P = 4
+ACL_MEM_MALLOC_NORMAL_ONLY_P2P = 5
+ACL_MEM_MALLOC_HUGE1G_ONLY = 6
+ACL_MEM_MALLOC_HUGE1G_ONLY_P2P = 7
+ACL_MEM_TYPE_LOW_BAND_WIDTH = 0x0100
+ACL_MEM_TYPE_HIGH_BAND_WIDTH = 0x1000
+ACL_MEM_ACCESS_USER_SPACE_READONLY = 0x100000
+
+# ---------------------------------------------------------------------------
+# aclrtRunMode, aclrtStreamStatus (acl_rt.h) and the ACL version (acl.h)
+# ---------------------------------------------------------------------------
+ACL_DEVICE = 0
+ACL_HOST = 1
+ACL_STREAM_STATUS_COMPLETE = 0
+ACL_STREAM_STATUS_NOT_READY = 1
+ACL_MAJOR_VERSION = 1
+ACL_MINOR_VERSION = 17
+ACL_PATCH_VERSION = 0
 
 # ---------------------------------------------------------------------------
 # Sizes used by the runtime
@@ -361,6 +399,16 @@ _MEM_ATTRS: dict[str, int] = {name: int(globals()[name]) for name in MEM_ATTR_NA
 
 HUGE1G_ATTRS: frozenset[int] = frozenset(v for n, v in _MEM_ATTRS.items() if "HUGE1G" in n)
 HUGE_ATTRS: frozenset[int] = frozenset(v for n, v in _MEM_ATTRS.items() if "HUGE" in n and "HUGE1G" not in n)
+# The attributes the acl layer accepts for physical memory (its handler table): 0, 1, 8, 9 and 11 are refused.
+PHYSICAL_MEM_ATTRS: frozenset[int] = frozenset({
+    ACL_DDR_MEM_HUGE, ACL_DDR_MEM_NORMAL, ACL_HBM_MEM_HUGE, ACL_HBM_MEM_NORMAL, ACL_DDR_MEM_P2P_HUGE,
+    ACL_DDR_MEM_P2P_NORMAL, ACL_HBM_MEM_HUGE1G, ACL_MEM_NORMAL, ACL_MEM_HUGE, ACL_MEM_HUGE1G, ACL_MEM_P2P_NORMAL,
+    ACL_MEM_P2P_HUGE, ACL_MEM_P2P_HUGE1G,
+})
+# DDR attributes: host memory only (a DEVICE location with one of them is refused by the acl layer).
+DDR_MEM_ATTRS: frozenset[int] = frozenset({
+    ACL_DDR_MEM_HUGE, ACL_DDR_MEM_NORMAL, ACL_DDR_MEM_P2P_HUGE, ACL_DDR_MEM_P2P_NORMAL,
+})
 
 
 def _collect_error_names() -> dict[int, str]:

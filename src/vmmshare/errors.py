@@ -28,6 +28,19 @@ class InvalidParamError(AclError, ValueError):
     code = C.ACL_ERROR_RT_PARAM_INVALID
 
 
+class AclInvalidParamError(InvalidParamError):
+    """ACL_ERROR_INVALID_PARAM (100000): an argument the acl layer itself refuses (SPEC §4a), before the runtime
+    sees it; an `InvalidParamError`, so code catching the runtime's 107000 catches it too."""
+
+    code = C.ACL_ERROR_INVALID_PARAM
+
+
+class InvalidMemoryTypeError(AclError, ValueError):
+    """ACL_ERROR_RT_INVALID_MEMORY_TYPE (107016): a memory attribute outside aclrtMemAttr."""
+
+    code = C.ACL_ERROR_RT_INVALID_MEMORY_TYPE
+
+
 class InvalidDeviceError(AclError, ValueError):
     code = C.ACL_ERROR_RT_INVALID_DEVICEID
 
@@ -66,7 +79,9 @@ class IpcError(AclError, ConnectionError):
 _BY_CODE: dict[int, type[AclError]] = {
     cls.code: cls
     for cls in (
+        AclInvalidParamError,
         InvalidParamError,
+        InvalidMemoryTypeError,
         InvalidDeviceError,
         ContextNullError,
         InvalidHandleError,
@@ -85,9 +100,20 @@ def error_from_code(code: int, message: str) -> AclError:
     return cls(message) if cls is not None else AclError(message, code)
 
 
-def set_recent_error(message: str) -> None:
-    """Record the message that `acl.get_recent_err_msg()` returns in this thread."""
+def set_recent_error(message: str, code: int | None = None) -> None:
+    """Record the message that `acl.get_recent_err_msg()` returns in this thread (and, with `code`, the code that
+    `acl.rt.peek_at_last_error` / `get_last_error` report)."""
     _recent.message = message
+    if code is not None:
+        _recent.code = code
+
+
+def last_error(clear: bool) -> int:
+    """The code of the last failed call in this thread (0 if none, or none since it was cleared)."""
+    code: int = getattr(_recent, "code", 0)
+    if clear:
+        _recent.code = 0
+    return code
 
 
 def recent_error() -> str:

@@ -114,6 +114,10 @@ class ShareType(enum.IntEnum):
         return self.name.lower()
 
 
+class NotAnIntError(InvalidParamError, TypeError):
+    """int() of a FABRIC handle: a TypeError, as Python has it for a value with no int, and an AclError (107000)."""
+
+
 _TEXT = re.compile(r"^vmm:(default|fabric):([0-9a-f]+)$", re.IGNORECASE)
 _INT_TEXT = re.compile(r"^(0x[0-9a-f]+|[0-9]+)$", re.IGNORECASE)
 
@@ -133,6 +137,8 @@ class ShareableHandle:
     fabric: FabricHandle | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise InvalidParamError(f"kind must be 'default' or 'fabric', got {type(self.kind).__name__}")
         if not isinstance(self.raw, bytes):
             raise InvalidParamError(f"a shareable handle's raw form is bytes, not {type(self.raw).__name__}")
         fabric = None
@@ -159,6 +165,8 @@ class ShareableHandle:
     @classmethod
     def of(cls, share_type: ShareType, raw: bytes) -> ShareableHandle:
         """The handle `raw` of `share_type` (8 little-endian bytes for DEFAULT, 128 for FABRIC)."""
+        if not isinstance(share_type, ShareType):
+            raise InvalidParamError(f"share_type must be a ShareType, got {share_type!r}")
         return cls(share_type.label, raw)
 
     @classmethod
@@ -199,7 +207,7 @@ class ShareableHandle:
 
     def __int__(self) -> int:
         if self.share_type is not ShareType.DEFAULT:
-            raise TypeError("a FABRIC handle is 128 bytes: use bytes(handle)")
+            raise NotAnIntError("a FABRIC handle is 128 bytes: use bytes(handle)")
         return self.value
 
     def __bytes__(self) -> bytes:

@@ -7,7 +7,6 @@ are garbage-collected. Failures raise `AclError` subclasses carrying the ACL cod
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -15,9 +14,10 @@ from typing import Any
 from . import constants as C
 from ._process import runtime
 from .backends.base import MemoryKind
-from .errors import ContextNullError, InvalidParamError
+from .errors import AclInvalidParamError, ContextNullError, InvalidParamError
 from .handles import ShareableHandle, ShareType
-from .props import Location, PhysicalProp, check_device, check_int, check_pids, check_ptr
+from .props import U64, Location, PhysicalProp, check_device, check_int, check_pids, check_prop, check_ptr
+from .views import MemoryViews
 
 __all__ = ["Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"]
 
@@ -35,19 +35,45 @@ _ACCESS = {
 }
 
 
+def _choice(name: str, value: object, choices: dict[str, Any]) -> Any:
+    """One of the named `choices` (any other value, of any type, is refused with 107000)."""
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidParamError(f"{name} {value!r}: use {' or '.join(repr(c) for c in choices)}")
+    return choices[value]
+
+
 def _attr(attr: str | int) -> int:
     if isinstance(attr, str):
-        if attr not in _ATTRS:
-            raise InvalidParamError(f"attr {attr!r}: use one of {sorted(_ATTRS)} or an aclrtMemAttr value")
-        return _ATTRS[attr]
-    return check_int("attr", attr, 0, 17)
+        return int(_choice("attr", attr, _ATTRS))
+    return check_int("attr", attr, 0, 0xFFFFFFFF)
+
+
+def _access(access: object) -> int:
+    return int(_choice("access", access, _ACCESS))
+
+
+def _flag(name: str, value: object, allow_none: bool = False) -> bool | None:
+    """A bool argument (None too, where it means "the default")."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        raise InvalidParamError(f"{name} must be True or False{' (or None)' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def _size(size: object) -> int:
+    """A size argument: a positive int that fits a size_t (0 is the acl layer's refusal, 100000)."""
+    n = check_int("size", size, 0, U64)
+    if n == 0:
+        raise AclInvalidParamError("size is 0: ask for a positive number of bytes")
+    return n
 
 
 def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
     """A trustlist argument: any iterable of positive 32-bit pids."""
     try:
         listed = list(pids)
-    except TypeError:
+    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
         raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
     return check_pids(listed, allow_empty)
 
@@ -67,27 +93,38 @@ class Device:
     def __hash__(self) -> int:
         return hash(("Device", self.id))
 
-    def _prop(self, attr: str | int, location: str) -> PhysicalProp:
-        if location not in _LOCATIONS:
-            raise InvalidParamError(f"location {location!r}: use 'device' or 'host'")
-        loc = Location(_LOCATIONS[location], self.id if location == "device" else 0)
-        return PhysicalProp(C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_ALLOCATION_TYPE_PINNED, _attr(attr), loc)
+    def _prop(self, attr: str | int, location: str, numa_node: int | None = None) -> PhysicalProp:
+        """The property of memory here; the acl layer's checks of it apply (100000), as for pyACL's."""
+        kind = _choice("location", location, _LOCATIONS)
+        if numa_node is not None:
+            if kind != C.ACL_MEM_LOCATION_TYPE_HOST:
+                raise InvalidParamError("numa_node places host memory: pass location='host' with it")
+            loc = Location(C.ACL_MEM_LOCATION_TYPE_HOST_NUMA, check_int("numa_node", numa_node, 0, (1 << 31) - 1))
+        else:
+            loc = Location(kind, self.id if kind == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0)
+        prop = PhysicalProp(C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_ALLOCATION_TYPE_PINNED, _attr(attr), loc)
+        return check_prop(prop, for_malloc=True)
 
-    def granularity(self, attr: str | int = "normal") -> int:
-        return runtime().memory.granularity(self._prop(attr, "device"))
+    def granularity(self, attr: str | int = "normal", location: str = "device") -> int:
+        return runtime().memory.granularity(self._prop(attr, location))
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of this device across the node (the GPU's own figures under the CUDA backend)."""
         return runtime().mem_info(self.id)
 
-    def allocate(self, size: int, attr: str | int = "normal", location: str = "device") -> PhysicalMemory:
-        """Physical memory of at least `size` bytes (rounded up to the granularity)."""
-        prop = self._prop(attr, location)
+    def allocate(
+        self, size: int, attr: str | int = "normal", location: str = "device", numa_node: int | None = None
+    ) -> PhysicalMemory:
+        """Physical memory of at least `size` bytes (rounded up to the granularity); `location` "device" (this
+        device's) or "host", on NUMA node `numa_node` when given (ACL_MEM_LOCATION_TYPE_HOST_NUMA)."""
+        n = _size(size)
+        prop = self._prop(attr, location, numa_node)
         rt = runtime()
         g = rt.memory.granularity(prop)
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise InvalidParamError(f"size must be a positive int, got {size!r}")
-        return PhysicalMemory(rt.memory.malloc_physical(-(-size // g) * g, prop))
+        rounded = -(-n // g) * g
+        if rounded > U64:
+            raise InvalidParamError(f"size {n} rounded up to the granularity {g} does not fit a size_t")
+        return PhysicalMemory(rt.memory.malloc_physical(rounded, prop))
 
 
 class PhysicalMemory:
@@ -95,10 +132,12 @@ class PhysicalMemory:
 
     def __init__(self, handle: int) -> None:
         rt = runtime()
-        alloc = rt.memory.allocation(handle)
+        alloc = rt.memory.allocation(check_int("handle", handle))
         self.handle = handle
         self.size = alloc.size
-        self.device = alloc.prop.location.id
+        self.device = alloc.device
+        location = alloc.prop.location
+        self.numa_node = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
         self._location = alloc.prop.location  # outlives close()
         self.location = alloc.prop.location.as_dict()
         self.imported = bool(alloc.imported_from)
@@ -128,11 +167,11 @@ class PhysicalMemory:
         self, share_type: str = "default", pids: Iterable[int] = (), validate_pids: bool = True
     ) -> ShareableHandle:
         """Export once, as a handle other processes can import; `pids` go on the trustlist at once."""
-        if share_type not in _SHARE_TYPES:
-            raise InvalidParamError(f"share_type {share_type!r}: use 'default' or 'fabric'")
+        st = _choice("share_type", share_type, _SHARE_TYPES)
         trust = _pids(pids, allow_empty=True)
+        validate = bool(_flag("validate_pids", validate_pids))
         # the trustlist rides on the export
-        self._shareable = runtime().sharing.export(self._live(), _SHARE_TYPES[share_type], bool(validate_pids), trust)
+        self._shareable = runtime().sharing.export(self._live(), st, validate, trust)
         return self._shareable
 
     def allow(self, pids: Iterable[int]) -> None:
@@ -143,6 +182,9 @@ class PhysicalMemory:
 
     def map(self, access: str = "rw", prepopulate: bool | None = None) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both."""
+        _access(access)
+        _flag("prepopulate", prepopulate, allow_none=True)
+        self._live()
         rng = VirtualRange(self.size, gpu=self.on_gpu)
         try:
             return rng.map(self, access=access, prepopulate=prepopulate, owns_range=True)
@@ -183,7 +225,8 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
             device = rt.devices.current()
         except ContextNullError:
             device = 0
-    return PhysicalMemory(rt.sharing.import_handle(h, rt.device_id(check_device(device))))
+    dev = rt.device_id(check_device(device))
+    return PhysicalMemory(rt.sharing.import_handle(h, dev))
 
 
 class VirtualRange:
@@ -192,10 +235,9 @@ class VirtualRange:
     def __init__(self, size: int, at: int | None = None, gpu: bool | None = None) -> None:
         """`gpu`: GPU address space (default: when the CUDA backend is on), for GPU memory."""
         g = C.MIN_GRANULARITY
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise InvalidParamError(f"size must be a positive int, got {size!r}")
-        self.size = -(-size // g) * g
-        self.ptr = runtime().memory.reserve(self.size, 0, check_ptr("at", at), gpu)
+        self.size = -(-_size(size) // g) * g
+        on_gpu = _flag("gpu", gpu, allow_none=True)
+        self.ptr = runtime().memory.reserve(self.size, 0, check_ptr("at", at), on_gpu)
         self._finalizer = weakref.finalize(self, _release_quietly, self.ptr)
 
     def __repr__(self) -> str:
@@ -206,18 +248,18 @@ class VirtualRange:
         owns_range: bool = False,
     ) -> Mapping:
         """Map `memory` at `self.ptr + offset`."""
-        if access not in _ACCESS:
-            raise InvalidParamError(f"access {access!r}: use 'rw', 'r' or 'none'")
+        flags = _access(access)
         if not isinstance(memory, PhysicalMemory):
             raise InvalidParamError(f"memory must be a PhysicalMemory, not {type(memory).__name__}")
         offset = check_int("offset", offset)
+        populate = _flag("prepopulate", prepopulate, allow_none=True)
+        owns = _flag("owns_range", owns_range)
         if offset + memory.size > self.size:
             raise InvalidParamError(f"{memory.size} bytes at offset {offset} do not fit this {self.size}-byte range")
         rt = runtime()
         ptr = self.ptr + offset
-        flags = _ACCESS[access]
-        rt.memory.map(ptr, memory.size, 0, memory._live(), flags, prepopulate)
-        return Mapping(ptr, memory, self if owns_range else None)
+        rt.memory.map(ptr, memory.size, 0, memory._live(), flags, populate)
+        return Mapping(ptr, memory, self if owns else None)
 
     def close(self) -> None:
         if self._finalizer.alive:
@@ -248,13 +290,7 @@ def _unmap_quietly(ptr: int, rng: VirtualRange | None) -> None:
         rt.when_safe(unmap)
 
 
-class _Keepalive:
-    """What a GPU DLPack capsule holds on to (there is no host buffer to hold)."""
-
-    _vmmshare_owner: Mapping
-
-
-class Mapping:
+class Mapping(MemoryViews):
     """Physical memory mapped at `ptr`: views as memoryview, numpy array or DLPack tensor, zero-copy.
 
     Like `mmap.mmap`, it refuses to close while views of it are alive (BufferError).
@@ -264,8 +300,10 @@ class Mapping:
         self.ptr = ptr
         self.size = memory.size
         self.memory = memory
+        self.on_gpu = memory.on_gpu
+        self.device = memory.device
         self._range = rng
-        self._views: dict[int, weakref.ref[Any]] = {}  # live buffers handed out, by id
+        self._init_views()
         self._finalizer = weakref.finalize(self, _unmap_quietly, ptr, rng)
 
     def __repr__(self) -> str:
@@ -275,70 +313,14 @@ class Mapping:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def _buffer(self) -> Any:
-        if self.memory.on_gpu:
-            raise InvalidParamError("this mapping is GPU memory: view it with DLPack (torch/cupy.from_dlpack)")
-        return self._register((ctypes.c_char * self.size).from_address(self.ptr))
-
-    def _register(self, buf: Any) -> Any:
-        """Count `buf` as a live view: it keeps the mapping alive, and the mapping will not close under it."""
-        if self.closed:
-            raise InvalidParamError("this Mapping is closed")
-        buf._vmmshare_owner = self  # the view keeps the mapping alive
-        key, views = id(buf), self._views
-
-        def forget(_: object) -> None:
-            views.pop(key, None)
-
-        views[key] = weakref.ref(buf, forget)
-        return buf
-
-    def memoryview(self) -> memoryview:
-        return memoryview(self._buffer()).cast("B")
-
-    def numpy(self, dtype: Any = "uint8", shape: tuple[int, ...] | int | None = None) -> Any:
-        """A numpy array over the mapping (no copy)."""
-        import numpy as np
-
-        arr = np.frombuffer(self._buffer(), dtype=np.dtype(dtype))
-        return arr if shape is None else arr.reshape(shape)
-
-    def __dlpack__(
-        self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None,
-        copy: bool | None = None,
-    ) -> Any:
-        """A DLPack capsule of the whole mapping as uint8, zero-copy (DLPack 1.0 when the consumer takes it).
-
-        Work on the mapping is synchronous, so no `stream` needs waiting on.
-        """
-        from . import dlpack
-
-        if copy:
-            raise BufferError("a mapping is shared memory: it is exported without a copy")
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(f"the mapping lives on {self.__dlpack_device__()}, not {tuple(dl_device)}")
-        owner = self._register(_Keepalive()) if self.memory.on_gpu else self._buffer()
-        versioned = max_version is not None and tuple(max_version) >= dlpack.DLPACK_VERSION
-        return dlpack.capsule(self.ptr, self.size, *self.__dlpack_device__(), owner, versioned)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        from . import dlpack
-
-        if self.memory.on_gpu:
-            return (dlpack.KDL_CUDA, self.memory.device)
-        return (dlpack.KDL_CPU, 0)
-
     def set_access(self, access: str) -> None:
-        if access not in _ACCESS:
-            raise InvalidParamError(f"access {access!r}: use 'rw', 'r' or 'none'")
-        runtime().memory.set_access(self.ptr, self.size, [(self.memory._location, _ACCESS[access])])
+        runtime().memory.set_access(self.ptr, self.size, [(self.memory._location, _access(access))])
 
     def close(self) -> None:
         """Unmap (and release the range it owns); BufferError while views of it are alive."""
         if not self._finalizer.alive:
             return
-        if len(self._views):
-            raise BufferError(f"{len(self._views)} view(s) of this mapping are alive: delete them first")
+        self._check_closable()
         self._finalizer.detach()
         runtime().memory.unmap(self.ptr)
         if self._range is not None:
@@ -348,6 +330,6 @@ class Mapping:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and len(self._views):
+        if exc_type is not None and self.live_views():
             return  # do not mask the error in flight; the mapping goes when its last view does
         self.close()

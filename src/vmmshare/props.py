@@ -8,7 +8,7 @@ from typing import Any
 
 from . import constants as C
 from . import handles
-from .errors import FeatureNotSupportedError, InvalidParamError
+from .errors import AclInvalidParamError, FeatureNotSupportedError, InvalidParamError
 
 U64 = (1 << 64) - 1
 
@@ -19,7 +19,7 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
         raise InvalidParamError(f"{name} must be an int, got {type(value).__name__}")
     if not lo <= value <= hi:
         raise InvalidParamError(f"{name}={value} is out of range [{lo}, {hi}]")
-    return value
+    return int(value)  # a plain int, even for an int subclass: what is kept and handed back is the value
 
 
 def check_device(value: object) -> int:
@@ -28,7 +28,7 @@ def check_device(value: object) -> int:
 
 
 def check_ptr(name: str, value: object) -> int:
-    """A pointer argument: a non-negative int (None counts as NULL)."""
+    """A pointer (or handle) argument: a non-negative int; None is NULL, as 0 is."""
     return 0 if value is None else check_int(name, value, 0, U64)
 
 
@@ -51,7 +51,7 @@ class Location:
 
 @dataclass(frozen=True)
 class PhysicalProp:
-    """A validated aclrtPhysicalMemProp."""
+    """An aclrtPhysicalMemProp, typed (`read_prop`); its values are checked by `check_prop` and the runtime."""
 
     handle_type: int
     allocation_type: int
@@ -70,6 +70,11 @@ class PhysicalProp:
             return C.HUGE1G_GRANULARITY
         return C.MIN_GRANULARITY if self.mem_attr in C.HUGE_ATTRS else 0
 
+    @property
+    def on_host(self) -> bool:
+        """Host memory (a HOST or HOST_NUMA location), as opposed to a device's."""
+        return self.location.type in HOST_LOCATIONS
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "handleType": self.handle_type,
@@ -77,6 +82,16 @@ class PhysicalProp:
             "memAttr": self.mem_attr,
             "location": self.location.as_dict(),
             "reserve": self.reserve,
+        }
+
+    def reported(self) -> dict[str, Any]:
+        """The property as the runtime reports it for memory made with it (`reported_attr`; types 0, reserve 0)."""
+        return {
+            "handleType": C.ACL_MEM_HANDLE_TYPE_NONE,
+            "allocationType": C.ACL_MEM_ALLOCATION_TYPE_PINNED,
+            "memAttr": reported_attr(self),
+            "location": self.location.as_dict(),
+            "reserve": 0,
         }
 
 
@@ -87,10 +102,20 @@ LOCATION_TYPES = frozenset({
     C.ACL_MEM_LOCATION_TYPE_MANAGED,
     C.ACL_MEM_LOCATION_TYPE_HOST_NUMA,
 })
-MEMORY_LOCATIONS = frozenset({C.ACL_MEM_LOCATION_TYPE_HOST, C.ACL_MEM_LOCATION_TYPE_DEVICE})
+# Where physical memory can live: the host (any NUMA node, or one named) and the devices.
+MEMORY_LOCATIONS = frozenset({C.ACL_MEM_LOCATION_TYPE_HOST, C.ACL_MEM_LOCATION_TYPE_DEVICE,
+                              C.ACL_MEM_LOCATION_TYPE_HOST_NUMA})
+HOST_LOCATIONS = frozenset({C.ACL_MEM_LOCATION_TYPE_HOST, C.ACL_MEM_LOCATION_TYPE_HOST_NUMA})
 ACCESS_FLAGS = frozenset({
     C.ACL_RT_MEM_ACCESS_FLAGS_NONE, C.ACL_RT_MEM_ACCESS_FLAGS_READ, C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE,
 })
+U32 = 0xFFFFFFFF
+
+
+def acl_require(ok: bool, message: str) -> None:
+    """A check the acl layer makes itself: ACL_ERROR_INVALID_PARAM (100000) when it fails (SPEC §4a)."""
+    if not ok:
+        raise AclInvalidParamError(message)
 
 
 def parse_location(loc: object, where: str, supported: Collection[int] = LOCATION_TYPES) -> Location:
@@ -98,31 +123,75 @@ def parse_location(loc: object, where: str, supported: Collection[int] = LOCATIO
 
     A DEVICE location's id is only read here: whether that device exists is the runtime's check (107001).
     """
-    ltype = check_int(f"{where}.type", field_of(loc, "type", where), 0, 0xFFFFFFFF)
-    if ltype not in LOCATION_TYPES:
-        raise InvalidParamError(f"{where}.type={ltype} is not an aclrtMemLocationType")
-    if ltype not in supported:
+    return check_location(read_location(loc, where), where, supported)
+
+
+def check_location(location: Location, where: str, supported: Collection[int] = LOCATION_TYPES) -> Location:
+    """The values of a location `read_location` read: a known type (107000), one of `supported` (207000)."""
+    if location.type not in LOCATION_TYPES:
+        raise InvalidParamError(f"{where}.type={location.type} is not an aclrtMemLocationType")
+    if location.type not in supported:
         raise FeatureNotSupportedError(
-            f"{where}.type={ltype} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
+            f"{where}.type={location.type} is not supported: use ACL_MEM_LOCATION_TYPE_DEVICE (1) or HOST (0)"
         )
-    lo = -(1 << 31) if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0
+    if location.type != C.ACL_MEM_LOCATION_TYPE_DEVICE:
+        check_int(f"{where}.id", location.id, 0, (1 << 31) - 1)
+    return location
+
+
+def read_location(loc: object, where: str) -> Location:
+    """An aclrtMemLocation dict as the C struct holds it (shape and types only: 107000 when they do not fit)."""
+    ltype = check_int(f"{where}.type", field_of(loc, "type", where), 0, U32)
     name = "deviceId" if ltype == C.ACL_MEM_LOCATION_TYPE_DEVICE else f"{where}.id"
-    return Location(ltype, check_int(name, field_of(loc, "id", where), lo, (1 << 31) - 1))
+    return Location(ltype, check_int(name, field_of(loc, "id", where), -(1 << 31), U32))
 
 
-def parse_prop(prop: object) -> PhysicalProp:
-    """An aclrtPhysicalMemProp dict."""
-    handle_type = check_int("prop.handleType", field_of(prop, "handleType", "prop"), 0, 0xFFFFFFFF)
-    if handle_type not in (C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_HANDLE_TYPE_POSIX):
-        raise InvalidParamError(f"prop.handleType={handle_type}: use ACL_MEM_HANDLE_TYPE_NONE (0) or POSIX (2)")
-    alloc_type = check_int("prop.allocationType", field_of(prop, "allocationType", "prop"), 0, 0xFFFFFFFF)
-    if alloc_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
-        raise InvalidParamError(f"prop.allocationType={alloc_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
-    attr = check_int("prop.memAttr", field_of(prop, "memAttr", "prop"), 0, 17)
-    location = parse_location(field_of(prop, "location", "prop"), "prop.location", MEMORY_LOCATIONS)
-    reserve = prop.get("reserve", 0) if isinstance(prop, Mapping) else 0
-    check_int("prop.reserve", reserve, 0, 0)
-    return PhysicalProp(handle_type, alloc_type, attr, location, 0)
+def read_prop(prop: object) -> PhysicalProp | None:
+    """An aclrtPhysicalMemProp dict as the C struct holds it, None for NULL: the shape and the field types only
+    (107000, as pyACL refuses a struct it cannot convert); the values are checked by `check_prop` and the runtime."""
+    if prop is None:
+        return None
+    handle_type = check_int("prop.handleType", field_of(prop, "handleType", "prop"), 0, U32)
+    alloc_type = check_int("prop.allocationType", field_of(prop, "allocationType", "prop"), 0, U32)
+    attr = check_int("prop.memAttr", field_of(prop, "memAttr", "prop"), 0, U32)
+    location = read_location(field_of(prop, "location", "prop"), "prop.location")
+    reserve = check_int("prop.reserve", prop.get("reserve", 0) if isinstance(prop, Mapping) else 0)
+    return PhysicalProp(handle_type, alloc_type, attr, location, reserve)
+
+
+def check_prop(prop: PhysicalProp, for_malloc: bool) -> PhysicalProp:
+    """The acl layer's checks of a physical memory property (100000), in its order: for `malloc_physical` the handle
+    and allocation types and the location type come first; both calls then refuse a DDR attribute on a device and
+    an attribute outside the table (0, 1, 8, 9, 11 and anything above 17)."""
+    if for_malloc:
+        acl_require(prop.handle_type == C.ACL_MEM_HANDLE_TYPE_NONE,
+                    f"prop.handleType={prop.handle_type}: physical memory takes ACL_MEM_HANDLE_TYPE_NONE (0)")
+        acl_require(prop.allocation_type == C.ACL_MEM_ALLOCATION_TYPE_PINNED,
+                    f"prop.allocationType={prop.allocation_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
+        acl_require(prop.location.type not in (C.ACL_MEM_LOCATION_TYPE_UNREGISTERED, C.ACL_MEM_LOCATION_TYPE_MANAGED),
+                    f"prop.location.type={prop.location.type}: physical memory lives on the HOST (0), a DEVICE (1) "
+                    "or a HOST_NUMA node (4), not UNREGISTERED (2) or MANAGED (3) memory")
+    if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE and prop.mem_attr in C.DDR_MEM_ATTRS:
+        raise AclInvalidParamError(f"prop.memAttr={prop.mem_attr} ({C.MEM_ATTR_NAMES[prop.mem_attr]}) is host (DDR) "
+                                   "memory: a DEVICE location takes an HBM or ACL_MEM_* attribute")
+    acl_require(prop.mem_attr in C.PHYSICAL_MEM_ATTRS,
+                f"prop.memAttr={prop.mem_attr} is not a physical memory attribute: use one of "
+                f"{', '.join(C.MEM_ATTR_NAMES[a] for a in sorted(C.PHYSICAL_MEM_ATTRS))}")
+    return prop
+
+
+def reported_attr(prop: PhysicalProp) -> int:
+    """The memAttr the runtime reports for memory made with `prop`: it keeps the page and memory type, not the
+    attribute, and maps them back through its table (a device's ACL_MEM_HUGE comes back as ACL_HBM_MEM_HUGE)."""
+    host = prop.location.type in HOST_LOCATIONS
+    return (_HOST_REPORTED if host else _DEVICE_REPORTED).get(prop.mem_attr, prop.mem_attr)
+
+
+# attribute asked -> attribute reported (aclrtMemGetAllocationPropertiesFromHandle); missing ones come back as given
+_DEVICE_REPORTED = {C.ACL_MEM_NORMAL: C.ACL_HBM_MEM_NORMAL, C.ACL_MEM_HUGE: C.ACL_HBM_MEM_HUGE,
+                    C.ACL_MEM_HUGE1G: C.ACL_HBM_MEM_HUGE1G}
+_HOST_REPORTED = {C.ACL_DDR_MEM_HUGE: C.ACL_MEM_HUGE, C.ACL_DDR_MEM_NORMAL: C.ACL_MEM_NORMAL,
+                  C.ACL_DDR_MEM_P2P_HUGE: C.ACL_MEM_P2P_HUGE, C.ACL_MEM_P2P_NORMAL: C.ACL_DDR_MEM_P2P_NORMAL}
 
 
 def parse_access_descs(desc_list: object) -> list[tuple[Location, int]]:

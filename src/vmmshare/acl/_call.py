@@ -41,7 +41,7 @@ def acl_call(*defaults: Any) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
                 if not defaults:
                     return C.ACL_SUCCESS
                 return (*out, C.ACL_SUCCESS) if len(defaults) > 1 else (out, C.ACL_SUCCESS)
-            set_recent_error(f"{fn.__name__}: {message}")
+            set_recent_error(f"{fn.__name__}: {message}", code)
             if not defaults:
                 return code
             return (*defaults, code)
@@ -49,3 +49,21 @@ def acl_call(*defaults: Any) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
         return call
 
     return wrap
+
+
+def code_call(fn: Callable[P, int]) -> Callable[P, int]:
+    """Wrap a call whose result is itself an error code (aclrtPeekAtLastError): a bad argument gives its own code,
+    with a message, and nothing raises."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> int:
+        try:
+            return fn(*args, **kwargs)
+        except AclError as exc:
+            code, message = exc.code, exc.message
+        except TypeError as exc:  # the arguments did not fit the signature
+            code, message = C.ACL_ERROR_RT_PARAM_INVALID, str(exc)
+        set_recent_error(f"{fn.__name__}: {message}")
+        return code
+
+    return call

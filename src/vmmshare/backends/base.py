@@ -39,7 +39,9 @@ class Backend(Protocol):
         """(free, total) bytes as the backend's driver counts them; None when the node's broker counts them."""
         ...
 
-    def allocate(self, size: int, device: int, huge_page: int) -> Memory: ...
+    def allocate(self, size: int, device: int, huge_page: int, numa_node: int | None = None) -> Memory:
+        """`size` bytes on `device` (-1: host memory), on NUMA node `numa_node` when given (host memory only)."""
+        ...
 
     def adopt(self, fd: int, size: int, device: int) -> Memory:
         """The memory behind an imported fd (the fd is the memory's from now on, or closed on failure)."""

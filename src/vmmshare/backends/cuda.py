@@ -174,8 +174,9 @@ class CudaBackend:
 
     # ------------------------------------------------------------ memory
 
-    def allocate(self, size: int, device: int, huge_page: int = 0) -> CudaMemory:
-        """GPU memory of `size` bytes on `device` (the driver picks its pages; `huge_page` does not apply)."""
+    def allocate(self, size: int, device: int, huge_page: int = 0, numa_node: int | None = None) -> CudaMemory:
+        """GPU memory of `size` bytes on `device` (the driver picks its pages; `huge_page` and `numa_node`, which
+        only host memory has, do not apply)."""
         g = self.granularity(device)
         if size % g:
             raise InvalidParamError(f"size {size} is not a multiple of the GPU's granularity {g}")

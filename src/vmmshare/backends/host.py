@@ -13,11 +13,13 @@ import fcntl
 import logging
 import mmap as _mmap
 import os
+import platform
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
+from ..errors import FeatureNotSupportedError, InvalidParamError
 from .base import Memory, MemoryKind
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ _libc.mprotect.restype = ctypes.c_int
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
 
 PROT_NONE = _mmap.PROT_NONE if hasattr(_mmap, "PROT_NONE") else 0
 PROT_READ = _mmap.PROT_READ
@@ -112,14 +115,15 @@ class HostMemory:
             self.fd = -1
 
 
-def allocate(size: int, huge_page: int = 0, name: str = "vmmshare") -> HostMemory:
-    """A sealed memfd of `size` bytes; `huge_page` (2 MiB or 1 GiB) asks for huge pages when the pool allows.
+def allocate(size: int, huge_page: int = 0, name: str = "vmmshare", hugetlb: bool = True) -> HostMemory:
+    """A sealed memfd of `size` bytes; `huge_page` (2 MiB or 1 GiB) asks for huge pages when the pool allows
+    (hugetlb pages only with `hugetlb`).
 
     Never fails for lack of huge pages: it falls back to transparent huge pages, then to normal pages.
     """
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
     pages = "normal"
-    if huge_page and size % huge_page == 0 and hugetlb_free_bytes(huge_page) >= size:
+    if hugetlb and huge_page and size % huge_page == 0 and hugetlb_free_bytes(huge_page) >= size:
         flags |= os.MFD_HUGETLB | ((huge_page.bit_length() - 1) << MFD_HUGE_SHIFT)
         pages = f"hugetlb-{'1G' if huge_page >= 1 << 30 else '2M'}"
     elif huge_page and shmem_thp_mode() in ("always", "within_size", "advise", "force"):
@@ -138,6 +142,60 @@ def allocate(size: int, huge_page: int = 0, name: str = "vmmshare") -> HostMemor
         os.close(fd)
         raise
     return HostMemory(fd, size, pages)
+
+
+# ---------------------------------------------------------------- NUMA nodes
+
+NUMA_SYSFS = "/sys/devices/system/node"  # where the kernel lists the NUMA nodes (a test may point it elsewhere)
+MPOL_BIND = 2
+_MBIND_SYSCALL = {"x86_64": 237, "aarch64": 235, "riscv64": 235, "ppc64le": 259, "ppc64": 259, "s390x": 268}
+_MASK_WORDS = 64  # node mask of 4096 bits, the kernel's largest MAX_NUMNODES
+
+
+def parse_node_list(text: str) -> list[int]:
+    """The kernel's node list format ("0", "0-3,6") as sorted ids; ValueError when it is not one."""
+    nodes: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first or last >= _MASK_WORDS * 64:
+            raise ValueError(f"bad node range {part!r}")
+        nodes.update(range(first, last + 1))
+    return sorted(nodes)
+
+
+def numa_nodes(root: str | None = None) -> list[int]:
+    """The NUMA nodes of this machine with memory online (`<root>/online`); [0] on a kernel without NUMA."""
+    base = Path(root or NUMA_SYSFS)
+    try:
+        return parse_node_list((base / "online").read_text()) or [0]
+    except (OSError, ValueError):
+        return [0]
+
+
+def bind_numa(fd: int, size: int, node: int) -> None:
+    """Bind every page of the shared memory object `fd` to NUMA `node` (OSError when the kernel refuses).
+
+    mbind on a shared mapping of a memfd sets the object's own shared policy: it stays with the object after this
+    temporary mapping goes, and every later fault in any process that maps it allocates on `node`.
+    """
+    nr = _MBIND_SYSCALL.get(platform.machine())
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"mbind: no system call number known for {platform.machine()}")
+    if not 0 <= node < _MASK_WORDS * 64:
+        raise OSError(errno.EINVAL, f"mbind: node {node} is beyond the kernel's node mask")
+    mask = (ctypes.c_ulong * _MASK_WORDS)()
+    mask[node // 64] = 1 << (node % 64)
+    addr = _mmap_call(0, size, PROT_NONE, MAP_SHARED, fd)
+    try:
+        rc = _libc.syscall(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_ulong(size), ctypes.c_int(MPOL_BIND),
+                           mask, ctypes.c_ulong(_MASK_WORDS * 64 + 1), ctypes.c_uint(0))
+        if rc != 0:
+            raise _oserror(f"mbind(node {node})")
+    finally:
+        _libc.munmap(addr, size)
 
 
 def adopt(fd: int, size: int, pages: str = "normal") -> HostMemory:
@@ -271,8 +329,25 @@ class HostBackend:
     def mem_info(self, device: int) -> tuple[int, int] | None:
         return None  # the node's capacity, as the broker accounts it
 
-    def allocate(self, size: int, device: int, huge_page: int) -> HostMemory:
-        return allocate(size, huge_page, f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}")
+    def allocate(self, size: int, device: int, huge_page: int, numa_node: int | None = None) -> HostMemory:
+        """A memfd; on `numa_node` when given (then without hugetlb pages, whose policy would not outlive the
+        binding's own mapping: transparent huge pages or normal pages keep it)."""
+        if numa_node is None:
+            return allocate(size, huge_page, f"vmmshare:{'dev' if device >= 0 else 'host'}{max(device, 0)}")
+        mem = allocate(size, huge_page, f"vmmshare:numa{numa_node}", hugetlb=False)
+        try:
+            bind_numa(mem.fd, size, numa_node)
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS and numa_nodes() == [0]:  # no NUMA here: node 0 is all the memory there is
+                return mem
+            mem.close()
+            if exc.errno == errno.ENOSYS:
+                raise FeatureNotSupportedError(f"cannot bind memory to NUMA node {numa_node}: {exc.strerror}") from None
+            raise InvalidParamError(
+                f"cannot bind memory to NUMA node {numa_node}: {exc.strerror} (the kernel lists nodes "
+                f"{numa_nodes()}; this process's cpuset may not allow that one)"
+            ) from None
+        return mem
 
     def adopt(self, fd: int, size: int, device: int) -> HostMemory:
         return adopt(fd, size)

@@ -1,9 +1,11 @@
 """Per-process runtime state, split by concern behind one façade.
 
 `Runtime` owns the configuration, the node (the broker client) and the lock over the memory tables; its parts
-hold the state: `devices` (devices, the current device, streams), `memory` (allocations, reservations, mappings),
-`copies` (host blocks, memcpy, memset) and `sharing` (exports and imports). The parts take typed, already
-parsed values (the surfaces parse once) and raise `AclError` subclasses for what the runtime itself refuses.
+hold the state: `devices` (devices, contexts, streams), `memory` (allocations, reservations, mappings), `blocks`
+(aclrtMalloc memory and IPC imports, behind plain pointers), `copies` (host blocks, memcpy, memset, now or on a
+stream), `sharing` (exports and imports of handles) and `ipc` (IPC memory keys, on the same exports). The parts
+take typed, already parsed values (the surfaces parse once) and raise `AclError` subclasses for what the runtime
+itself refuses.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from ..backends.host import HostBackend
 from ..config import Config
 from ..errors import AclError
 from ..node import Node
+from .blocks import Blocks
 from .copies import Copies
 from .devices import Devices
+from .ipc import Ipc
 from .sharing import Sharing
 from .tables import Allocation, MappingEntry, Reservation
 from .vmm import Vmm
@@ -46,8 +50,10 @@ class Runtime:
         self.lock = threading.RLock()
         self.devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu)
         self.memory = Vmm(self)
+        self.blocks = Blocks(self)
         self.copies = Copies(self)
         self.sharing = Sharing(self)
+        self.ipc = Ipc(self)
         self.initialized = False
         self._deferred: list[Callable[[], None]] = []  # finalizers that came while the node was busy
 
@@ -101,6 +107,8 @@ class Runtime:
                 "mappings": len(self.memory.mappings),
                 "host_blocks": len(self.copies.host_blocks),
                 "streams": self.devices.stream_count(),
+                "device_blocks": len(self.blocks.by_ptr),
+                "contexts": self.devices.context_count(),
             }
 
 

@@ -1,4 +1,5 @@
-"""Host memory (aclrtMallocHost) and the synchronous copies and fills between any memory of this process."""
+"""Host memory (aclrtMallocHost) and the copies and fills between any memory of this process (now, or queued on
+a stream)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _KIND_SIDES = {  # memcpy kind -> (dst is device memory, src is device memory)
     C.ACL_MEMCPY_HOST_TO_DEVICE: (True, False),
     C.ACL_MEMCPY_DEVICE_TO_HOST: (False, True),
     C.ACL_MEMCPY_DEVICE_TO_DEVICE: (True, True),
+    C.ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE: (True, False),
 }
 MAX_HOST_ALLOC = 1 << 46
 
@@ -82,22 +84,26 @@ class Copies:
         if count == 0:
             return
         with self.rt.lock:
-            to = self._classify(dst, count, True, "dst")
-            of = self._classify(src, count, False, "src")
-            dst_dev, src_dev = _on_device(to), _on_device(of)
-            want = _KIND_SIDES.get(kind)
-            if want is not None and want != (dst_dev, src_dev):
-                names = ("host", "device")
-                raise InvalidParamError(
-                    f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
-                    f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
-                )
-            # whichever side is not plain host memory decides who copies (a GPU, or the CPU)
-            mover = next((m for m in (to, of) if m is not None and m.alloc.backend.kind is not MemoryKind.HOST), None)
+            mover = self._copy_sides(dst, src, count, kind)
             if mover is None:
                 self.rt.host.copy(dst, src, count, 0)
             else:
                 mover.alloc.backend.copy(dst, src, count, mover.alloc.device)
+
+    def _copy_sides(self, dst: int, src: int, count: int, kind: int) -> MappingEntry | None:
+        """Check a copy's ranges and kind; returns the mapping whose backend copies (None: the CPU does)."""
+        to = self._classify(dst, count, True, "dst")
+        of = self._classify(src, count, False, "src")
+        dst_dev, src_dev = _on_device(to), _on_device(of)
+        want = _KIND_SIDES.get(kind)
+        if want is not None and want != (dst_dev, src_dev):
+            names = ("host", "device")
+            raise InvalidParamError(
+                f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
+                f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
+            )
+        # whichever side is not plain host memory decides who copies (a GPU, or the CPU)
+        return next((m for m in (to, of) if m is not None and m.alloc.backend.kind is not MemoryKind.HOST), None)
 
     def memset(self, ptr: int, max_count: int, value: int, count: int) -> None:
         if count > max_count:
@@ -112,6 +118,25 @@ class Copies:
                 self.rt.host.fill(ptr, value, count, 0)
             else:
                 m.alloc.backend.fill(ptr, value, count, m.alloc.device)
+
+    def memcpy_async(self, dst: int, dest_max: int, src: int, count: int, kind: int, stream: int) -> None:
+        """Queue a copy on `stream`: checked now (a bad range fails here), checked again and done when its turn
+        comes (memory unmapped meanwhile fails then, reported by synchronize_stream)."""
+        if count > dest_max:
+            raise InvalidParamError(f"count {count} is larger than destMax {dest_max}")
+        s = self.rt.devices.stream(stream)
+        with self.rt.lock:
+            self._copy_sides(dst, src, count, kind)
+        s.submit("memcpy_async", lambda: self.memcpy(dst, dest_max, src, count, kind))
+
+    def memset_async(self, ptr: int, max_count: int, value: int, count: int, stream: int) -> None:
+        """Queue a fill on `stream` (checked now and when it runs, as `memcpy_async`)."""
+        if count > max_count:
+            raise InvalidParamError(f"count {count} is larger than maxCount {max_count}")
+        s = self.rt.devices.stream(stream)
+        with self.rt.lock:
+            self._classify(ptr, count, True, "devPtr")
+        s.submit("memset_async", lambda: self.memset(ptr, max_count, value, count))
 
     def check_readable(self, ptr: int, size: int) -> None:
         """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot)."""

@@ -34,9 +34,13 @@ class Sharing:
     def export(self, handle: int, share_type: ShareType, pid_validation: bool = True,
                pids: list[int] | None = None) -> ShareableHandle:
         """Export an allocation made here, once; `pids` go on the trustlist in the same round trip."""
+        with self.rt.lock:
+            return self.export_alloc(self.rt.memory.allocation(handle), share_type, pid_validation, pids)
+
+    def export_alloc(self, alloc: Allocation, share_type: ShareType, pid_validation: bool = True,
+                     pids: list[int] | None = None) -> ShareableHandle:
         rt = self.rt
         with rt.lock:
-            alloc = rt.memory.allocation(handle)
             if alloc.imported_from:
                 raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
             if alloc.exported is not None:
@@ -59,6 +63,10 @@ class Sharing:
 
     def import_handle(self, shareable: ShareableHandle, device: int) -> int:
         """Import a handle another process exported, as memory of `device`; returns the new handle."""
+        return self.rt.memory.register(self.import_alloc(shareable, device))
+
+    def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:
+        """The allocation behind a handle another process exported, as memory of `device` (not yet registered)."""
         rt = self.rt
         rt.devices.device_id(device)
         value, secret = shareable.value, b""
@@ -96,10 +104,10 @@ class Sharing:
                 self.imports.pop(value, None)
             rt.safe_node_call(rt.node.release, got.node_ref)
             raise
-        alloc = Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=value)
+        alloc = Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=value, owner=owner)
         with rt.lock:
             self.imports[value] = alloc
-            return rt.memory.register(alloc)
+        return alloc
 
     def _adopt(self, got: Imported, device: int) -> Memory:
         if not got.gpu:
@@ -110,6 +118,12 @@ class Sharing:
                 "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda"
             )
         return self.rt.device_backend.adopt(got.fd, got.size, device)
+
+    def revoke(self, alloc: Allocation) -> None:
+        """Stop new imports of `alloc`'s export (those made keep their memory); the allocation stays exported."""
+        if alloc.exported is not None and alloc.exported.value in self.exported:
+            self.exported.discard(alloc.exported.value)
+            self.rt.node.revoke(alloc.node_ref)
 
     def forget(self, alloc: Allocation) -> None:
         """The last handle to `alloc` was freed: an export of it is revoked, an import of it may come again."""

@@ -24,6 +24,7 @@ class Allocation:
     maps: int = 0  # live mappings in this process
     imported_from: int = 0  # the shareable handle's value it was imported from (0: made here)
     exported: ShareableHandle | None = None  # its export, once exported (a handle exports once)
+    owner: str = ""  # "" for a VMM handle; "malloc" / "ipc" for memory behind an aclrtMalloc or IPC pointer
 
     @property
     def device(self) -> int:
@@ -36,6 +37,7 @@ class Reservation:
     base: int
     size: int
     backend: Backend  # whose address space: host ranges for host memory, GPU ranges for GPU memory
+    owner: str = ""  # "" when reserve_mem_address made it; else what holds it (an aclrtMalloc or IPC pointer)
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ from ..errors import (
     MemoryAllocationError,
 )
 from ..intervals import Intervals
-from ..props import Location, PhysicalProp
+from ..props import HOST_LOCATIONS, LOCATION_TYPES, MEMORY_LOCATIONS, Location, PhysicalProp
 from .tables import Allocation, MappingEntry, Reservation
 
 if TYPE_CHECKING:
@@ -48,18 +48,56 @@ class Vmm:
         if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
             self.rt.devices.device_id(location.id)
 
+    def check_prop(self, prop: PhysicalProp) -> None:
+        """What the runtime and the driver check of a property, after the acl layer's own checks (`props.check_prop`):
+        the location (107000 / 107001 / 207000), the types, `reserve`, and 1 GiB pages on host memory (207000)."""
+        loc = prop.location
+        if loc.type not in LOCATION_TYPES:
+            raise InvalidParamError(f"prop.location.type={loc.type} is not an aclrtMemLocationType")
+        if loc.type not in MEMORY_LOCATIONS:
+            raise FeatureNotSupportedError(f"prop.location.type={loc.type} is not supported: use "
+                                           "ACL_MEM_LOCATION_TYPE_DEVICE (1), HOST (0) or HOST_NUMA (4)")
+        if prop.handle_type not in (C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_HANDLE_TYPE_POSIX):
+            raise InvalidParamError(f"prop.handleType={prop.handle_type}: use ACL_MEM_HANDLE_TYPE_NONE (0)")
+        if prop.allocation_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
+            raise InvalidParamError(f"prop.allocationType={prop.allocation_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED")
+        if not 0 <= prop.mem_attr < len(C.MEM_ATTR_NAMES):
+            raise InvalidParamError(f"prop.memAttr={prop.mem_attr} is not an aclrtMemAttr")
+        if prop.reserve:
+            raise InvalidParamError(f"prop.reserve={prop.reserve}: it is reserved and must be 0")
+        if loc.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            self.rt.devices.device_id(loc.id)
+        elif loc.type == C.ACL_MEM_LOCATION_TYPE_HOST and loc.id != 0:
+            raise FeatureNotSupportedError(f"a HOST location's id is 0, not {loc.id}: to place host memory on a NUMA "
+                                           "node, use ACL_MEM_LOCATION_TYPE_HOST_NUMA (4) with the node's id")
+        elif loc.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA:
+            nodes = host.numa_nodes()
+            if loc.id not in nodes:
+                raise InvalidParamError(f"NUMA node {loc.id} does not exist on this machine: its nodes are "
+                                        f"{', '.join(map(str, nodes))}")
+        if prop.mem_attr in C.HUGE1G_ATTRS and loc.type in HOST_LOCATIONS:
+            raise FeatureNotSupportedError(
+                f"{C.MEM_ATTR_NAMES[prop.mem_attr]}: 1 GiB pages are device memory only; host memory takes the "
+                "normal or 2 MiB huge attributes"
+            )
+
     def granularity(self, prop: PhysicalProp) -> int:
-        self.check_location(prop.location)
+        self.check_prop(prop)
         return max(prop.granularity, self.backend_for(prop.location).granularity(prop.location.id))
 
     def malloc_physical(self, size: int, prop: PhysicalProp) -> int:
+        return self.register(self.create(size, prop))
+
+    def create(self, size: int, prop: PhysicalProp, owner: str = "") -> Allocation:
+        """A physical allocation of `size` bytes, charged to its device on the node (not yet registered)."""
         self.rt.run_deferred()
-        self.check_location(prop.location)
+        self.check_prop(prop)
         backend = self.backend_for(prop.location)
         g = max(prop.granularity, backend.granularity(prop.location.id))
         if size == 0 or size % g:
             raise InvalidParamError(f"size {size} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
         device = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
+        numa = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
         config = self.rt.config
         if device >= 0 and backend.kind is MemoryKind.HOST and size > config.device_memory:
             raise MemoryAllocationError(
@@ -69,14 +107,14 @@ class Vmm:
         made: list[Memory] = []
         failed: list[BaseException] = []
 
-        def create() -> None:  # runs while the broker checks the capacity
+        def make() -> None:  # runs while the broker checks the capacity
             try:
-                made.append(backend.allocate(size, device, prop.huge_page))
+                made.append(backend.allocate(size, device, prop.huge_page, numa))
             except BaseException as exc:
                 failed.append(exc)
 
         try:
-            node_ref = self.rt.node.charge(device, size, create, gpu=backend.kind is MemoryKind.GPU)
+            node_ref = self.rt.node.charge(device, size, make, gpu=backend.kind is MemoryKind.GPU)
         except BaseException:
             for mem in made:
                 mem.close()
@@ -88,12 +126,14 @@ class Vmm:
                 why = exc.strerror if isinstance(exc, OSError) else "too large for a file"
                 raise MemoryAllocationError(f"cannot create {size} bytes of shared memory: {why}") from None
             raise exc
-        return self.register(Allocation(0, made[0], backend, prop, size, node_ref))
+        return Allocation(0, made[0], backend, prop, size, node_ref, owner=owner)
 
     def register(self, alloc: Allocation) -> int:
+        """Record an allocation; one without an owner gets a handle the caller can name (aclrtDrvMemHandle)."""
         with self.rt.lock:
             alloc.handle = 0x7A00_0000_0000 + (next(self._ids) << 6)
-            self.handles[alloc.handle] = alloc
+            if not alloc.owner:
+                self.handles[alloc.handle] = alloc
             self.allocs.add(alloc)
             return alloc.handle
 
@@ -106,11 +146,15 @@ class Vmm:
     def free_physical(self, handle: int) -> None:
         self.rt.run_deferred()
         with self.rt.lock:
-            alloc = self.allocation(handle)
+            self.drop(self.allocation(handle))
+
+    def drop(self, alloc: Allocation) -> None:
+        """One handle reference fewer; at the last, its export is revoked and, once unmapped, the memory goes."""
+        with self.rt.lock:
             alloc.refs -= 1
             if alloc.refs:
                 return
-            del self.handles[alloc.handle]
+            self.handles.pop(alloc.handle, None)
             self.rt.sharing.forget(alloc)
             self.maybe_destroy(alloc)
 
@@ -125,7 +169,7 @@ class Vmm:
 
     def retain(self, ptr: int) -> int:
         with self.rt.lock:
-            alloc = self.mapping_at(ptr).alloc
+            alloc = self.vmm_mapping_at(ptr).alloc
             if alloc.refs == 0:
                 self.handles[alloc.handle] = alloc
             alloc.refs += 1
@@ -133,11 +177,13 @@ class Vmm:
 
     def properties(self, handle: int) -> dict[str, Any]:
         with self.rt.lock:
-            return self.allocation(handle).prop.as_dict()
+            return self.allocation(handle).prop.reported()
 
     # ------------------------------------------------------------ reservations and mappings
 
-    def reserve(self, size: int, alignment: int, expect_ptr: int, on_device: bool | None = None) -> int:
+    def reserve(
+        self, size: int, alignment: int, expect_ptr: int, on_device: bool | None = None, owner: str = ""
+    ) -> int:
         """A reserved range, in the device backend's address space unless `on_device` is False."""
         if alignment != 0:
             raise InvalidParamError(f"alignment={alignment} is out of range [0, 0]")
@@ -158,14 +204,15 @@ class Vmm:
                 ) from None
             raise MemoryAllocationError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None
         with self.rt.lock:
-            self.reservations.add(base, size, Reservation(base, size, backend))
+            self.reservations.add(base, size, Reservation(base, size, backend, owner))
         return base
 
-    def release(self, ptr: int) -> None:
+    def release(self, ptr: int, owner: str = "") -> None:
         with self.rt.lock:
             r = self.reservations.exact(ptr)
-            if r is None:
-                raise InvalidParamError(f"{ptr:#x} is not the start of a reservation of this process")
+            if r is None or r.owner != owner:
+                raise InvalidParamError(f"{ptr:#x} is not the start of a reservation of this process"
+                                        + _owned_by(r.owner if r is not None else ""))
             if self.mappings.overlaps(ptr, r.size):  # a mapping lies wholly inside one reservation
                 raise InvalidParamError(f"the reservation at {ptr:#x} still holds mappings: unmap_mem them first")
             r.backend.release(ptr, r.size)  # released first: a range that fails to go stays tracked
@@ -176,13 +223,19 @@ class Vmm:
         if offset != 0:
             raise InvalidParamError(f"offset={offset} is out of range [0, 0]")
         with self.rt.lock:
-            alloc = self.allocation(handle)
+            self.map_alloc(ptr, size, self.allocation(handle), access, prepopulate)
+
+    def map_alloc(self, ptr: int, size: int, alloc: Allocation, access: int, prepopulate: bool | None = None) -> None:
+        with self.rt.lock:
             if size != alloc.size:
                 raise InvalidParamError(f"size {size} must equal the physical allocation's size {alloc.size}")
             hit = self.reservations.at(ptr)
             if hit is None:
                 raise InvalidParamError(f"{ptr:#x} is not inside a reservation: reserve_mem_address first")
             start, end, r = hit
+            if r.owner != alloc.owner:
+                raise InvalidParamError(f"{ptr:#x} is not inside a reservation of reserve_mem_address"
+                                        + _owned_by(r.owner))
             if ptr + size > end:
                 raise InvalidParamError(f"[{ptr:#x}, {ptr + size:#x}) runs past the reservation [{start:#x}, {end:#x})")
             g = alloc.prop.granularity
@@ -210,11 +263,19 @@ class Vmm:
             raise InvalidParamError(f"{ptr:#x} is not inside a mapping of this process")
         return hit[2]
 
-    def unmap(self, ptr: int) -> None:
+    def vmm_mapping_at(self, ptr: int) -> MappingEntry:
+        """The map_mem mapping holding `ptr` (not the memory behind an aclrtMalloc or IPC pointer)."""
+        m = self.mapping_at(ptr)
+        if m.alloc.owner:
+            raise InvalidParamError(f"{ptr:#x} is not inside a map_mem mapping" + _owned_by(m.alloc.owner))
+        return m
+
+    def unmap(self, ptr: int, owner: str = "") -> None:
         with self.rt.lock:
             m = self.mappings.exact(ptr)
-            if m is None:
-                raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)")
+            if m is None or m.alloc.owner != owner:
+                raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)"
+                                        + _owned_by(m.alloc.owner if m is not None else ""))
             try:
                 m.alloc.backend.unmap(ptr, m.size)
             except OSError as exc:
@@ -228,8 +289,9 @@ class Vmm:
             self.check_location(loc)
         with self.rt.lock:
             m = self.mappings.exact(ptr)
-            if m is None or m.size != size:
-                raise InvalidParamError(f"({ptr:#x}, {size}) is not exactly a mapping: pass map_mem's ptr and size")
+            if m is None or m.size != size or m.alloc.owner:
+                raise InvalidParamError(f"({ptr:#x}, {size}) is not exactly a mapping: pass map_mem's ptr and size"
+                                        + _owned_by(m.alloc.owner if m is not None else ""))
             access = dict(m.access)
             access.update(entries)
             effective = access.get(m.alloc.prop.location, entries[-1][1])
@@ -242,7 +304,7 @@ class Vmm:
     def get_access(self, ptr: int, location: Location) -> int:
         self.check_location(location)
         with self.rt.lock:
-            m = self.mapping_at(ptr)
+            m = self.vmm_mapping_at(ptr)
             return m.access.get(location, m.effective)
 
     def address_range(self, ptr: int) -> tuple[int, int]:
@@ -259,3 +321,12 @@ class Vmm:
 
 def _space(backend: Backend) -> str:
     return "GPU" if backend.kind is MemoryKind.GPU else "host"
+
+
+def _owned_by(owner: str) -> str:
+    """The hint for a pointer that belongs to an aclrtMalloc block or an IPC import, not to the VMM calls."""
+    if owner == "malloc":
+        return " (it is memory from acl.rt.malloc: release it with acl.rt.free)"
+    if owner == "ipc":
+        return " (it is imported IPC memory: release it with acl.rt.ipc_mem_close)"
+    return ""

@@ -1,0 +1,130 @@
+"""Zero-copy views (memoryview, numpy, DLPack) of memory an object has mapped at `ptr`.
+
+Like `mmap.mmap`, the object refuses to close while views of it are alive (BufferError); each view keeps it alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from typing import Any
+
+from .errors import InvalidParamError
+from .props import check_int
+
+
+class DLPackRequestError(InvalidParamError, BufferError):
+    """A DLPack request this memory cannot meet: a BufferError, as the protocol has it, and an AclError."""
+
+
+class _Keepalive:
+    """What a GPU DLPack capsule holds on to (there is no host buffer to hold)."""
+
+    _vmmshare_owner: Any
+
+
+class MemoryViews:
+    """Views of `size` bytes at `ptr` (GPU memory when `on_gpu`, on `device`); subclasses set those and `closed`."""
+
+    ptr: int
+    size: int
+    on_gpu: bool
+    device: int
+
+    def _init_views(self) -> None:
+        self._views: dict[int, weakref.ref[Any]] = {}  # live buffers handed out, by id
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def live_views(self) -> int:
+        return len(self._views)
+
+    def _check_closable(self) -> None:
+        if len(self._views):
+            raise BufferError(f"{len(self._views)} view(s) of this {type(self).__name__} are alive: delete them first")
+
+    def _buffer(self, offset: int = 0, nbytes: int | None = None) -> Any:
+        if self.on_gpu:
+            raise InvalidParamError(f"this {type(self).__name__} is GPU memory: view it with DLPack "
+                                    "(torch/cupy.from_dlpack), or copy it to the host")
+        n = self.size - offset if nbytes is None else nbytes
+        return self._register((ctypes.c_char * n).from_address(self.ptr + offset))
+
+    def _register(self, buf: Any) -> Any:
+        """Count `buf` as a live view: it keeps this object alive, and this object will not close under it."""
+        if self.closed:
+            raise InvalidParamError(f"this {type(self).__name__} is closed")
+        buf._vmmshare_owner = self
+        key, views = id(buf), self._views
+
+        def forget(_: object) -> None:
+            views.pop(key, None)
+
+        views[key] = weakref.ref(buf, forget)
+        return buf
+
+    def memoryview(self) -> memoryview:
+        """The whole memory as bytes (no copy)."""
+        return memoryview(self._buffer()).cast("B")
+
+    def numpy(self, dtype: Any = "uint8", shape: tuple[int, ...] | int | None = None, offset: int = 0) -> Any:
+        """A numpy array over the memory (no copy): `shape` elements of `dtype` from byte `offset` (default: as
+        many whole elements as fit), which must lie inside the memory."""
+        import numpy as np
+
+        if isinstance(dtype, (int, np.integer)):
+            raise InvalidParamError(f"dtype {dtype!r} is a number: pass a numpy dtype, such as 'float32'")
+        try:
+            dt = np.dtype(dtype)
+        except Exception as exc:  # numpy refuses it in many ways (TypeError, ValueError, ...)
+            raise InvalidParamError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
+        if dt.hasobject or dt.itemsize == 0:
+            raise InvalidParamError(f"dtype {dt} does not describe plain bytes of memory")
+        start = check_int("offset", offset, 0, self.size)
+        if shape is None:
+            dims: tuple[int, ...] = ((self.size - start) // dt.itemsize,)
+        else:
+            raw = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+            if not isinstance(raw, (tuple, list)):
+                raise InvalidParamError(f"shape must be an int or a tuple of ints, got {type(shape).__name__}")
+            dims = tuple(check_int(f"shape[{i}]", d, 0, self.size) for i, d in enumerate(raw))
+        nbytes = math.prod(dims) * dt.itemsize
+        if start + nbytes > self.size:
+            raise InvalidParamError(f"shape {dims} of {dt} needs {nbytes} bytes from offset {start}; this "
+                                    f"{type(self).__name__} has {self.size} bytes (pass a smaller shape or offset)")
+        return np.frombuffer(self._buffer(start, nbytes), dtype=dt).reshape(dims)
+
+    def __dlpack__(
+        self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule of the whole memory as uint8, zero-copy (DLPack 1.0 when the consumer takes it).
+
+        Work on the memory is synchronous, so no `stream` needs waiting on.
+        """
+        from . import dlpack
+
+        if copy:
+            raise DLPackRequestError("this memory is shared: it is exported without a copy")
+        if dl_device is not None and _pair(dl_device) != self.__dlpack_device__():
+            raise DLPackRequestError(f"the memory lives on {self.__dlpack_device__()}, not {dl_device!r}")
+        owner = self._register(_Keepalive()) if self.on_gpu else self._buffer()
+        versioned = max_version is not None and _pair(max_version) >= dlpack.DLPACK_VERSION
+        return dlpack.capsule(self.ptr, self.size, *self.__dlpack_device__(), owner, versioned)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from . import dlpack
+
+        return (dlpack.KDL_CUDA, self.device) if self.on_gpu else (dlpack.KDL_CPU, 0)
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    """A (major, minor) or (device type, id) pair; BufferError for anything else, as DLPack consumers expect."""
+    try:
+        a, b = value
+        return (int(a), int(b))
+    except Exception as exc:  # not a pair, or a value that fails when unpacked or converted
+        raise DLPackRequestError(f"{value!r} is not a pair of ints: {exc}") from None

@@ -1,0 +1,276 @@
+"""The Pythonic API under malformed calls: every bad argument raises an AclError subclass with a message (never a
+raw TypeError, ValueError, AttributeError or OverflowError), closed objects refuse politely, and nothing is left
+behind; every text form of a handle the product prints parses back; numpy views take a shape inside the memory."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import vmmshare
+from vmmshare._process import runtime
+from vmmshare.handles import ShareableHandle, ShareType
+
+MiB = 1 << 20
+G2 = 2 * MiB
+
+
+class Weird:
+    """An object that fails every protocol it is asked for."""
+
+    def __index__(self) -> int:
+        raise RuntimeError("no index")
+
+    def __iter__(self) -> Iterator[int]:
+        raise RuntimeError("no iteration")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparison")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+BAD: list[Any] = [None, "1", "", 1.5, float("nan"), -1, 1 << 64, 1 << 200, -(1 << 70), [1], {}, {"a": 1}, b"x",
+                  object(), np.zeros(2), np.int64(-3), Weird(), True, (1, 2), bytearray(3)]
+
+
+@pytest.fixture(scope="module")
+def objects() -> Iterator[dict[str, Any]]:
+    """Live objects the malformed calls are made on, and closed ones."""
+    dev = vmmshare.Device(0)
+    mem = dev.allocate(2 * MiB)
+    mapping = mem.map()
+    rng = vmmshare.VirtualRange(8 * MiB)
+    buf = vmmshare.DeviceBuffer(4096)
+    closed_mem = dev.allocate(2 * MiB)
+    closed_map = dev.allocate(2 * MiB).map()
+    closed_map.close()
+    closed_mem.close()
+    closed_rng = vmmshare.VirtualRange(2 * MiB)
+    closed_rng.close()
+    closed_buf = vmmshare.DeviceBuffer(10)
+    closed_buf.close()
+    shared = dev.allocate(2 * MiB)
+    shared.export()
+    yield {"dev": dev, "mem": mem, "map": mapping, "rng": rng, "buf": buf, "closed_mem": closed_mem,
+           "closed_map": closed_map, "closed_rng": closed_rng, "closed_buf": closed_buf, "shared": shared}
+    for obj in (mapping, mem, rng, buf, shared):
+        obj.close()
+
+
+@pytest.fixture
+def o(objects: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The objects, and new ones for the calls that change what they act on when they succeed (an export)."""
+    new_mem, new_buf, new_rng = objects["dev"].allocate(2 * MiB), vmmshare.DeviceBuffer(4096), vmmshare.VirtualRange(G2)
+    yield {**objects, "new_mem": new_mem, "new_buf": new_buf, "new_rng": new_rng}
+    new_mem.close()
+    new_buf.close()
+    new_rng.close()
+
+
+# each: a name and a function of (objects, bad value) making one malformed call
+CALLS: list[tuple[str, Callable[[dict[str, Any], Any], Any]]] = [
+    ("Device(x)", lambda o, x: vmmshare.Device(x)),
+    ("granularity(attr=x)", lambda o, x: o["dev"].granularity(x)),
+    ("granularity(location=x)", lambda o, x: o["dev"].granularity("normal", x)),
+    ("allocate(x)", lambda o, x: o["dev"].allocate(x)),
+    ("allocate(attr=x)", lambda o, x: o["dev"].allocate(2 * MiB, x)),
+    ("allocate(location=x)", lambda o, x: o["dev"].allocate(2 * MiB, "normal", x)),
+    ("allocate(numa_node=x)", lambda o, x: o["dev"].allocate(2 * MiB, "normal", "host", x)),
+    ("PhysicalMemory(x)", lambda o, x: vmmshare.PhysicalMemory(x)),
+    ("export(share_type=x)", lambda o, x: o["new_mem"].export(x)),
+    ("export(pids=x)", lambda o, x: o["new_mem"].export("default", x)),
+    ("export(validate_pids=x)", lambda o, x: o["new_mem"].export("default", (), x)),
+    ("allow(x)", lambda o, x: o["shared"].allow(x)),
+    ("map(access=x)", lambda o, x: o["mem"].map(x)),
+    ("map(prepopulate=x)", lambda o, x: o["mem"].map("rw", x)),
+    ("import_handle(x)", lambda o, x: vmmshare.import_handle(x)),
+    ("import_handle(device=x)", lambda o, x: vmmshare.import_handle(0x1234, x)),
+    ("VirtualRange(x)", lambda o, x: vmmshare.VirtualRange(x)),
+    ("VirtualRange(at=x)", lambda o, x: vmmshare.VirtualRange(2 * MiB, x)),
+    ("VirtualRange(gpu=x)", lambda o, x: vmmshare.VirtualRange(2 * MiB, None, x)),
+    ("range.map(x)", lambda o, x: o["rng"].map(x)),
+    ("range.map(offset=x)", lambda o, x: o["rng"].map(o["mem"], x)),
+    ("range.map(access=x)", lambda o, x: o["rng"].map(o["mem"], 0, x)),
+    ("range.map(owns_range=x)", lambda o, x: o["new_rng"].map(o["mem"], 0, "rw", None, x)),
+    ("numpy(dtype=x)", lambda o, x: o["map"].numpy(x)),
+    ("numpy(shape=x)", lambda o, x: o["map"].numpy("uint8", x)),
+    ("numpy(offset=x)", lambda o, x: o["map"].numpy("uint8", None, x)),
+    ("set_access(x)", lambda o, x: o["map"].set_access(x)),
+    ("__dlpack__(max_version=x)", lambda o, x: o["map"].__dlpack__(max_version=x)),
+    ("__dlpack__(dl_device=x)", lambda o, x: o["map"].__dlpack__(dl_device=x)),
+    ("ShareableHandle.from_value(x)", lambda o, x: ShareableHandle.from_value(x)),
+    ("ShareableHandle.parse(x)", lambda o, x: ShareableHandle.parse(x)),
+    ("ShareableHandle.default(x)", lambda o, x: ShareableHandle.default(x)),
+    ("ShareableHandle.of(x)", lambda o, x: ShareableHandle.of(x, bytes(8))),
+    ("ShareableHandle(kind=x)", lambda o, x: ShareableHandle(x, bytes(8))),
+    ("ShareableHandle(raw=x)", lambda o, x: ShareableHandle("fabric", x)),
+    ("DeviceBuffer(x)", lambda o, x: vmmshare.DeviceBuffer(x)),
+    ("DeviceBuffer(device=x)", lambda o, x: vmmshare.DeviceBuffer(10, x)),
+    ("DeviceBuffer(policy=x)", lambda o, x: vmmshare.DeviceBuffer(10, 0, x)),
+    ("ipc_export(pids=x)", lambda o, x: o["new_buf"].ipc_export(x)),
+    ("ipc_export(validate_pids=x)", lambda o, x: o["new_buf"].ipc_export((), x)),
+    ("ipc_open(x)", lambda o, x: vmmshare.ipc_open(x)),
+    ("ipc_open(device=x)", lambda o, x: vmmshare.ipc_open("0" * 24, x)),
+    ("buffer.numpy(shape=x)", lambda o, x: o["buf"].numpy("uint8", x)),
+]
+
+CLOSED: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
+    ("closed mem.properties", lambda o: o["closed_mem"].properties),
+    ("closed mem.export", lambda o: o["closed_mem"].export()),
+    ("closed mem.map", lambda o: o["closed_mem"].map()),
+    ("closed mem.allow", lambda o: o["closed_mem"].allow([1])),
+    ("closed map.memoryview", lambda o: o["closed_map"].memoryview()),
+    ("closed map.numpy", lambda o: o["closed_map"].numpy()),
+    ("closed map.set_access", lambda o: o["closed_map"].set_access("r")),
+    ("closed map.__dlpack__", lambda o: o["closed_map"].__dlpack__()),
+    ("closed range.map", lambda o: o["closed_rng"].map(o["mem"])),
+    ("closed buffer.ipc_export", lambda o: o["closed_buf"].ipc_export()),
+    ("closed buffer.numpy", lambda o: o["closed_buf"].numpy()),
+    ("buffer.ipc_allow before ipc_export", lambda o: o["new_buf"].ipc_allow([1])),
+    ("buffer.ipc_close before ipc_export", lambda o: o["new_buf"].ipc_close()),
+    ("mem.allow before export", lambda o: o["new_mem"].allow([1])),
+    ("numpy shape beyond the mapping", lambda o: o["map"].numpy("float64", (1 << 20,))),
+    ("numpy offset at the end", lambda o: o["map"].numpy("uint32", (1,), 2 * MiB - 2)),
+    ("numpy object dtype", lambda o: o["map"].numpy(object)),
+    ("__dlpack__(copy=True)", lambda o: o["map"].__dlpack__(copy=True)),
+    ("int() of a FABRIC handle", lambda o: int(ShareableHandle.of(ShareType.FABRIC, _fabric()))),
+    ("allocate 1 GiB pages on the host", lambda o: o["dev"].allocate(1 << 30, "huge1g", "host")),
+    ("allocate a DDR attribute on a device", lambda o: o["dev"].allocate(2 * MiB, vmmshare.acl.ACL_DDR_MEM_HUGE)),
+    ("allocate attribute 0", lambda o: o["dev"].allocate(2 * MiB, 0)),
+    ("allocate a size beyond size_t", lambda o: o["dev"].allocate((1 << 64) - 1)),
+    ("allocate more than the device has", lambda o: o["dev"].allocate(1 << 60)),
+]
+
+
+def _fabric() -> bytes:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem:
+        return bytes(mem.export("fabric"))
+
+
+def _cases() -> Iterator[Any]:
+    for (name, fn), (i, bad) in itertools.product(CALLS, enumerate(BAD)):
+        yield pytest.param(fn, bad, id=f"{name}-{i}-{type(bad).__name__}")
+
+
+ACCEPTED = [  # (call, value) pairs of BAD that are in fact valid there
+    ("map(prepopulate=x)", None), ("import_handle(device=x)", None), ("VirtualRange(at=x)", None),
+    ("VirtualRange(gpu=x)", None), ("range.map(offset=x)", None), ("numpy(shape=x)", None),
+    ("buffer.numpy(shape=x)", None), ("ipc_open(device=x)", None), ("__dlpack__(max_version=x)", None),
+    ("__dlpack__(dl_device=x)", None), ("export(validate_pids=x)", True), ("ipc_export(validate_pids=x)", True),
+    ("range.map(owns_range=x)", True), ("map(prepopulate=x)", True), ("VirtualRange(gpu=x)", True),
+    ("__dlpack__(dl_device=x)", (1, 2)), ("__dlpack__(max_version=x)", (1, 2)), ("numpy(shape=x)", (1, 2)),
+    ("buffer.numpy(shape=x)", (1, 2)), ("numpy(dtype=x)", "1"), ("ShareableHandle.parse(x)", "1"),
+    ("ShareableHandle.from_value(x)", "1"), ("export(pids=x)", {}), ("export(pids=x)", ""),
+    ("export(pids=x)", bytearray(3)), ("ipc_export(pids=x)", {}), ("ipc_export(pids=x)", ""),
+    ("ipc_export(pids=x)", bytearray(3)), ("export(pids=x)", b"x"), ("ipc_export(pids=x)", b"x"),
+    ("numpy(dtype=x)", None), ("DeviceBuffer(policy=x)", -1), ("DeviceBuffer(policy=x)", np.int64(-3)),
+    ("numpy(offset=x)", True), ("ShareableHandle.from_value(x)", b"x"), ("allocate(numa_node=x)", None),
+    ("numpy(shape=x)", [1]), ("buffer.numpy(shape=x)", [1]), ("__dlpack__(max_version=x)", np.zeros(2)),
+    # pids that are real processes (1 is init; bytes iterate as ints: b"x" is pid 120)
+    ("allow(x)", [1]), ("allow(x)", (1, 2)), ("allow(x)", b"x"), ("export(pids=x)", [1]), ("export(pids=x)", (1, 2)),
+    ("ipc_export(pids=x)", [1]), ("ipc_export(pids=x)", (1, 2)),
+]
+
+
+def test_the_malformed_calls_are_many() -> None:
+    assert len(CALLS) * len(BAD) + len(CLOSED) >= 400
+
+
+@pytest.mark.parametrize(("fn", "bad"), list(_cases()))
+def test_every_bad_argument_is_an_acl_error(o: dict[str, Any], fn: Callable[..., Any], bad: Any,
+                                            request: pytest.FixtureRequest) -> None:
+    name = request.node.callspec.id.rsplit("-", 2)[0]
+    accepted = any(name == n and type(bad) is type(v) and _same(bad, v) for n, v in ACCEPTED)
+    before = runtime().counts()
+    try:
+        got = fn(o, bad)
+    except vmmshare.AclError as exc:
+        assert exc.message and len(exc.message) >= 10, exc
+        assert runtime().counts() == before, "a refused call left something behind"
+        return
+    except BufferError:  # the DLPack protocol's own refusal (ours is an AclError too; numpy's checks may not be)
+        assert name.startswith("__dlpack__")
+        return
+    assert accepted, f"{name} accepted the bad value {bad!r}: {got!r}"
+    _close(got)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and bool((a == b).all())
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _close(got: Any) -> None:
+    if isinstance(got, np.ndarray):
+        del got
+        gc.collect()
+    elif hasattr(got, "close"):
+        got.close()
+
+
+@pytest.mark.parametrize(("name", "fn"), CLOSED, ids=[n for n, _ in CLOSED])
+def test_closed_objects_and_impossible_requests_are_acl_errors(o: dict[str, Any], name: str,
+                                                               fn: Callable[..., Any]) -> None:
+    with pytest.raises(vmmshare.AclError) as info:
+        fn(o)
+    assert info.value.message
+
+
+def test_the_refused_calls_changed_nothing(objects: dict[str, Any]) -> None:
+    gc.collect()
+    assert objects["mem"].export() is not None, "the refused exports did not use up the one export"
+    assert objects["buf"].ipc_export() and objects["rng"].map(objects["dev"].allocate(2 * MiB)) is not None
+
+
+# ---------------------------------------------------------------- numpy views
+
+
+def test_numpy_views_take_a_shape_and_offset_inside_the_mapping() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as m:
+        whole = m.numpy("uint8")
+        whole[:8] = np.arange(8, dtype=np.uint8)
+        pair = m.numpy("float32", shape=(2,))
+        assert pair.shape == (2,) and pair.view(np.uint8).tolist() == list(range(8))
+        part = m.numpy("uint16", shape=(2, 2), offset=2)
+        assert part.shape == (2, 2) and part.view(np.uint8).ravel().tolist() == [2, 3, 4, 5, 6, 7, 0, 0]
+        assert m.numpy("float64").shape == (2 * MiB // 8,)
+        assert m.numpy("uint8", shape=3).shape == (3,)
+        assert m.numpy("uint8", shape=(0,), offset=2 * MiB).size == 0
+        with pytest.raises(vmmshare.InvalidParamError, match="needs"):
+            m.numpy("float32", shape=(2 * MiB,))
+        del whole, pair, part
+
+
+# ---------------------------------------------------------------- handle texts
+
+
+def test_every_printed_form_of_a_handle_parses_back() -> None:
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, vmmshare.Device(0).allocate(2 * MiB) as mem2:
+        h = mem.export()
+        f = mem2.export("fabric")
+        v = int(h)
+        forms = [str(h), str(h).upper(), f"{v:#x}", f"{v:#X}", f"{v:#018x}", f"0X{v:X}", str(v), f"  {v:#x}\n",
+                 f"{v:#018x}".upper()]  # what `vmmshare ls` prints, in any case
+        for text in forms:
+            assert ShareableHandle.parse(text) == h, text
+            assert ShareableHandle.from_value(text) == h, text
+        assert ShareableHandle.from_value(bytes(h)) == h and ShareableHandle.from_value(bytearray(bytes(h))) == h
+        assert ShareableHandle.from_value(memoryview(bytes(h))) == h
+        assert ShareableHandle.from_value(v) == h and ShareableHandle.from_value(h) is h
+        for text in (str(f), str(f).upper(), str(f).lower()):
+            assert ShareableHandle.parse(text) == f
+        assert ShareableHandle.from_value(bytes(f)) == f
+        assert ShareableHandle.of(ShareType.DEFAULT, bytes(h)) == h
+        for bad in ("0x", "0x0", "0", "vmm:default:", str(h)[:-1], str(h) + "0", "vmm:fabric:00", "-1", "0x-1"):
+            with pytest.raises(vmmshare.InvalidParamError):
+                ShareableHandle.parse(bad)

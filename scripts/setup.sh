@@ -14,7 +14,21 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ "$here" = "$PWD/src/vmmshare
   exit 0
 fi
 rm -f "$stamp"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# The cross-server transport's engine (vmmshare[fabric]) loads libibverbs, libnuma and libcurl even over TCP.
+missing=""
+for lib in libibverbs.so.1 libnuma.so.1 libcurl.so.4; do
+  ldconfig -p 2>/dev/null | grep -q "$lib" || missing="$missing $lib"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing the fabric engine's system libraries (missing:$missing)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null
+  else
+    echo "the fabric engine needs system libraries that are missing:$missing" \
+         "(install them with: sudo apt-get install libibverbs1 libnuma1 libcurl4); cross-server tests will not run"
+  fi
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,fabric]'
 # CPU torch for the DLPack interop test, only from a local wheel (never a multi-GB download); else that test skips.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   tag=$(.venv/bin/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')

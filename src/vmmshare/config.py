@@ -6,6 +6,7 @@ Each variable has one reader; a value it cannot use raises `ConfigError`, whose 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import os
 import re
@@ -180,9 +181,77 @@ def server_id() -> int:
     return int.from_bytes(hashlib.sha256(os.uname().nodename.encode()).digest()[:4], "little")
 
 
+# ---------------------------------------------------------------- the cross-server transport (SPEC §7, §8)
+
+FABRIC_MODES = ("off", "tcp", "rdma")
+FABRIC_PORT = 17017
+
+
+def fabric() -> str:
+    """$VMMSHARE_FABRIC: off, or the engine's protocol, tcp or rdma (default off)."""
+    raw = os.environ.get("VMMSHARE_FABRIC", "")
+    value = raw.strip().lower() or "off"
+    if value not in FABRIC_MODES:
+        raise ConfigError(f"VMMSHARE_FABRIC={raw!r}: use 'off', 'tcp' or 'rdma'", "VMMSHARE_FABRIC")
+    return value
+
+
+def fabric_addr() -> str:
+    """$VMMSHARE_FABRIC_ADDR: the IP address this node is reached at on the fabric network ("" when unset)."""
+    raw = _raw("VMMSHARE_FABRIC_ADDR")
+    if raw is None:
+        return ""
+    try:
+        address = ipaddress.ip_address(raw.strip())
+    except ValueError:
+        raise ConfigError(f"VMMSHARE_FABRIC_ADDR={raw!r} is not an IP address (such as 10.0.0.1): the engine "
+                          "advertises it to peers, so it must be one they can reach", "VMMSHARE_FABRIC_ADDR") from None
+    if address.is_unspecified or address.is_multicast:
+        raise ConfigError(f"VMMSHARE_FABRIC_ADDR={raw!r} is not an address peers can reach: give this node's own "
+                          "address on the fabric network", "VMMSHARE_FABRIC_ADDR")
+    return str(address)
+
+
+def fabric_port() -> int:
+    """$VMMSHARE_FABRIC_PORT: the broker's cross-server control port (default 17017)."""
+    return _env_int("VMMSHARE_FABRIC_PORT", FABRIC_PORT, 1, 65535)
+
+
+def cluster_key_file() -> Path | None:
+    """$VMMSHARE_CLUSTER_KEY_FILE: the file holding the cluster's shared secret (None when unset)."""
+    raw = _raw("VMMSHARE_CLUSTER_KEY_FILE")
+    return None if raw is None else Path(raw)
+
+
+def fabric_timeout() -> float:
+    """$VMMSHARE_FABRIC_TIMEOUT: seconds a cross-server call may take before it fails (default 5)."""
+    raw = _raw("VMMSHARE_FABRIC_TIMEOUT") or "5"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.2 <= value <= 3600:
+        raise ConfigError(f"VMMSHARE_FABRIC_TIMEOUT={raw!r} is not a number of seconds in [0.2, 3600]",
+                          "VMMSHARE_FABRIC_TIMEOUT")
+    return value
+
+
+def fabric_problem() -> None:
+    """Raise ConfigError when the fabric is on without what it needs (its address and the cluster key file)."""
+    if fabric() == "off":
+        return
+    if not fabric_addr():
+        raise ConfigError("VMMSHARE_FABRIC is on but VMMSHARE_FABRIC_ADDR is not set: give this node's address on "
+                          "the fabric network", "VMMSHARE_FABRIC_ADDR")
+    if cluster_key_file() is None:
+        raise ConfigError("VMMSHARE_FABRIC is on but VMMSHARE_CLUSTER_KEY_FILE is not set: name a file holding the "
+                          "cluster's shared secret (32 or more random bytes, mode 0600)", "VMMSHARE_CLUSTER_KEY_FILE")
+
+
 _READERS: tuple[Callable[[], object], ...] = (
     devices, device_memory, socket_path, server_id, backend, broker_idle, prepopulate, log_level,
     lambda: spin_seconds("VMMSHARE_SPIN_US", 100), lambda: spin_seconds("VMMSHARE_BROKER_SPIN_US", 200),
+    fabric, fabric_addr, fabric_port, fabric_timeout, fabric_problem,
 )
 
 
@@ -209,6 +278,11 @@ class Config:
     broker_idle: float
     prepopulate: bool
     log_level: str = "INFO"
+    fabric: str = "off"  # the cross-server transport: off, tcp or rdma
+    fabric_addr: str = ""
+    fabric_port: int = FABRIC_PORT
+    cluster_key_file: Path | None = None
+    fabric_timeout: float = 5.0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -222,4 +296,9 @@ class Config:
             broker_idle=broker_idle(),
             prepopulate=prepopulate(),
             log_level=log_level(),
+            fabric=fabric(),
+            fabric_addr=fabric_addr(),
+            fabric_port=fabric_port(),
+            cluster_key_file=cluster_key_file(),
+            fabric_timeout=fabric_timeout(),
         )

@@ -1,0 +1,228 @@
+"""The transfer engine (Mooncake Transfer Engine, `vmmshare[fabric]`): the only module that imports it.
+
+An engine serves the memory registered with it to any peer that names its segment (``"<address>:<rpc port>"``)
+and moves bytes one-sided to and from other engines' registered memory. Facts it is built around:
+- its settings are read once, when the module is imported: MC_LOG_LEVEL, the no-progress timeout (from
+  VMMSHARE_FABRIC_TIMEOUT) and a whole-call deadline set far out, so that only a stall fails a transfer;
+- it listens on two ports on every interface whatever address it is given, and its listening sockets are not
+  close-on-exec (they are made so here, after `initialize`);
+- a transfer fails with -1 and nothing more (the reason goes to the process's stderr); an address outside the
+  peer's registered memory costs the connection, so callers check bounds first;
+- the first contact with a frozen peer blocks for 60 s whatever the settings: it runs here on a helper thread
+  that the caller waits for at most the fabric timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import math
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+from ..errors import FeatureNotSupportedError, InternalError, IpcError
+
+log = logging.getLogger("vmmshare.fabric")
+INSTALL_HINT = ("pip install 'vmmshare[fabric]' and the system libraries it loads "
+                "(apt-get install libibverbs1 libnuma1 libcurl4)")
+CHUNK = 64 << 20  # bytes per engine call: a long copy is many calls, each well inside the engine's deadlines
+CALL_DEADLINE_S = 3600  # MC_TRANSFER_TIMEOUT: the whole-call deadline, far out (stalls are the progress timeout's)
+
+_module: ModuleType | None = None
+_load_lock = threading.Lock()
+
+
+def load(timeout: float) -> ModuleType:
+    """The engine's module, imported once with this process's settings; 207000 with what to install if missing."""
+    global _module
+    with _load_lock:
+        if _module is not None:
+            return _module
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        if os.environ.pop("MC_LOG_DIR", None) is not None:  # the engine aborts the process on import with it set
+            log.warning("MC_LOG_DIR is not supported by the transfer engine's logging here: ignored")
+        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(max(1, math.ceil(timeout)))
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(CALL_DEADLINE_S))
+        try:
+            import mooncake.engine as module
+        except (ImportError, OSError) as exc:
+            raise FeatureNotSupportedError(
+                f"the cross-server transport needs the transfer engine, which cannot be loaded ({exc}): {INSTALL_HINT}"
+            ) from None
+        _module = module
+        return _module
+
+
+def missing() -> str:
+    """Why the engine cannot be loaded in this process ("" when it can), without loading it."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("mooncake") is None:
+            return f"the transfer engine is not installed: {INSTALL_HINT}"
+    except (ImportError, ValueError) as exc:
+        return f"the transfer engine cannot be found: {exc}"
+    return ""
+
+
+class Engine:
+    """One initialised engine: the segment peers name it by, memory registration, and one-sided transfers."""
+
+    def __init__(self, address: str, protocol: str = "tcp", timeout: float = 5.0) -> None:
+        module = load(timeout)
+        self.address, self.protocol, self.timeout = address, protocol, timeout
+        before = set(_socket_fds())
+        self._engine: Any = module.TransferEngine()
+        rc = self._engine.initialize(address, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise IpcError(f"the transfer engine would not start on {address} over {protocol} (code {rc}); its "
+                           "reason is in this process's log")
+        self.listening = _close_on_exec_listeners(before)  # (address, port) of its listening sockets
+        host = f"[{address}]" if ":" in address else address
+        self.segment = f"{host}:{self._engine.get_rpc_port()}"
+        self._contacted: set[str] = set()
+        self._first_contact: dict[str, threading.Thread] = {}
+        self._scratch = ctypes.create_string_buffer(1)  # a first contact's one byte lands here, never freed
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ serving memory
+
+    def register(self, address: int, size: int) -> None:
+        rc = self._engine.register_memory(address, size)
+        if rc != 0:
+            raise InternalError(f"the transfer engine refused to serve {size} bytes at {address:#x} (code {rc})")
+
+    def unregister(self, address: int) -> None:
+        rc = self._engine.unregister_memory(address)
+        if rc != 0:
+            log.warning("the transfer engine did not serve %#x any more (code %d)", address, rc)
+
+    # ------------------------------------------------------------ moving bytes
+
+    def read(self, segment: str, local: int, remote: int, size: int) -> None:
+        """Copy `size` bytes at `remote` of the peer's registered memory to this process's `local`."""
+        self._move(segment, local, remote, size, write=False)
+
+    def write(self, segment: str, local: int, remote: int, size: int) -> None:
+        """Copy `size` bytes at this process's `local` to `remote` of the peer's registered memory."""
+        self._move(segment, local, remote, size, write=True)
+
+    def _move(self, segment: str, local: int, remote: int, size: int, write: bool) -> None:
+        if segment not in self._contacted:
+            self._contact(segment, remote)
+        call = self._engine.transfer_sync_write if write else self._engine.transfer_sync_read
+        done = 0
+        while done < size:
+            n = min(CHUNK, size - done)
+            if call(segment, local + done, remote + done, n) != 0:
+                self._failed(segment, "write" if write else "read", size)
+            done += n
+
+    def _contact(self, segment: str, remote: int) -> None:
+        """The first transfer to `segment` makes the engine's handshake, which waits 60 s on a frozen peer: make it
+        with a one-byte read on a helper thread, and wait for it at most the fabric timeout."""
+        with self._lock:
+            thread = self._first_contact.get(segment)
+            if thread is None or not thread.is_alive():
+                outcome: list[int] = []
+                thread = threading.Thread(
+                    target=lambda: outcome.append(self._engine.transfer_sync_read(
+                        segment, ctypes.addressof(self._scratch), remote, 1)),
+                    name="vmmshare-fabric-contact", daemon=True)
+                thread.outcome = outcome  # type: ignore[attr-defined]
+                self._first_contact[segment] = thread
+                thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise IpcError(f"the node serving {segment} did not answer the transfer engine within {self.timeout:g} s "
+                           "(VMMSHARE_FABRIC_TIMEOUT): it is frozen, overloaded or unreachable")
+        if thread.outcome != [0]:  # type: ignore[attr-defined]
+            with self._lock:
+                self._first_contact.pop(segment, None)
+            self._failed(segment, "reach", 0)
+        with self._lock:
+            self._contacted.add(segment)
+            self._first_contact.pop(segment, None)
+
+    def _failed(self, segment: str, what: str, size: int) -> None:
+        with self._lock:
+            self._contacted.discard(segment)  # a peer that went away may come back under the same name
+        amount = f" {size} bytes of" if size else ""
+        raise IpcError(f"the transfer engine could not {what}{amount} the memory served at {segment}: that node's "
+                       "broker is down or unreachable, or no longer serves the memory")
+
+    def close(self) -> None:
+        """Stop the engine (its threads and ports go)."""
+        engine, self._engine = self._engine, None
+        del engine
+
+
+# ---------------------------------------------------------------- one engine per process
+
+
+_shared: tuple[int, Engine] | None = None
+_shared_lock = threading.Lock()
+
+
+def process_engine(address: str, protocol: str, timeout: float) -> Engine:
+    """This process's engine for moving bytes, made on first use; a forked child makes its own."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            _shared = (os.getpid(), Engine(address, protocol, timeout))
+        return _shared[1]
+
+
+# ---------------------------------------------------------------- the engine's sockets
+
+
+def _socket_fds() -> dict[int, int]:
+    """fd -> socket inode for every socket this process holds."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:["):
+                out[int(name)] = int(target[8:-1])
+    return out
+
+
+def listening_sockets() -> dict[int, tuple[str, int]]:
+    """inode -> (address, port) of every listening TCP socket of this network namespace."""
+    out: dict[int, tuple[str, int]] = {}
+    for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)
+            for line in f:
+                cols = line.split()
+                if len(cols) < 10 or cols[3] != "0A":  # 0A: LISTEN
+                    continue
+                host, port = cols[1].split(":")
+                out[int(cols[9])] = (_address(host, width), int(port, 16))
+    return out
+
+
+def _address(hex_text: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_text)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host order
+    return str(ipaddress.IPv4Address(words) if width == 4 else ipaddress.IPv6Address(words))
+
+
+def _close_on_exec_listeners(before: set[int]) -> list[tuple[str, int]]:
+    """Mark the listening sockets that appeared since `before` close-on-exec; their (address, port)."""
+    listeners = listening_sockets()
+    found = []
+    for fd, inode in _socket_fds().items():
+        if fd in before or inode not in listeners:
+            continue
+        with contextlib.suppress(OSError):
+            flags = fcntl.fcntl(fd, fcntl.F_GETFD)
+            fcntl.fcntl(fd, fcntl.F_SETFD, flags | fcntl.FD_CLOEXEC)
+        found.append(listeners[inode])
+    return sorted(set(found))

@@ -1,0 +1,337 @@
+"""The broker-to-broker wire format over TCP, encode/decode only (no I/O), so it can be tested and fuzzed on its own.
+
+A frame is a 12-byte header (magic ``b"VF"``, version, message type, request id, body length) and a body: a
+fixed struct and, for some types, a UTF-8 text tail. A TCP stream carries frames back to back; `FrameReader`
+cuts them out, refusing a bad header before it buffers the body. Decoding is strict, like protocol.py's.
+
+Before any request, the two brokers prove the cluster key to each other (`Initiator`, `Responder`): each sends a
+fresh 32-byte nonce, and each proof is HMAC-SHA256 under the key over both server ids, both nonces and the
+prover's role, so a proof is good for one connection, one direction and one pair of servers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hmac
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+MAGIC = b"VF"
+VERSION = 1
+HEADER = struct.Struct("<2sBBII")
+MAX_BODY = 4096
+NONCE = 32
+MAX_SEGMENT = 255  # bytes of an engine segment name ("<address>:<port>")
+MAX_TEXT = 1024  # bytes of an error message
+_LABEL = b"vmmshare-fabric/1"
+
+
+class PeerProtocolError(ValueError):
+    """A frame that does not follow the protocol: the connection is closed."""
+
+
+class AuthError(PeerProtocolError):
+    """The peer did not prove the cluster key (or proved it for another connection, direction or server)."""
+
+
+class Kind(enum.IntEnum):
+    """Message type numbers: part of the format (brokers of different builds meet on the wire)."""
+
+    HELLO = 1
+    CHALLENGE = 2
+    PROOF = 3
+    WELCOME = 4
+    IMPORT = 16
+    RELEASE = 17
+    HEARTBEAT = 18
+    ADOPT = 19
+    OK = 64
+    ERROR = 65
+    IMPORTED = 66
+
+
+class PeerMessage:
+    __slots__ = ()
+    KIND: ClassVar[Kind]
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(PeerMessage):
+    """The connecting broker: its server id and nonce."""
+
+    KIND: ClassVar[Kind] = Kind.HELLO
+    server_id: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge(PeerMessage):
+    """The accepting broker: its server id, its nonce, and its proof of the key."""
+
+    KIND: ClassVar[Kind] = Kind.CHALLENGE
+    server_id: int
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Proof(PeerMessage):
+    """The connecting broker's proof of the key."""
+
+    KIND: ClassVar[Kind] = Kind.PROOF
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(PeerMessage):
+    """The accepting broker took the proof: requests may follow."""
+
+    KIND: ClassVar[Kind] = Kind.WELCOME
+
+
+@dataclass(frozen=True, slots=True)
+class Import(PeerMessage):
+    """Import an export of the receiving node for a process of the sending one: the handle's value, share type and
+    secret, and the importer as its own broker learnt it from its kernel (server, pid, uid, an identity tag)."""
+
+    KIND: ClassVar[Kind] = Kind.IMPORT
+    shareable: int
+    share_type: int
+    secret: bytes
+    server_id: int
+    pid: int
+    uid: int
+    tag: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release(PeerMessage):
+    """The importer is done with a remote hold (it freed the memory, or died)."""
+
+    KIND: ClassVar[Kind] = Kind.RELEASE
+    hold: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(PeerMessage):
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt(PeerMessage):
+    """After a new connection: a remote hold the sending broker still has, to be tied to this connection."""
+
+    KIND: ClassVar[Kind] = Kind.ADOPT
+    hold: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ok(PeerMessage):
+    KIND: ClassVar[Kind] = Kind.OK
+
+
+@dataclass(frozen=True, slots=True)
+class Error(PeerMessage):
+    KIND: ClassVar[Kind] = Kind.ERROR
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Imported(PeerMessage):
+    """A remote import: the hold, the memory's size, kind and properties, and where the engine serves it."""
+
+    KIND: ClassVar[Kind] = Kind.IMPORTED
+    hold: int
+    size: int
+    memory_kind: int
+    handle_type: int
+    allocation_type: int
+    mem_attr: int
+    location_type: int
+    location_id: int
+    address: int
+    segment: str
+
+
+class Frame(NamedTuple):
+    req: int
+    message: PeerMessage
+
+
+@dataclass(frozen=True)
+class _Layout:
+    cls: type[PeerMessage]
+    fixed: struct.Struct
+    text: int  # the most bytes of a text tail (0: the type has none)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        names = tuple(f.name for f in dataclasses.fields(self.cls))  # type: ignore[arg-type]
+        return names[:-1] if self.text else names
+
+
+_LAYOUTS: dict[Kind, _Layout] = {
+    layout.cls.KIND: layout
+    for layout in (
+        _Layout(Hello, struct.Struct("<I32s"), 0),
+        _Layout(Challenge, struct.Struct("<I32s32s"), 0),
+        _Layout(Proof, struct.Struct("<32s"), 0),
+        _Layout(Welcome, struct.Struct("<"), 0),
+        _Layout(Import, struct.Struct("<QB32sIIIQ"), 0),
+        _Layout(Release, struct.Struct("<Q"), 0),
+        _Layout(Heartbeat, struct.Struct("<"), 0),
+        _Layout(Adopt, struct.Struct("<Q"), 0),
+        _Layout(Ok, struct.Struct("<"), 0),
+        _Layout(Error, struct.Struct("<I"), MAX_TEXT),
+        _Layout(Imported, struct.Struct("<QQBBBBBiQ"), MAX_SEGMENT),
+    )
+}
+_SIZED = {kind: tuple(len(v) for v in layout.fixed.unpack(bytes(layout.fixed.size)) if isinstance(v, bytes))
+          for kind, layout in _LAYOUTS.items()}
+
+
+def encode(message: PeerMessage, req: int) -> bytes:
+    """One frame; PeerProtocolError if the message's values do not fit its type."""
+    layout = _LAYOUTS.get(getattr(type(message), "KIND", None))  # type: ignore[arg-type]
+    if layout is None or type(message) is not layout.cls:
+        raise PeerProtocolError(f"{type(message).__name__} is not a message of the fabric protocol")
+    values = tuple(getattr(message, name) for name in layout.fields)
+    sized = iter(_SIZED[layout.cls.KIND])
+    for value in values:
+        if isinstance(value, (bytes, bytearray)) and len(value) != next(sized):
+            raise PeerProtocolError(f"{layout.cls.KIND.name}: a bytes field has the wrong length")
+    try:
+        body = layout.fixed.pack(*values)
+    except struct.error as exc:
+        raise PeerProtocolError(f"{layout.cls.KIND.name}: {exc}") from None
+    if layout.text:
+        text = str(getattr(message, dataclasses.fields(layout.cls)[-1].name)).encode("utf-8", "replace")  # type: ignore[arg-type]
+        if len(text) > layout.text:
+            if layout.cls is not Error:
+                raise PeerProtocolError(f"{layout.cls.KIND.name}: text of {len(text)} bytes exceeds {layout.text}")
+            text = text[: layout.text].decode("utf-8", "ignore").encode("utf-8")  # an error message is cut, not lost
+        body += text
+    return HEADER.pack(MAGIC, VERSION, layout.cls.KIND, req & 0xFFFFFFFF, len(body)) + body
+
+
+def _header(data: bytes | bytearray) -> tuple[_Layout, int, int]:
+    """The layout, request id and body length of a frame header, checked before its body is read."""
+    magic, version, kind, req, length = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise PeerProtocolError(f"bad magic {bytes(magic)!r}: not a vmmshare broker")
+    if version != VERSION:
+        raise PeerProtocolError(f"fabric protocol version {version} is not supported (this broker speaks {VERSION})")
+    layout = _LAYOUTS.get(kind)
+    if layout is None:
+        raise PeerProtocolError(f"unknown message type {kind}")
+    size = layout.fixed.size
+    if not size <= length <= size + layout.text:
+        raise PeerProtocolError(f"{layout.cls.KIND.name} body of {length} bytes: it takes {size}"
+                                + (f" to {size + layout.text}" if layout.text else ""))
+    return layout, req, length
+
+
+def decode(frame: bytes) -> Frame:
+    """Decode one whole frame."""
+    if len(frame) < HEADER.size:
+        raise PeerProtocolError(f"frame of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
+    layout, req, length = _header(frame)
+    if len(frame) != HEADER.size + length:
+        raise PeerProtocolError(f"frame of {len(frame)} bytes, its header says {HEADER.size + length}")
+    values: list[Any] = list(layout.fixed.unpack_from(frame, HEADER.size))
+    if layout.text:
+        try:
+            values.append(frame[HEADER.size + layout.fixed.size :].decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise PeerProtocolError(f"{layout.cls.KIND.name} text is not UTF-8: {exc}") from None
+    return Frame(req, layout.cls(*values))
+
+
+class FrameReader:
+    """Cuts frames out of a byte stream; a bad header is refused as soon as its 12 bytes are in."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._need = 0  # the whole frame's length once its header is read
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buf += data
+        out: list[Frame] = []
+        while True:
+            if not self._need:
+                if len(self._buf) < HEADER.size:
+                    return out
+                self._need = HEADER.size + _header(self._buf)[2]
+            if len(self._buf) < self._need:
+                return out
+            frame, self._need = bytes(self._buf[: self._need]), 0
+            del self._buf[: len(frame)]
+            out.append(decode(frame))
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+# ---------------------------------------------------------------- proving the cluster key
+
+
+def proof(key: bytes, role: bytes, initiator: int, responder: int, initiator_nonce: bytes,
+          responder_nonce: bytes) -> bytes:
+    """HMAC-SHA256 under the cluster key over the role, both server ids and both nonces."""
+    text = _LABEL + b" " + role + struct.pack("<II", initiator, responder) + initiator_nonce + responder_nonce
+    return hmac.new(key, text, "sha256").digest()
+
+
+class Initiator:
+    """The connecting broker's side of the handshake: hello, then check the challenge and answer it."""
+
+    def __init__(self, key: bytes, server_id: int, nonce: bytes | None = None) -> None:
+        self.key, self.server_id = key, server_id
+        self.nonce = nonce if nonce is not None else secrets.token_bytes(NONCE)
+        self.peer_id: int | None = None
+
+    def hello(self) -> Hello:
+        return Hello(self.server_id, self.nonce)
+
+    def answer(self, challenge: Challenge) -> Proof:
+        """The proof to send, once the responder proved the key for this connection (AuthError if it did not)."""
+        if challenge.server_id == self.server_id:
+            raise AuthError(f"the peer claims this server's own id {self.server_id:#x}")
+        want = proof(self.key, b"responder", self.server_id, challenge.server_id, self.nonce, challenge.nonce)
+        if not hmac.compare_digest(want, challenge.proof):
+            raise AuthError("the peer did not prove the cluster key (another VMMSHARE_CLUSTER_KEY_FILE?)")
+        self.peer_id = challenge.server_id
+        return Proof(proof(self.key, b"initiator", self.server_id, challenge.server_id, self.nonce, challenge.nonce))
+
+
+class Responder:
+    """The accepting broker's side: answer the hello with a challenge, then check the initiator's proof."""
+
+    def __init__(self, key: bytes, server_id: int, nonce: bytes | None = None) -> None:
+        self.key, self.server_id = key, server_id
+        self.nonce = nonce if nonce is not None else secrets.token_bytes(NONCE)
+        self._hello: Hello | None = None
+        self.peer_id: int | None = None
+
+    def challenge(self, hello: Hello) -> Challenge:
+        if hello.server_id == self.server_id:
+            raise AuthError(f"the peer claims this server's own id {self.server_id:#x}")
+        self._hello = hello
+        mine = proof(self.key, b"responder", hello.server_id, self.server_id, hello.nonce, self.nonce)
+        return Challenge(self.server_id, self.nonce, mine)
+
+    def verify(self, answer: Proof) -> int:
+        """The peer's server id once its proof checks out (AuthError otherwise)."""
+        if self._hello is None:
+            raise AuthError("a proof before the hello")
+        hello = self._hello
+        want = proof(self.key, b"initiator", hello.server_id, self.server_id, hello.nonce, self.nonce)
+        if not hmac.compare_digest(want, answer.proof):
+            raise AuthError(f"server {hello.server_id:#x} did not prove the cluster key")
+        self.peer_id = hello.server_id
+        return hello.server_id

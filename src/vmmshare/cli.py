@@ -1,4 +1,4 @@
-"""The ``vmmshare`` command line: broker, ls, demo, bench, stress, doctor, version.
+"""The ``vmmshare`` command line: broker, ls, demo, bench, stress, doctor, cluster, version.
 
 Every command except doctor first checks the VMMSHARE_* variables (doctor reports them as findings); exit codes
 are those of `console` (0 done, 1 failed, 2 usage or configuration, 3 another broker serves the path).
@@ -194,6 +194,7 @@ def _parser() -> Parser:
     sub.add_parser("demo", help="three processes share memory, every rule checked on the way (see demo --help)")
     sub.add_parser("bench", help="sharing costs against shared_memory, Pipe and torch, in one run (see bench --help)")
     sub.add_parser("stress", help="the long reliability runs in stress/ (NAME [options]; no NAME lists them)")
+    sub.add_parser("cluster", help="a test cluster of servers on this machine, for the fabric (up|down|status|exec)")
     doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")
     doc.add_argument("--json", action="store_true", help="print the findings as JSON")
     ls = sub.add_parser("ls", help="list the exports on this node")
@@ -212,6 +213,10 @@ def _main(argv: list[str]) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["stress"]:
         return _stress(argv[1:])
+    if argv[:1] == ["cluster"]:  # its own options and help
+        from .fabric.cluster import main as cluster_main
+
+        return cluster_main(argv[1:])
     if argv[:1] == ["demo"]:  # its own options and help
         from .demo import main as demo_main
 

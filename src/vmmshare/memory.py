@@ -143,6 +143,7 @@ class PhysicalMemory:
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
         self.on_gpu = alloc.backend.kind is MemoryKind.GPU
+        self.remote = alloc.backend.kind is MemoryKind.REMOTE  # another server's: copies only (SPEC §8)
         self._shareable: ShareableHandle | None = None
         self._finalizer = weakref.finalize(self, _free_quietly, handle)
 
@@ -301,6 +302,7 @@ class Mapping(MemoryViews):
         self.size = memory.size
         self.memory = memory
         self.on_gpu = memory.on_gpu
+        self.remote = memory.remote
         self.device = memory.device
         self._range = rng
         self._init_views()

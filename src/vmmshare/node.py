@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .backends.remote import Transfers
 from .props import PhysicalProp
 
 
@@ -18,6 +19,18 @@ class Imported:
     size: int
     prop: PhysicalProp
     gpu: bool = False  # the fd is a CUDA allocation's (import it with the CUDA backend)
+
+
+@dataclass(frozen=True)
+class RemoteImported:
+    """A remote import (SPEC §8): the node's reference for it, the memory, and where another server's transfer
+    engine serves it (`segment`, `address`)."""
+
+    node_ref: int
+    size: int
+    prop: PhysicalProp
+    segment: str
+    address: int
 
 
 class Node(Protocol):
@@ -41,5 +54,16 @@ class Node(Protocol):
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported: ...
     def bare_tgid(self) -> int: ...
     def busy_in_this_thread(self) -> bool: ...
+    def import_remote(self, handle: bytes) -> RemoteImported:
+        """Import a FABRIC handle of another server, through this node's broker and the exporter's."""
+        ...
+
+    def set_remote_pids(self, shareable: int, share_type: int, server: int, pids: list[int]) -> None:
+        """Trust pids of another server's processes, (server id, pid) pairs, on an export of this process."""
+        ...
+
+    def transfers(self) -> Transfers:
+        """This process's transfer engine, for copies to and from memory of other servers (made on first use)."""
+        ...
 
 

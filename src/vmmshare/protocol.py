@@ -45,6 +45,8 @@ class Msg(enum.IntEnum):
     BARE_TGID = 8
     LIST = 9
     CHARGE_GPU = 10
+    REMOTE_IMPORT = 11
+    SET_REMOTE_PIDS = 12
     OK = 64
     ERROR = 65
     TOKEN = 66
@@ -53,6 +55,7 @@ class Msg(enum.IntEnum):
     IMPORTED = 69
     PID = 70
     LISTING = 71
+    REMOTE_IMPORTED = 72
 
 
 class Tail(enum.Enum):
@@ -166,6 +169,25 @@ class List(Message):
     offset: int
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteImport(Message):
+    """Import a FABRIC handle of another server: this node's broker asks the exporting node's broker for it."""
+
+    TYPE: ClassVar[Msg] = Msg.REMOTE_IMPORT
+    handle: bytes  # the 128 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SetRemotePids(Message):
+    """Add pids of the processes of server `server` to the trustlist of an export (the exporter's act)."""
+
+    TYPE: ClassVar[Msg] = Msg.SET_REMOTE_PIDS
+    shareable: int
+    share_type: int
+    server: int
+    pids: tuple[int, ...] = ()
+
+
 # ---------------------------------------------------------------- replies (broker -> client)
 
 
@@ -227,6 +249,24 @@ class Pid(Message):
 class Listing(Message):
     TYPE: ClassVar[Msg] = Msg.LISTING
     page: str  # JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteImported(Message):
+    """A remote import's hold id, the memory and its properties, and where the exporting node's engine serves it
+    (no fd: the memory stays on its server)."""
+
+    TYPE: ClassVar[Msg] = Msg.REMOTE_IMPORTED
+    hold: int
+    size: int
+    memory_kind: int
+    handle_type: int
+    allocation_type: int
+    mem_attr: int
+    location_type: int
+    location_id: int
+    address: int  # the memory's address in the serving engine
+    segment: str  # the serving engine's name, "<address>:<port>"
 
 
 class Frame(NamedTuple):
@@ -297,6 +337,8 @@ LAYOUTS: dict[Msg, Layout] = {
     Msg.BARE_TGID: Layout(BareTgid, "<"),
     Msg.LIST: Layout(List, "<I"),
     Msg.CHARGE_GPU: Layout(ChargeGpu, "<IQ"),
+    Msg.REMOTE_IMPORT: Layout(RemoteImport, "<128s"),
+    Msg.SET_REMOTE_PIDS: Layout(SetRemotePids, "<QBI", Tail.U32, max_tail=MAX_PIDS * 4),
     Msg.OK: Layout(Ok, "<"),
     Msg.ERROR: Layout(Error, "<I", Tail.TEXT, max_tail=4096),
     Msg.TOKEN: Layout(Token, "<Q"),
@@ -305,6 +347,7 @@ LAYOUTS: dict[Msg, Layout] = {
     Msg.IMPORTED: Layout(Imported, "<QQB" + PROP, fds=1),
     Msg.PID: Layout(Pid, "<I"),
     Msg.LISTING: Layout(Listing, "<", Tail.TEXT, max_tail=MAX_BODY),
+    Msg.REMOTE_IMPORTED: Layout(RemoteImported, "<QQB" + PROP + "Q", Tail.TEXT, max_tail=255),
 }
 _BY_NUMBER: dict[int, Layout] = {int(k): v for k, v in LAYOUTS.items()}
 _BY_CLASS: dict[type[Message], Layout] = {v.message: v for v in LAYOUTS.values()}

@@ -10,7 +10,9 @@ import math
 import weakref
 from typing import Any
 
-from .errors import InvalidParamError
+from . import constants as C
+from .backends.remote import NO_CPU_ACCESS
+from .errors import FeatureNotSupportedError, InvalidParamError
 from .props import check_int
 
 
@@ -31,6 +33,7 @@ class MemoryViews:
     size: int
     on_gpu: bool
     device: int
+    remote: bool = False  # memory of another server (SPEC §8): copies only, no CPU view
 
     def _init_views(self) -> None:
         self._views: dict[int, weakref.ref[Any]] = {}  # live buffers handed out, by id
@@ -47,6 +50,8 @@ class MemoryViews:
             raise BufferError(f"{len(self._views)} view(s) of this {type(self).__name__} are alive: delete them first")
 
     def _buffer(self, offset: int = 0, nbytes: int | None = None) -> Any:
+        if self.remote:
+            raise FeatureNotSupportedError(f"this {type(self).__name__} has no CPU view: {NO_CPU_ACCESS}")
         if self.on_gpu:
             raise InvalidParamError(f"this {type(self).__name__} is GPU memory: view it with DLPack "
                                     "(torch/cupy.from_dlpack), or copy it to the host")
@@ -65,6 +70,62 @@ class MemoryViews:
 
         views[key] = weakref.ref(buf, forget)
         return buf
+
+    # ------------------------------------------------------------ copies (any memory: host, GPU, another server's)
+
+    def _span(self, offset: object, size: object) -> tuple[int, int]:
+        if self.closed:
+            raise InvalidParamError(f"this {type(self).__name__} is closed")
+        start = check_int("offset", offset, 0, self.size)
+        n = self.size - start if size is None else check_int("size", size, 0, self.size - start)
+        return start, n
+
+    def read(self, size: int | None = None, offset: int = 0) -> bytes:
+        """A copy of `size` bytes from byte `offset` (default: to the end), as memcpy makes it."""
+        from ._process import runtime
+
+        start, n = self._span(offset, size)
+        buf = ctypes.create_string_buffer(n)
+        if n:
+            runtime().copies.memcpy(ctypes.addressof(buf), n, self.ptr + start, n, C.ACL_MEMCPY_DEFAULT)
+        return buf.raw[:n]
+
+    def write(self, data: Any, offset: int = 0) -> None:
+        """Copy the bytes of `data` (any buffer: bytes, bytearray, a numpy array) in from byte `offset`."""
+        from ._process import runtime
+
+        try:
+            raw = memoryview(data).cast("B")
+        except (TypeError, ValueError) as exc:
+            raise InvalidParamError(f"data must be a contiguous buffer of bytes: {exc}") from None
+        start, n = self._span(offset, raw.nbytes)
+        if not n:
+            return
+        try:
+            src: Any = (ctypes.c_char * n).from_buffer(raw)
+        except TypeError:  # read-only (bytes): copied once into a buffer that has an address
+            src = (ctypes.c_char * n).from_buffer_copy(raw)
+        runtime().copies.memcpy(self.ptr + start, n, ctypes.addressof(src), n, C.ACL_MEMCPY_DEFAULT)
+
+    def copy_from(self, source: MemoryViews, size: int | None = None, offset: int = 0, source_offset: int = 0) -> None:
+        """Copy `size` bytes of `source` (from its byte `source_offset`) in at byte `offset`, as memcpy does."""
+        from ._process import runtime
+
+        if not isinstance(source, MemoryViews):
+            raise InvalidParamError(f"source must be a Mapping or buffer of vmmshare, not {type(source).__name__}")
+        src_start, n = source._span(source_offset, size)
+        start, n = self._span(offset, n)
+        if n:
+            runtime().copies.memcpy(self.ptr + start, n, source.ptr + src_start, n, C.ACL_MEMCPY_DEFAULT)
+
+    def fill(self, value: int, size: int | None = None, offset: int = 0) -> None:
+        """Set `size` bytes from byte `offset` (default: to the end) to `value`, as memset does."""
+        from ._process import runtime
+
+        byte = check_int("value", value, 0, 255)
+        start, n = self._span(offset, size)
+        if n:
+            runtime().copies.memset(self.ptr + start, n, byte, n)
 
     def memoryview(self) -> memoryview:
         """The whole memory as bytes (no copy)."""
@@ -111,7 +172,7 @@ class MemoryViews:
             raise DLPackRequestError("this memory is shared: it is exported without a copy")
         if dl_device is not None and _pair(dl_device) != self.__dlpack_device__():
             raise DLPackRequestError(f"the memory lives on {self.__dlpack_device__()}, not {dl_device!r}")
-        owner = self._register(_Keepalive()) if self.on_gpu else self._buffer()
+        owner = self._register(_Keepalive()) if self.on_gpu and not self.remote else self._buffer()
         versioned = max_version is not None and _pair(max_version) >= dlpack.DLPACK_VERSION
         return dlpack.capsule(self.ptr, self.size, *self.__dlpack_device__(), owner, versioned)
 

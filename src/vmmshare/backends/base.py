@@ -15,6 +15,7 @@ class MemoryKind(enum.IntEnum):
 
     HOST = 0  # a sealed memfd, counted against the node's device capacity
     GPU = 1  # a GPU driver's allocation fd; the GPU's own capacity applies
+    REMOTE = 2  # memory of another server, reached through the transfer engine (never exported: no fd)
 
 
 class Memory(Protocol):

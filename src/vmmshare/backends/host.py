@@ -284,6 +284,12 @@ def map_shared(addr: int, size: int, fd: int, prot: int) -> None:
     _mmap_call(addr, size, prot, MAP_SHARED | MAP_FIXED, fd)
 
 
+def map_file(fd: int, size: int) -> int:
+    """A shared read-write mapping of the first `size` bytes of `fd`, placed by the kernel (a broker serving an
+    export to other servers holds one)."""
+    return _mmap_call(0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd)
+
+
 def unmap_to_reserved(addr: int, size: int) -> None:
     """Replace a mapping by a fresh reservation, atomically, so the hole stays ours."""
     _mmap_call(addr, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED)

@@ -20,9 +20,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import protocol as P
+from ..backends.remote import Transfers
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
-from ..node import Imported
+from ..node import Imported, RemoteImported
 from ..props import Location, PhysicalProp
 from ..protocol import ProtocolError, decode, encode
 from .autostart import reach_broker
@@ -224,6 +225,25 @@ class BrokerClient:
     def bare_tgid(self) -> int:
         reply, _ = self.request(P.BareTgid(), P.Pid)
         return reply.pid
+
+    def import_remote(self, handle: bytes) -> RemoteImported:
+        """A FABRIC handle of another server, imported through this node's broker (which asks the exporter's)."""
+        reply, _ = self.request(P.RemoteImport(handle), P.RemoteImported)
+        token = next(self._tokens)
+        self._holds[token] = reply.hold
+        prop = PhysicalProp(reply.handle_type, reply.allocation_type, reply.mem_attr,
+                            Location(reply.location_type, reply.location_id))
+        return RemoteImported(token, reply.size, prop, reply.segment, reply.address)
+
+    def set_remote_pids(self, shareable: int, share_type: int, server: int, pids: list[int]) -> None:
+        self.request(P.SetRemotePids(shareable, share_type, server, tuple(pids)), P.Ok)
+
+    def transfers(self) -> Transfers:
+        from ..fabric.engine import process_engine
+
+        config = self.config
+        return process_engine(config.fabric_addr or "127.0.0.1", "tcp" if config.fabric == "off" else config.fabric,
+                              config.fabric_timeout)
 
     def listing(self) -> dict[str, Any]:
         """Every export on the node (what `vmmshare ls` shows), following the broker's pages."""

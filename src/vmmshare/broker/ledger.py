@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import constants as C
 from .. import protocol as P
-from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
+from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, Endpoint, FabricHandle, default_bytes
 from .identity import Identity, same_process
 
 log = logging.getLogger("vmmshare.broker")
@@ -33,6 +33,7 @@ MAX_GPUS = 1024  # GPU ids accepted for GPU charges (the broker cannot see the G
 LIST_PAGE = 100  # exports per listing page, at most
 LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
+NO_ENDPOINT = Endpoint()  # a node without the cross-server transport
 
 Answer = tuple[P.Message, int]  # a reply and the fd to send with it (-1: none; the ledger still owns it)
 
@@ -54,6 +55,7 @@ class Client:
     uid: int
     identity: Identity
     holds: set[int] = field(default_factory=set)  # hold ids
+    server: int | None = None  # another server's process (a remote importer, as its own broker named it)
 
 
 @dataclass(eq=False)
@@ -66,6 +68,7 @@ class ChargedMemory:
     kind: int = KIND_HOST  # a memfd, counted against the node's capacity; or KIND_GPU, which the driver caps
     holders: int = 1
     share: Share | None = None  # once exported
+    gone: Callable[[], None] | None = None  # called when the last hold goes (memory held on another server)
 
 
 @dataclass(eq=False)
@@ -81,6 +84,7 @@ class Share:
     exporter: Client
     secret: bytes  # a FABRIC handle's; zeros for DEFAULT
     trust: dict[int, Identity] = field(default_factory=dict)  # pid -> the process it was bound to
+    remote_trust: set[tuple[int, int]] = field(default_factory=set)  # (server id, pid) of other servers' processes
     importers: dict[int, Client] = field(default_factory=dict)  # hold id -> importer
 
 
@@ -98,7 +102,7 @@ class Ledger:
     def __init__(
         self, devices: int, capacity: int, *, identify: Callable[[int], Identity], close_fd: Callable[[int], None],
         memfd_size: Callable[[int], int | None], broker_pid: int = 0,
-        random_bytes: Callable[[int], bytes] = secrets.token_bytes,
+        random_bytes: Callable[[int], bytes] = secrets.token_bytes, endpoint: Endpoint = NO_ENDPOINT,
     ) -> None:
         self.capacity = capacity
         self.used = [0] * devices  # host-backed device memory, per device (capped by `capacity`)
@@ -109,16 +113,18 @@ class Ledger:
         self.identify, self.close_fd, self.memfd_size = identify, close_fd, memfd_size
         self.broker_pid = broker_pid
         self.random_bytes = random_bytes
+        self.endpoint = endpoint  # where other servers reach this node (FABRIC handles carry it)
         self._serve: dict[type[P.Message], Callable[[Client, Any, int], Answer]] = {
             P.Charge: self._charge, P.ChargeGpu: self._charge_gpu, P.Release: self._release_request,
             P.MemInfo: self._mem_info, P.Export: self._export, P.Revoke: self._revoke_request,
             P.SetPids: self._set_pids, P.Import: self._import, P.BareTgid: self._bare_tgid, P.List: self._list,
+            P.SetRemotePids: self._set_remote_pids,
         }
 
     # ------------------------------------------------------------ clients
 
-    def connect(self, pid: int, uid: int, identity: Identity) -> Client:
-        client = Client(pid, uid, identity)
+    def connect(self, pid: int, uid: int, identity: Identity, server: int | None = None) -> Client:
+        client = Client(pid, uid, identity, server=server)
         self.clients.add(client)
         return client
 
@@ -199,9 +205,13 @@ class Ledger:
         return found
 
     def _release_request(self, client: Client, m: P.Release, fd: int) -> Answer:
-        self._own(client, m.hold)
-        self._release(client, m.hold)
+        self.release(client, m.hold)
         return P.Ok(), -1
+
+    def release(self, client: Client, hold: int) -> None:
+        """Drop one of `client`'s holds (107017 if it has no such hold)."""
+        self._own(client, hold)
+        self._release(client, hold)
 
     def _release(self, client: Client, hold: int) -> None:
         """Drop a hold; the exporter's own hold revokes the export, and the last one uncharges the memory."""
@@ -215,6 +225,8 @@ class Ledger:
         memory.holders -= 1
         if memory.holders == 0:
             self._account(memory, -1)
+            if memory.gone is not None:
+                memory.gone()
 
     # ------------------------------------------------------------ exports
 
@@ -248,7 +260,7 @@ class Ledger:
                   m.share_type, m.flags)
         if m.share_type == FABRIC:
             return FabricHandle(m.server_id, max(memory.device, 0), handle, m.size, secret,
-                                FLAG_NO_PID_VALIDATION if m.flags else 0).pack()
+                                FLAG_NO_PID_VALIDATION if m.flags else 0, self.endpoint).pack()
         return default_bytes(handle)
 
     def _revoke_request(self, client: Client, m: P.Revoke, fd: int) -> Answer:
@@ -292,6 +304,22 @@ class Ledger:
         share.trust = self._bind(m.pids, share.trust)
         return P.Ok(), -1
 
+    def _set_remote_pids(self, client: Client, m: P.SetRemotePids, fd: int) -> Answer:
+        """Trust processes of another server: (server id, pid) pairs, each admitting that server's pid only."""
+        share = self._shared(m.shareable, m.share_type)
+        if share.exporter is not client:
+            raise LedgerError(
+                C.ACL_ERROR_RT_NO_PERMISSION,
+                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
+            )
+        if any(p <= 0 or p > 0x7FFFFFFF for p in m.pids):
+            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
+        new = {(m.server, p) for p in m.pids} - share.remote_trust
+        if len(share.trust) + len(share.remote_trust) + len(new) > MAX_TRUSTLIST:
+            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+        share.remote_trust |= new
+        return P.Ok(), -1
+
     def _bind(self, pids: tuple[int, ...], trust: dict[int, Identity]) -> dict[int, Identity]:
         """`trust` plus `pids`, each bound to the process that has it now (pid reuse)."""
         if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
@@ -304,30 +332,51 @@ class Ledger:
     # ------------------------------------------------------------ imports
 
     def _import(self, client: Client, m: P.Import, fd: int) -> Answer:
-        share = self._shared(m.shareable, m.share_type)
-        if m.share_type == FABRIC and not hmac.compare_digest(m.secret, share.secret):
+        hold, share = self.admit(client, m.shareable, m.share_type, m.secret)
+        return P.Imported(hold, share.memory.size, share.memory.kind, *share.prop), share.fd
+
+    def admit(self, client: Client, shareable: int, share_type: int, secret: bytes) -> tuple[int, Share]:
+        """Rules 11-14 for an import by `client` (of this node, or a remote importer of another server): the new
+        hold on the export's memory, and the export."""
+        share = self._shared(shareable, share_type)
+        if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):
             raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE,
-                              f"FABRIC handle {m.shareable:#x} does not carry its secret")
-        if client.pid == share.exporter.pid:
+                              f"FABRIC handle {shareable:#x} does not carry its secret")
+        if client.server is None and client.pid == share.exporter.pid:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
         if not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
-            if client.pid not in share.trust:
-                raise LedgerError(
-                    C.ACL_ERROR_RT_NO_PERMISSION,
-                    f"process {client.pid} is not on the trustlist of {m.shareable:#x}: the exporter must add it "
-                    "with mem_set_pid_to_shareable_handle(_v2)",
-                )
+            self._trusted(client, share)
+        memory = share.memory
+        hold = self._new_hold(client, memory)
+        memory.holders += 1
+        share.importers[hold] = client
+        log.debug("pid %d%s imported %#x", client.pid, _of_server(client), shareable)
+        return hold, share
+
+    def _trusted(self, client: Client, share: Share) -> None:
+        """Rule 11: `client` is on the trustlist. A remote importer is admitted by a pid of the V2 trustlist (its pid
+        as its own broker reports it: this node cannot bind another server's pid to a process) or by its
+        (server id, pid) pair; a local one by its pid, bound to the process that had it when it was listed."""
+        if client.server is not None:
+            if client.pid in share.trust or (client.server, client.pid) in share.remote_trust:
+                return
+        elif client.pid in share.trust:
             if not same_process(share.trust[client.pid], client.identity):
                 raise LedgerError(
                     C.ACL_ERROR_RT_NO_PERMISSION,
                     f"pid {client.pid} was trustlisted for another process that had the same pid (pid reuse)",
                 )
-        memory = share.memory
-        hold = self._new_hold(client, memory)
-        memory.holders += 1
-        share.importers[hold] = client
-        log.debug("pid %d imported %#x", client.pid, m.shareable)
-        return P.Imported(hold, memory.size, memory.kind, *share.prop), share.fd
+            return
+        raise LedgerError(
+            C.ACL_ERROR_RT_NO_PERMISSION,
+            f"process {client.pid}{_of_server(client)} is not on the trustlist of {share.handle:#x}: the exporter "
+            "must add it with mem_set_pid_to_shareable_handle(_v2)",
+        )
+
+    def adopt_remote(self, client: Client, size: int, gone: Callable[[], None]) -> int:
+        """A hold of `client` on memory that another server holds for it (a remote import): not charged to this
+        node; `gone` runs when the hold goes (released, or the client left)."""
+        return self._new_hold(client, ChargedMemory(client, -1, size, gone=gone))
 
     # ------------------------------------------------------------ who asks, and what there is
 
@@ -367,6 +416,7 @@ class Ledger:
     @staticmethod
     def _row(share: Share, viewer: Client) -> dict[str, Any]:
         importers = sorted(c.pid for c in share.importers.values())
+        remote = sorted(f"{c.server:#x}:{c.pid}" for c in share.importers.values() if c.server is not None)
         return {
             "handle": f"{share.handle:#018x}" if viewer.uid in (share.exporter.uid, 0) else "(hidden)",
             "share_type": "fabric" if share.share_type == FABRIC else "default",
@@ -378,4 +428,10 @@ class Ledger:
             "trustlist": sorted(share.trust),
             "importers": importers[:LIST_IMPORTERS],
             "importer_count": len(importers),
+            "remote_importers": remote[:LIST_IMPORTERS],
+            "remote_trustlist": [f"{s:#x}:{p}" for s, p in sorted(share.remote_trust)],
         }
+
+
+def _of_server(client: Client) -> str:
+    return "" if client.server is None else f" of server {client.server:#x}"

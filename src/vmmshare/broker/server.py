@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import constants as C
 from .. import protocol as P
 from ..config import Config
+from ..fabric.agent import Agent, FabricSetupError, endpoint_of
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from .identity import identity_of_pid, identity_of_pidfd
 from .ledger import Client, Ledger
@@ -58,10 +59,11 @@ class Broker:
         self.idle = idle
         self.multi_user = multi_user
         self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=os.close,
-                             memfd_size=memfd_size, broker_pid=os.getpid())
+                             memfd_size=memfd_size, broker_pid=os.getpid(), endpoint=endpoint_of(config))
         self.conns: dict[int, Conn] = {}
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
+        self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
         self.idle_since = time.monotonic()
         self.stopping = False
         self.uid = os.getuid()
@@ -81,6 +83,7 @@ class Broker:
                 log.warning("%s is writable by others without the sticky bit: they could replace the socket", folder)
         if _answers(self.path):
             raise RuntimeError(f"a broker already serves {self.path}")
+        self.fabric.start()
         tmp = folder / f".broker.{os.getpid()}.sock"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -109,16 +112,22 @@ class Broker:
             timeout = None
             if self.idle is not None and not self.conns and not self.ledger.holds:
                 timeout = max(0.0, self.idle_since + self.idle - time.monotonic())
+            fabric_wait = self.fabric.wait_time()
+            if fabric_wait is not None:
+                timeout = fabric_wait if timeout is None else min(timeout, fabric_wait)
             events = self.sel.select(timeout)
+            self.fabric.tick()
             while events:
-                for key, _ in events:
+                for key, mask in events:
                     try:
                         if key.data is _WAKE:
                             _drain(key.fileobj)  # type: ignore[arg-type]
                         elif key.data is None:
                             self._accept()
-                        else:
+                        elif isinstance(key.data, Conn):
                             self._readable(key.data)
+                        else:
+                            key.data(mask)  # a socket of the fabric agent
                     except Exception:  # nothing one client does may take the node's broker down
                         log.exception("unexpected error in the broker loop")
                         if isinstance(key.data, Conn):
@@ -175,6 +184,7 @@ class Broker:
             os.close(lock)
 
     def close(self) -> None:
+        self.fabric.close()
         if self.listener is not None:
             with contextlib.suppress(OSError):
                 if self.path.stat().st_ino == self.inode:
@@ -233,7 +243,13 @@ class Broker:
             if truncated:
                 raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
             req, request = decode(data, len(fds))
-            answer, fd = self.ledger.handle(conn.client, request, fds.pop() if fds else -1)  # the fd is its now
+            if isinstance(request, P.RemoteImport):  # the fabric agent answers now, or later when the peer does
+                later = self.fabric.local(conn.client, request, lambda m: self._answer_later(conn, req, m))
+                if later is None:
+                    return
+                answer, fd = later, -1
+            else:
+                answer, fd = self.ledger.handle(conn.client, request, fds.pop() if fds else -1)  # the fd is its now
             reply, reply_fds = encode(answer, req), (fd,) if fd >= 0 else ()
         except ProtocolError as exc:
             log.info("protocol error from pid %d: %s", pid, exc)
@@ -247,6 +263,15 @@ class Broker:
             close_fds(fds)
         try:
             send_packet(conn.sock, reply, reply_fds)
+        except OSError:
+            self._drop(conn)
+
+    def _answer_later(self, conn: Conn, req: int, message: P.Message) -> None:
+        """A reply the fabric agent had to wait for, to a client still connected."""
+        if self.conns.get(conn.sock.fileno()) is not conn:
+            return
+        try:
+            send_packet(conn.sock, encode(message, req))
         except OSError:
             self._drop(conn)
 
@@ -313,6 +338,10 @@ def run(path: Path | None = None, idle: float | None = None, multi_user: bool = 
     signal.signal(signal.SIGINT, broker.stop)
     try:
         broker.bind()
+    except FabricSetupError as exc:
+        log.error("cannot serve %s: %s", broker.path, exc)
+        broker.close()
+        return 2
     except (OSError, RuntimeError) as exc:
         log.error("cannot serve %s: %s", broker.path, exc)
         return 1 if not isinstance(exc, OSError) or exc.errno != errno.EADDRINUSE else 2

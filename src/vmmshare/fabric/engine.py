@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -48,7 +49,8 @@ def load(timeout: float) -> ModuleType:
         os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(max(1, math.ceil(timeout)))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(CALL_DEADLINE_S))
         try:
-            import mooncake.engine as module
+            with _quiet_stderr():  # the engine's logging announces itself on import: nothing a user can act on
+                import mooncake.engine as module
         except (ImportError, OSError) as exc:
             raise FeatureNotSupportedError(
                 f"the cross-server transport needs the transfer engine, which cannot be loaded ({exc}): {INSTALL_HINT}"
@@ -77,7 +79,8 @@ class Engine:
         self.address, self.protocol, self.timeout = address, protocol, timeout
         before = set(_socket_fds())
         self._engine: Any = module.TransferEngine()
-        rc = self._engine.initialize(address, "P2PHANDSHAKE", protocol, "")
+        with _quiet_stderr():  # "Local segment descriptor not found", always, and harmless
+            rc = self._engine.initialize(address, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
             raise IpcError(f"the transfer engine would not start on {address} over {protocol} (code {rc}); its "
                            "reason is in this process's log")
@@ -159,6 +162,24 @@ class Engine:
         """Stop the engine (its threads and ports go)."""
         engine, self._engine = self._engine, None
         del engine
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null for a moment (the engine writes to it below Python)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 # ---------------------------------------------------------------- one engine per process

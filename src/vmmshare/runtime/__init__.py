@@ -19,6 +19,7 @@ from typing import Any
 from ..backends.base import Backend
 from ..backends.cuda import CudaBackend
 from ..backends.host import HostBackend
+from ..backends.remote import RemoteBackend
 from ..config import Config
 from ..errors import AclError
 from ..node import Node
@@ -48,6 +49,7 @@ class Runtime:
     def _fresh(self) -> None:
         """Empty tables and a fresh lock: at start, and in a forked child, which must not use the parent's."""
         self.lock = threading.RLock()
+        self.remote = RemoteBackend(lambda: self.node.transfers())  # other servers' memory (its engine: on first use)
         self.devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu)
         self.memory = Vmm(self)
         self.blocks = Blocks(self)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from .. import constants as C
 from ..backends import host
 from ..backends.base import MemoryKind
-from ..errors import InvalidParamError, MemoryAllocationError
+from ..backends.remote import BOUNCE, NO_CPU_ACCESS
+from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError
 from ..intervals import Intervals
 from .tables import MappingEntry
 
@@ -87,6 +88,8 @@ class Copies:
             mover = self._copy_sides(dst, src, count, kind)
             if mover is None:
                 self.rt.host.copy(dst, src, count, 0)
+            elif mover.alloc.backend.kind is MemoryKind.REMOTE:
+                self._remote_copy(dst, src, count)
             else:
                 mover.alloc.backend.copy(dst, src, count, mover.alloc.device)
 
@@ -102,8 +105,33 @@ class Copies:
                 f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
                 f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
             )
-        # whichever side is not plain host memory decides who copies (a GPU, or the CPU)
-        return next((m for m in (to, of) if m is not None and m.alloc.backend.kind is not MemoryKind.HOST), None)
+        # whichever side is not plain host memory decides who copies: the transfer engine for memory of another
+        # server, a GPU, or the CPU
+        sides = [m for m in (to, of) if m is not None and m.alloc.backend.kind is not MemoryKind.HOST]
+        return next((m for m in sides if m.alloc.backend.kind is MemoryKind.REMOTE), sides[0] if sides else None)
+
+    def _remote_copy(self, dst: int, src: int, count: int) -> None:
+        """A copy with memory of another server on one side or both: the engine moves the bytes to and from memory
+        the CPU can address; GPU memory on the other side goes through a host bounce buffer."""
+        remote = self.rt.remote
+        gpu = next((m for m in (self.rt.memory.mappings.at(dst), self.rt.memory.mappings.at(src))
+                    if m is not None and m[2].alloc.backend.kind is MemoryKind.GPU), None)
+        if gpu is None:
+            remote.copy(dst, src, count, 0)
+            return
+        backend, device, to_gpu = gpu[2].alloc.backend, gpu[2].alloc.device, gpu[0] <= dst < gpu[1]
+        bounce = host.map_anonymous(min(count, BOUNCE))
+        try:
+            for done in range(0, count, BOUNCE):
+                n = min(BOUNCE, count - done)
+                if to_gpu:
+                    remote.copy(bounce, src + done, n, 0)
+                    backend.copy(dst + done, bounce, n, device)
+                else:
+                    backend.copy(bounce, src + done, n, device)
+                    remote.copy(dst + done, bounce, n, 0)
+        finally:
+            host.unmap(bounce, min(count, BOUNCE))
 
     def memset(self, ptr: int, max_count: int, value: int, count: int) -> None:
         if count > max_count:
@@ -142,6 +170,8 @@ class Copies:
         """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot)."""
         with self.rt.lock:
             m = self._classify(ptr, size, False, "ptr")
+            if m is not None and m.alloc.backend.kind is MemoryKind.REMOTE:
+                raise FeatureNotSupportedError(f"{ptr:#x} cannot be viewed by the CPU: {NO_CPU_ACCESS}")
             if m is not None and m.alloc.backend.kind is not MemoryKind.HOST:
                 raise InvalidParamError(f"{ptr:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
 

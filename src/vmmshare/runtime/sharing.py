@@ -66,18 +66,13 @@ class Sharing:
         return self.rt.memory.register(self.import_alloc(shareable, device))
 
     def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:
-        """The allocation behind a handle another process exported, as memory of `device` (not yet registered)."""
+        """The allocation behind a handle another process exported, as memory of `device` (not yet registered):
+        of this node through its broker, or of another server through the cross-server transport (SPEC §8)."""
         rt = self.rt
         rt.devices.device_id(device)
-        value, secret = shareable.value, b""
-        if shareable.fabric is not None:
-            if shareable.fabric.server_id != rt.config.server_id:
-                raise FeatureNotSupportedError(
-                    f"this FABRIC handle comes from server {shareable.fabric.server_id:#x}, not this one "
-                    f"({rt.config.server_id:#x}); importing across servers needs the cross-server transport, "
-                    "which is not configured"
-                )
-            secret = shareable.fabric.secret
+        fabric = shareable.fabric
+        remote = fabric is not None and fabric.server_id != rt.config.server_id
+        value = shareable.value
         with rt.lock:
             if value in self.imports:
                 raise InvalidParamError(
@@ -87,27 +82,41 @@ class Sharing:
                 raise InvalidParamError("this process exported the handle; use its own handle instead of importing")
             self.imports[value] = _PENDING
         try:
-            got = rt.node.import_handle(value, shareable.share_type, secret)
+            alloc = self._import_remote(shareable, device, owner) if remote else self._import_here(
+                shareable, device, owner)
         except BaseException:
             with rt.lock:
                 self.imports.pop(value, None)
             raise
-        location = got.prop.location
-        if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
-            location = Location(location.type, device)
-        prop = PhysicalProp(got.prop.handle_type, got.prop.allocation_type, got.prop.mem_attr, location)
+        with rt.lock:
+            self.imports[value] = alloc
+        return alloc
+
+    def _import_here(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
+        rt = self.rt
+        secret = shareable.fabric.secret if shareable.fabric is not None else b""
+        got = rt.node.import_handle(shareable.value, shareable.share_type, secret)
+        prop = _on_device(got.prop, device)
         backend = rt.device_backend if got.gpu else rt.host
         try:
             mem = self._adopt(got, device)
         except BaseException:
-            with rt.lock:
-                self.imports.pop(value, None)
             rt.safe_node_call(rt.node.release, got.node_ref)
             raise
-        alloc = Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=value, owner=owner)
-        with rt.lock:
-            self.imports[value] = alloc
-        return alloc
+        return Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=shareable.value, owner=owner)
+
+    def _import_remote(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
+        """Another server's memory: its broker serves it to this process's transfer engine, one-sided."""
+        rt = self.rt
+        got = rt.node.import_remote(shareable.raw)
+        try:
+            rt.remote.engine()  # made now, so the first copy does not wait for it
+            mem = rt.remote.adopt_remote(got.segment, got.address, got.size)
+        except BaseException:
+            rt.safe_node_call(rt.node.release, got.node_ref)
+            raise
+        return Allocation(0, mem, rt.remote, _on_device(got.prop, device), got.size, got.node_ref,
+                          imported_from=shareable.value, owner=owner)
 
     def _adopt(self, got: Imported, device: int) -> Memory:
         if not got.gpu:
@@ -136,3 +145,11 @@ class Sharing:
 
     def bare_tgid(self) -> int:
         return self.rt.node.bare_tgid()
+
+
+def _on_device(prop: PhysicalProp, device: int) -> PhysicalProp:
+    """The exporter's properties, with device memory placed on the importer's `device`."""
+    location = prop.location
+    if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+        location = Location(location.type, device)
+    return PhysicalProp(prop.handle_type, prop.allocation_type, prop.mem_attr, location)

@@ -243,7 +243,7 @@ class Vmm:
                 raise InvalidParamError(f"ptr {ptr:#x} must be aligned to the allocation's granularity {g}")
             if self.mappings.overlaps(ptr, size):
                 raise InvalidParamError(f"[{ptr:#x}, {ptr + size:#x}) overlaps an existing mapping: unmap_mem it first")
-            if alloc.backend is not r.backend:
+            if alloc.backend is not r.backend and alloc.backend.kind is not MemoryKind.REMOTE:
                 what, where = _space(alloc.backend), _space(r.backend)
                 raise FeatureNotSupportedError(
                     f"{what} memory cannot be mapped into a {where} reservation: reserve the range for the "
@@ -320,7 +320,7 @@ class Vmm:
 
 
 def _space(backend: Backend) -> str:
-    return "GPU" if backend.kind is MemoryKind.GPU else "host"
+    return {MemoryKind.GPU: "GPU", MemoryKind.REMOTE: "remote"}.get(backend.kind, "host")
 
 
 def _owned_by(owner: str) -> str:

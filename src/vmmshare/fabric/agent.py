@@ -1,0 +1,489 @@
+"""The broker's fabric side (SPEC §8), driven by the broker's event loop: no threads but the engine's own.
+
+Importing: a client's RemoteImport is forwarded to the exporting node's broker over a link (one per peer, made on
+demand, the cluster key proved first); the reply reaches the client when it comes, without holding up the loop.
+The importing broker keeps a local hold for each remote import (ledger.adopt_remote): when the client frees the
+memory or dies, the hold goes and the remote hold is released on the link.
+
+Exporting: a remote import is an import like any other, by the same ledger code (rules 11-14), for a `Client`
+record of the importer's server and pid as its own broker reported them. While an export has remote importers,
+this broker maps its memfd and registers the mapping with its transfer engine, which serves the importers'
+one-sided reads and writes; the last remote hold's release unregisters it (the mapping goes a fabric timeout
+later, when no transfer of an importer that died can still be landing).
+
+Remote holds are tied to the link they came on. Heartbeats keep it; a link that dies leaves its holds for a lease
+of LEASE_FACTOR fabric timeouts, within which the importing broker reconnects and adopts them again; what is not
+adopted by then is released, so nothing stays behind a server that went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import selectors
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import constants as C
+from .. import protocol as P
+from ..backends import host
+from ..broker.ledger import KIND_HOST, ChargedMemory, Client, Ledger, LedgerError
+from ..config import Config
+from ..errors import AclError
+from ..handles import Endpoint, decode_fabric
+from . import peer_protocol as F
+from .engine import Engine, missing
+from .link import Link, State, dial
+
+log = logging.getLogger("vmmshare.fabric")
+LEASE_FACTOR = 4  # a dead link's remote holds wait this many fabric timeouts to be adopted on a new link
+HEARTBEAT_FACTOR = 0.5  # a link with remote holds sends a heartbeat after this many fabric timeouts of quiet
+SILENCE_FACTOR = 3  # an accepted link heard nothing from for this many fabric timeouts is closed
+MAX_LINKS = 256  # accepted links at once
+MAX_HANDSHAKES = 32  # accepted links that have not proved the key yet, at once
+MIN_KEY, MAX_KEY = 32, 4096
+FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
+Endpoint_ = tuple[str, int]
+Answer = Callable[[P.Message], None]
+
+
+class FabricSetupError(RuntimeError):
+    """The fabric is on but cannot start (key file, address, engine); the message says what to fix."""
+
+
+def endpoint_of(config: Config) -> Endpoint:
+    """Where other servers reach this node: written into its FABRIC handles (zero when the fabric is off)."""
+    if config.fabric == "off" or not config.fabric_addr:
+        return Endpoint()
+    return Endpoint(6 if ":" in config.fabric_addr else 4, config.fabric_addr, config.fabric_port)
+
+
+def read_cluster_key(path: Path | None) -> bytes:
+    """The cluster key: a regular file of the broker's own user, readable by nobody else, of 32 bytes or more."""
+    if path is None:
+        raise FabricSetupError("VMMSHARE_CLUSTER_KEY_FILE is not set: name a file holding the cluster's shared "
+                               "secret (32 or more random bytes, mode 0600)")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise FabricSetupError(f"cannot read the cluster key file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FabricSetupError(f"the cluster key file {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise FabricSetupError(f"the cluster key file {path} belongs to uid {st.st_uid}, not to this broker's "
+                                   f"user ({os.geteuid()}): chown it")
+        if st.st_mode & 0o077:
+            raise FabricSetupError(f"the cluster key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others "
+                                   f"could read the key; chmod 600 {path}")
+        key = os.read(fd, MAX_KEY + 1)
+    finally:
+        os.close(fd)
+    if not MIN_KEY <= len(key) <= MAX_KEY:
+        raise FabricSetupError(f"the cluster key file {path} holds {len(key)} bytes: it takes {MIN_KEY} to {MAX_KEY} "
+                               f"random bytes (head -c 48 /dev/urandom > {path})")
+    return key
+
+
+@dataclass(eq=False)
+class Served:
+    """An export this node's engine serves to other servers: its mapping in this broker, and its remote holds."""
+
+    address: int
+    size: int
+    holds: int = 0
+
+
+@dataclass(eq=False)
+class RemoteHold:
+    """A remote importer's hold on an export of this node, and the link that keeps it (None: leased)."""
+
+    client: Client
+    server: int
+    memory: ChargedMemory
+    link: Link | None
+    expires: float = 0.0
+
+
+class Agent:
+    """The broker's fabric side; with the fabric off it only answers remote imports with what to configure."""
+
+    def __init__(self, config: Config, ledger: Ledger, sel: selectors.BaseSelector) -> None:
+        self.config, self.ledger, self.sel = config, ledger, sel
+        self.enabled = config.fabric != "off"
+        self.server_id, self.timeout = config.server_id, config.fabric_timeout
+        self.endpoint = endpoint_of(config)
+        self.key = b""
+        self.listener: socket.socket | None = None
+        self.engine: Engine | None = None
+        # importing side
+        self.links: dict[Endpoint_, Link] = {}
+        self.held: dict[Endpoint_, set[int]] = {}  # remote holds this node's clients have, by exporting broker
+        self.reconnect_at: dict[Endpoint_, float] = {}
+        # exporting side
+        self.accepted: set[Link] = set()
+        self.remote_clients: dict[tuple[int, int, int, int], Client] = {}  # (server, pid, uid, tag) -> record
+        self.client_keys: dict[Client, tuple[int, int, int, int]] = {}
+        self.remote_holds: dict[int, RemoteHold] = {}
+        self.served: dict[ChargedMemory, Served] = {}
+        self.unmaps: list[tuple[float, int, int]] = []  # (when, address, size) of mappings no longer served
+
+    # ------------------------------------------------------------ life
+
+    def start(self) -> None:
+        """Read the key and listen on VMMSHARE_FABRIC_ADDR:VMMSHARE_FABRIC_PORT (FabricSetupError if it cannot)."""
+        if not self.enabled:
+            return
+        problem = missing()
+        if problem:
+            raise FabricSetupError(f"VMMSHARE_FABRIC={self.config.fabric}, but {problem}")
+        if not self.config.fabric_addr:
+            raise FabricSetupError("VMMSHARE_FABRIC is on but VMMSHARE_FABRIC_ADDR is not set: give this node's "
+                                   "address on the fabric network")
+        self.key = read_cluster_key(self.config.cluster_key_file)
+        addr, port = self.endpoint.address, self.endpoint.port
+        family = socket.AF_INET6 if self.endpoint.family == 6 else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise FabricSetupError(f"cannot listen for other brokers on {addr}:{port}: {exc.strerror} (check "
+                                   "VMMSHARE_FABRIC_ADDR and VMMSHARE_FABRIC_PORT)") from None
+        self.listener = sock
+        self.sel.register(sock, selectors.EVENT_READ, self._accept)
+        log.info("fabric: server %#x listening for other brokers on %s:%d over %s", self.server_id, addr, port,
+                 self.config.fabric)
+
+    def close(self) -> None:
+        """Stop: links closed, every served export unregistered and unmapped, the engine stopped."""
+        if self.listener is not None:
+            self.sel.unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+        for link in [*self.links.values(), *self.accepted]:
+            link.close("this broker is stopping")
+        for memory in list(self.served):
+            self._unserve(memory, grace=False)
+        for _, address, size in self.unmaps:
+            with contextlib.suppress(OSError):
+                host.unmap(address, size)
+        self.unmaps.clear()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # ------------------------------------------------------------ the event loop's side
+
+    def wait_time(self) -> float | None:
+        """Seconds until the agent has something to do (None: nothing scheduled)."""
+        now = time.monotonic()
+        times: list[float] = []
+        for link in [*self.links.values(), *self.accepted]:
+            deadline = link.next_deadline()
+            if deadline is not None:
+                times.append(deadline)
+            if not link.outbound:
+                times.append(link.last_heard + SILENCE_FACTOR * self.timeout)
+        for endpoint, link in self.links.items():
+            if link.state is State.READY and self.held.get(endpoint):
+                times.append(link.last_sent + HEARTBEAT_FACTOR * self.timeout)
+        times += self.reconnect_at.values()
+        times += [h.expires for h in self.remote_holds.values() if h.link is None]
+        times += [when for when, _, _ in self.unmaps]
+        return max(0.0, min(times) - now) if times else None
+
+    def tick(self) -> None:
+        """Do what is due: timeouts, heartbeats, silent links, reconnections, expired leases, old mappings."""
+        now = time.monotonic()
+        for link in [*self.links.values(), *self.accepted]:
+            link.check(now)
+            if not link.outbound and now - link.last_heard >= SILENCE_FACTOR * self.timeout:
+                link.close(f"silent for {SILENCE_FACTOR * self.timeout:g} s")
+        for endpoint, link in list(self.links.items()):
+            quiet = now - link.last_sent >= HEARTBEAT_FACTOR * self.timeout
+            if link.state is State.READY and self.held.get(endpoint) and quiet:
+                link.request(F.Heartbeat(), _ignore)
+        for endpoint, when in list(self.reconnect_at.items()):
+            if when <= now:
+                del self.reconnect_at[endpoint]
+                if self.held.get(endpoint):
+                    self._link(endpoint, quiet=True)
+        for hold, rh in list(self.remote_holds.items()):
+            if rh.link is None and rh.expires <= now:
+                log.info("fabric: remote hold of pid %d of server %#x not adopted within its lease: released",
+                         rh.client.pid, rh.server)
+                self._drop_remote(hold)
+        while self.unmaps and min(self.unmaps)[0] <= now:
+            self.unmaps.sort()
+            _, address, size = self.unmaps.pop(0)
+            with contextlib.suppress(OSError):
+                host.unmap(address, size)
+
+    # ------------------------------------------------------------ this node's clients
+
+    def local(self, client: Client, request: P.Message, answer: Answer) -> P.Message | None:
+        """Serve a client's fabric request: the reply now, or None when `answer` will get it later."""
+        if isinstance(request, P.RemoteImport):
+            return self._remote_import(client, request, answer)
+        return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"{request.TYPE.name} is not a fabric request")
+
+    def _remote_import(self, client: Client, m: P.RemoteImport, answer: Answer) -> P.Message | None:
+        try:
+            handle = decode_fabric(m.handle)
+        except AclError as exc:
+            return P.Error(exc.code, exc.message)
+        if not self.enabled:
+            return P.Error(C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, (
+                f"this FABRIC handle comes from server {handle.server_id:#x}; importing across servers needs the "
+                "cross-server transport, which is off on this node: start its broker with VMMSHARE_FABRIC=tcp, "
+                "VMMSHARE_FABRIC_ADDR and VMMSHARE_CLUSTER_KEY_FILE set (an auto-started broker takes them from the "
+                "environment of the process that starts it)"))
+        ep = handle.endpoint
+        if ep.family == 0:
+            return P.Error(C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, (
+                f"this FABRIC handle of server {handle.server_id:#x} carries no fabric endpoint: that server's broker "
+                "runs without the cross-server transport (set VMMSHARE_FABRIC, VMMSHARE_FABRIC_ADDR and "
+                "VMMSHARE_CLUSTER_KEY_FILE there, then export again)"))
+        endpoint = (ep.address, ep.port)
+        if ep == self.endpoint:
+            return P.Error(C.ACL_ERROR_RT_PARAM_INVALID, (
+                f"this FABRIC handle was exported on this node (server id {handle.server_id:#x} in the handle, "
+                f"{self.server_id:#x} here): import it in a process whose VMMSHARE_SERVER_ID matches its broker's"))
+        try:
+            link = self._link(endpoint)
+        except OSError as exc:
+            return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"cannot reach the broker of server {handle.server_id:#x} at "
+                                                     f"{ep.address}:{ep.port}: {exc.strerror}")
+        tag = client.identity[1] or client.identity[0] or 0
+        request = F.Import(handle.handle, FABRIC, handle.secret, self.server_id, client.pid, client.uid, tag)
+
+        def imported(reply: F.PeerMessage) -> None:
+            answer(self._imported(client, endpoint, handle.size, reply))
+
+        link.request(request, imported)
+        return None
+
+    def _imported(self, client: Client, endpoint: Endpoint_, size: int, reply: F.PeerMessage) -> P.Message:
+        if isinstance(reply, F.Error):
+            return P.Error(reply.code, reply.message)
+        if not isinstance(reply, F.Imported):
+            return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"the exporting broker answered {reply.KIND.name} to an import")
+        self.held.setdefault(endpoint, set()).add(reply.hold)
+        if reply.size != size or reply.address == 0 or ":" not in reply.segment:
+            self._release_remote(endpoint, reply.hold)
+            return P.Error(C.ACL_ERROR_RT_IPC_ERROR, (
+                f"the exporting broker at {endpoint[0]}:{endpoint[1]} answered with a size ({reply.size}), address or "
+                f"segment ({reply.segment!r}) that does not match the handle ({size} bytes): refused"))
+        if client not in self.ledger.clients:  # it left while we waited
+            self._release_remote(endpoint, reply.hold)
+            return P.Error(C.ACL_ERROR_RT_IPC_ERROR, "the importer left")
+        hold = self.ledger.adopt_remote(client, reply.size, lambda: self._release_remote(endpoint, reply.hold))
+        return P.RemoteImported(hold, reply.size, reply.memory_kind, reply.handle_type, reply.allocation_type,
+                                reply.mem_attr, reply.location_type, reply.location_id, reply.address, reply.segment)
+
+    def _release_remote(self, endpoint: Endpoint_, hold: int) -> None:
+        """This node's client is done with a remote hold: tell the exporting broker (if the link is down, the hold
+        is not adopted again and the exporter releases it when its lease ends)."""
+        self.held.get(endpoint, set()).discard(hold)
+        link = self.links.get(endpoint)
+        if link is not None:
+            link.request(F.Release(hold), _ignore)
+
+    def _link(self, endpoint: Endpoint_, quiet: bool = False) -> Link:
+        link = self.links.get(endpoint)
+        if link is not None and link.state is not State.CLOSED:
+            return link
+        try:
+            sock = dial(*endpoint)
+        except OSError:
+            if quiet:
+                self._retry_later(endpoint)
+            raise
+        link = Link(sock, self.sel, self.key, self.server_id, self.timeout, True, endpoint,
+                    on_ready=self._outbound_ready, on_request=_no_requests, on_closed=self._outbound_closed)
+        self.links[endpoint] = link
+        return link
+
+    def _outbound_ready(self, link: Link) -> None:
+        """A new link to an exporting broker: adopt there the remote holds made on the link before it."""
+        for hold in sorted(self.held.get(link.endpoint, ())):
+            link.request(F.Adopt(hold), _adopted(link, hold))
+
+    def _outbound_closed(self, link: Link) -> None:
+        if self.links.get(link.endpoint) is link:
+            del self.links[link.endpoint]
+        if self.held.get(link.endpoint):
+            self._retry_later(link.endpoint)
+
+    def _retry_later(self, endpoint: Endpoint_) -> None:
+        self.reconnect_at[endpoint] = time.monotonic() + max(0.2, HEARTBEAT_FACTOR * self.timeout)
+
+    # ------------------------------------------------------------ other brokers
+
+    def _accept(self, mask: int) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("fabric: cannot accept another broker: %s", exc.strerror)
+                return
+            handshaking = sum(1 for link in self.accepted if link.state is not State.READY)
+            if len(self.accepted) >= MAX_LINKS or handshaking >= MAX_HANDSHAKES:
+                log.warning("fabric: refused a connection from %s: too many links", peer[0])
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.set_inheritable(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
+                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed)
+            self.accepted.add(link)
+
+    def _inbound_ready(self, link: Link) -> None:
+        """An importing broker proved the key; an older link of the same server is stale now (it reconnected)."""
+        for old in [o for o in self.accepted if o is not link and o.peer_id == link.peer_id]:
+            old.close("the same server connected again")
+
+    def _inbound_closed(self, link: Link) -> None:
+        self.accepted.discard(link)
+        expires = time.monotonic() + LEASE_FACTOR * self.timeout
+        for rh in self.remote_holds.values():
+            if rh.link is link:
+                rh.link, rh.expires = None, expires
+
+    def _request(self, link: Link, req: int, m: F.PeerMessage) -> None:
+        assert link.peer_id is not None
+        if isinstance(m, F.Import):
+            reply = self._import_for(link, link.peer_id, m)
+        elif isinstance(m, F.Release):
+            reply = self._release_for(link.peer_id, m.hold)
+        elif isinstance(m, F.Adopt):
+            reply = self._adopt_for(link, link.peer_id, m.hold)
+        else:  # a heartbeat
+            reply = F.Ok()
+        link.send(reply, req)
+
+    def _import_for(self, link: Link, server: int, m: F.Import) -> F.PeerMessage:
+        if m.server_id != server:
+            return F.Error(C.ACL_ERROR_RT_NO_PERMISSION, f"server {server:#x} asked on behalf of server "
+                                                         f"{m.server_id:#x}: a broker imports for its own processes")
+        if m.share_type != FABRIC:
+            return F.Error(C.ACL_ERROR_RT_PARAM_INVALID, "only FABRIC handles import across servers")
+        key = (server, m.pid, m.uid, m.tag)
+        client = self.remote_clients.get(key)
+        if client is None:
+            client = self.remote_clients[key] = self.ledger.connect(m.pid, m.uid, (None, None), server=server)
+            self.client_keys[client] = key
+        try:
+            hold, share = self.ledger.admit(client, m.shareable, m.share_type, m.secret)
+        except LedgerError as exc:
+            self._forget_if_idle(client)
+            return F.Error(exc.code, exc.message)
+        memory = share.memory
+        try:
+            if memory.kind != KIND_HOST:
+                raise AclError("this export is GPU memory, which this node's transfer engine cannot serve to other "
+                               "servers: share host or device memory of the host backend across servers",
+                               C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+            served = self._serve(memory, share.fd)
+        except (AclError, OSError) as exc:
+            self.ledger.release(client, hold)
+            self._forget_if_idle(client)
+            code = exc.code if isinstance(exc, AclError) else C.ACL_ERROR_RT_INTERNAL_ERROR
+            return F.Error(code, exc.message if isinstance(exc, AclError) else f"cannot serve the memory: {exc}")
+        self.remote_holds[hold] = RemoteHold(client, server, memory, link)
+        assert self.engine is not None
+        log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
+        return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.engine.segment)
+
+    def _release_for(self, server: int, hold: int) -> F.PeerMessage:
+        rh = self.remote_holds.get(hold)
+        if rh is None or rh.server != server:
+            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"no remote hold {hold:#x} of server {server:#x} here")
+        self._drop_remote(hold)
+        return F.Ok()
+
+    def _adopt_for(self, link: Link, server: int, hold: int) -> F.PeerMessage:
+        rh = self.remote_holds.get(hold)
+        if rh is None or rh.server != server:
+            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"remote hold {hold:#x} of server {server:#x} is gone "
+                                                          "(released, or its lease ran out)")
+        rh.link, rh.expires = link, 0.0
+        return F.Ok()
+
+    def _drop_remote(self, hold: int) -> None:
+        rh = self.remote_holds.pop(hold)
+        with contextlib.suppress(LedgerError):
+            self.ledger.release(rh.client, hold)
+        served = self.served.get(rh.memory)
+        if served is not None:
+            served.holds -= 1
+            if served.holds == 0:
+                self._unserve(rh.memory, grace=True)
+        self._forget_if_idle(rh.client)
+
+    def _forget_if_idle(self, client: Client) -> None:
+        if not client.holds:
+            self.ledger.disconnect(client)
+            key = self.client_keys.pop(client, None)
+            if key is not None:
+                self.remote_clients.pop(key, None)
+
+    # ------------------------------------------------------------ serving memory
+
+    def _serve(self, memory: ChargedMemory, fd: int) -> Served:
+        served = self.served.get(memory)
+        if served is None:
+            if self.engine is None:
+                self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
+            address = host.map_file(fd, memory.size)
+            try:
+                self.engine.register(address, memory.size)
+            except BaseException:
+                host.unmap(address, memory.size)
+                raise
+            served = self.served[memory] = Served(address, memory.size)
+            log.debug("fabric: serving %d bytes at %#x", memory.size, address)
+        served.holds += 1
+        return served
+
+    def _unserve(self, memory: ChargedMemory, grace: bool) -> None:
+        served = self.served.pop(memory)
+        if self.engine is not None:
+            self.engine.unregister(served.address)
+        if grace:
+            self.unmaps.append((time.monotonic() + self.timeout, served.address, served.size))
+        else:
+            with contextlib.suppress(OSError):
+                host.unmap(served.address, served.size)
+
+
+def _ignore(reply: F.PeerMessage) -> None:
+    if isinstance(reply, F.Error):
+        log.debug("fabric: %s", reply.message)
+
+
+def _adopted(link: Link, hold: int) -> Callable[[F.PeerMessage], None]:
+    def done(reply: F.PeerMessage) -> None:
+        if isinstance(reply, F.Error):
+            log.warning("fabric: %s could not keep remote hold %#x: %s", link.name, hold, reply.message)
+
+    return done
+
+
+def _no_requests(link: Link, req: int, m: F.PeerMessage) -> None:
+    raise F.PeerProtocolError(f"{m.KIND.name} sent to the broker that connected: it only answers")

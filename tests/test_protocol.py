@@ -145,7 +145,7 @@ def test_message_numbers_are_stable() -> None:
     assert {m.name: int(m) for m in Msg} == {
         "CHARGE": 1, "RELEASE": 2, "MEM_INFO": 3, "EXPORT": 4, "REVOKE": 5, "SET_PIDS": 6, "IMPORT": 7,
         "BARE_TGID": 8, "LIST": 9, "CHARGE_GPU": 10, "OK": 64, "ERROR": 65, "TOKEN": 66, "MEM": 67, "EXPORTED": 68,
-        "IMPORTED": 69, "PID": 70, "LISTING": 71,
+        "IMPORTED": 69, "PID": 70, "LISTING": 71, "REMOTE_IMPORT": 11, "SET_REMOTE_PIDS": 12, "REMOTE_IMPORTED": 72,
     }
     assert set(LAYOUTS) == set(Msg)
     assert all(layout.message.TYPE is kind for kind, layout in LAYOUTS.items())

@@ -60,6 +60,11 @@ CASES = [
      "5642 01 09 0f000000 04000000  c8000000"),
     ("charge_gpu", 16, P.ChargeGpu(device=3, size=0x100000000), 0,
      "5642 01 0a 10000000 0c000000  03000000 0000000001000000"),
+    ("remote_import", 25, P.RemoteImport(handle=b"VMMF" + bytes(124)), 0,
+     "5642 01 0b 19000000 80000000  " + FABRIC_HEX),
+    ("set_remote_pids", 26, P.SetRemotePids(shareable=0x0102030405060708, share_type=2, server=0x0A0B0C0D,
+                                            pids=(7, 0x7FFFFFFF)), 0,
+     "5642 01 0c 1a000000 15000000  0807060504030201 02 0d0c0b0a  07000000 ffffff7f"),
     # ------------------------------------------------------------ replies
     ("ok", 17, P.Ok(), 0,
      "5642 01 40 11000000 00000000"),
@@ -84,6 +89,12 @@ CASES = [
      "5642 01 46 17000000 04000000  92100000"),
     ("listing", 24, P.Listing(page='{"next": null}'), 0,
      "5642 01 47 18000000 0e000000  7b226e657874223a206e756c6c7d"),
+    ("remote_imported", 27,
+     P.RemoteImported(hold=0x0102030405060708, size=0x200000, memory_kind=0, handle_type=0, allocation_type=0,
+                      mem_attr=5, location_type=1, location_id=0, address=0x00007F1122334000,
+                      segment="10.77.0.1:15001"), 0,
+     "5642 01 48 1b000000 30000000  0807060504030201 0000200000000000 00  00 00 05 01 00000000 0040332211 7f0000"
+     "  31302e37372e302e313a3135303031"),
 ]
 
 IDS = [c[0] for c in CASES]

@@ -417,7 +417,7 @@ class Ledger:
     def _row(share: Share, viewer: Client) -> dict[str, Any]:
         importers = sorted(c.pid for c in share.importers.values())
         remote = sorted(f"{c.server:#x}:{c.pid}" for c in share.importers.values() if c.server is not None)
-        return {
+        row: dict[str, Any] = {
             "handle": f"{share.handle:#018x}" if viewer.uid in (share.exporter.uid, 0) else "(hidden)",
             "share_type": "fabric" if share.share_type == FABRIC else "default",
             "device": share.memory.device,
@@ -428,9 +428,11 @@ class Ledger:
             "trustlist": sorted(share.trust),
             "importers": importers[:LIST_IMPORTERS],
             "importer_count": len(importers),
-            "remote_importers": remote[:LIST_IMPORTERS],
-            "remote_trustlist": [f"{s:#x}:{p}" for s, p in sorted(share.remote_trust)],
         }
+        if remote or share.remote_trust:  # processes of other servers (SPEC §8), as "<server id>:<pid>"
+            row["remote_importers"] = remote[:LIST_IMPORTERS]
+            row["remote_trustlist"] = [f"{s:#x}:{p}" for s, p in sorted(share.remote_trust)]
+        return row
 
 
 def _of_server(client: Client) -> str:

@@ -306,6 +306,10 @@ class Ledger:
 
     def _set_remote_pids(self, client: Client, m: P.SetRemotePids, fd: int) -> Answer:
         """Trust processes of another server: (server id, pid) pairs, each admitting that server's pid only."""
+        if self.endpoint.family == 0:
+            raise LedgerError(C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, (
+                f"pids of server {m.server:#x} can only be trusted through the cross-server transport, which is not "
+                "configured on this node (VMMSHARE_FABRIC, VMMSHARE_FABRIC_ADDR, VMMSHARE_CLUSTER_KEY_FILE)"))
         share = self._shared(m.shareable, m.share_type)
         if share.exporter is not client:
             raise LedgerError(

@@ -120,12 +120,16 @@ class Ipc:
             self.set_pids(text, pids)
 
     def trust_remote(self, key: Key, entries: list[tuple[int, list[int]]]) -> None:
-        """Trust processes on other servers: the cross-server transport's part, which this node does not have."""
-        servers = ", ".join(f"{sdid:#x}" for sdid, _ in entries)
-        raise FeatureNotSupportedError(
-            f"pids on server(s) {servers} (this server is {self.rt.config.server_id:#x}) can only be trusted through "
-            "the cross-server transport, which is not configured on this node"
-        )
+        """Trust processes of other servers on the key's export, as (server id, pid) pairs: each admits that pid of
+        that server only, as its own broker reports it (the broker refuses with 207000 when this node has no
+        cross-server transport). The same trustlist path as the VMM calls' `Sharing.set_remote_pids`."""
+        self._local(key)
+        done = self.exports.get(key.value)
+        if done is not None and not done.pid_validation:
+            raise NoPermissionError(f"key {key.text} was exported with ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_"
+                                    "VALIDATION: it has no trustlist to set")
+        for sdid, pids in entries:
+            self.rt.sharing.set_remote_pids(ShareableHandle.default(key.value), sdid, pids)
 
     def import_key(self, text: str, device: int) -> int:
         """Map the memory a key names into this process (on `device`); importing it again gives the same pointer."""
@@ -177,7 +181,8 @@ class Ipc:
     def _local(self, key: Key) -> Key:
         if key.server != self.rt.config.server_id:
             raise FeatureNotSupportedError(
-                f"this key comes from server {key.server:#x}, not this one ({self.rt.config.server_id:#x}); IPC memory "
-                "of another server needs the cross-server transport, which is not configured on this node"
+                f"this key comes from server {key.server:#x}, not this one ({self.rt.config.server_id:#x}): an IPC key "
+                "names memory on the server that made it, and carries neither that server's address nor a secret "
+                "for the cross-server transport; to share memory across servers, export it as a FABRIC handle"
             )
         return key

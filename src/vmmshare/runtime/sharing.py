@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
 from ..backends.base import Memory, MemoryKind
-from ..errors import FeatureNotSupportedError, InvalidParamError
+from ..errors import FeatureNotSupportedError, InvalidParamError, NoPermissionError
 from ..handles import ShareableHandle, ShareType
 from ..node import Imported
 from ..props import Location, PhysicalProp
@@ -59,7 +59,19 @@ class Sharing:
             return alloc.exported
 
     def set_pids(self, shareable: ShareableHandle, pids: list[int]) -> None:
+        fabric = shareable.fabric
+        if fabric is not None and fabric.server_id != self.rt.config.server_id:
+            raise NoPermissionError(f"this FABRIC handle was exported on server {fabric.server_id:#x}: only its "
+                                    "exporting process, there, may set its trustlist")
         self.rt.node.set_pids(shareable.value, shareable.share_type, pids)
+
+    def set_remote_pids(self, shareable: ShareableHandle, server: int, pids: list[int]) -> None:
+        """Trust processes of another server (server id, pid): those pids, as that server's broker reports them,
+        may import this export through the cross-server transport (pids of this server: `set_pids`)."""
+        if server == self.rt.config.server_id:
+            self.set_pids(shareable, pids)
+        else:
+            self.rt.node.set_remote_pids(shareable.value, shareable.share_type, server, pids)
 
     def import_handle(self, shareable: ShareableHandle, device: int) -> int:
         """Import a handle another process exported, as memory of `device`; returns the new handle."""

@@ -175,11 +175,16 @@ class PhysicalMemory:
         self._shareable = runtime().sharing.export(self._live(), st, validate, trust)
         return self._shareable
 
-    def allow(self, pids: Iterable[int]) -> None:
-        """Add processes (host pids, as `device_get_bare_tgid` gives) to the trustlist of the export."""
+    def allow(self, pids: Iterable[int], server: int | None = None) -> None:
+        """Add processes (host pids, as `device_get_bare_tgid` gives) to the trustlist of the export; with `server`,
+        processes of that server only (a FABRIC export imported there through the cross-server transport)."""
         if self._shareable is None:
             raise InvalidParamError("export() this memory before setting its trustlist")
-        runtime().sharing.set_pids(self._shareable, _pids(pids, allow_empty=False))
+        listed = _pids(pids, allow_empty=False)
+        if server is None:
+            runtime().sharing.set_pids(self._shareable, listed)
+        else:
+            runtime().sharing.set_remote_pids(self._shareable, check_int("server", server, 0, 0xFFFFFFFF), listed)
 
     def map(self, access: str = "rw", prepopulate: bool | None = None) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both."""

@@ -57,6 +57,12 @@ def _special(name: str, args: list[Any]) -> Any:
 
         mem: Any = runtime().memory.allocation(args[0]).mem
         return [mem.segment, mem.address, mem.size]
+    if name == "allow_server":  # trust pids of one other server on an export: shareable, server id, pids
+        from vmmshare._process import runtime
+        from vmmshare.handles import ShareableHandle
+
+        runtime().sharing.set_remote_pids(ShareableHandle.from_value(args[0]), args[1], args[2])
+        return None
     if name == "exit":
         sys.stdout.flush()
         os._exit(int(args[0]) if args else 0)

@@ -176,3 +176,118 @@ print("OK")
     assert a.call("!read", ap + 100, 4) == b"AAAA"
     assert a.call("!read", ap + 200, 11) == b"local bytes"
     eventually(lambda: served_nothing(fabric), "the memory is still served after the importer's process ended")
+
+
+# ---------------------------------------------------------------- the rules across servers
+
+
+def test_rule_11_only_trusted_pids_of_other_servers_import(fabric: TestCluster) -> None:
+    a, b, c = fabric.actor(1), fabric.actor(2), fabric.actor(2)
+    imp = "rt.mem_import_from_shareable_handle_v2"
+    _, s, _ = export(a, pids=[b.pid])
+    msg = fails(c, NO_PERMISSION, imp, s, FABRIC, 0)
+    assert str(c.pid) in msg and f"{fabric.server_id(2):#x}" in msg and "trustlist" in msg
+    ok(a, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [c.pid])  # added later: in from then on
+    for x in (b, c):
+        ok(x, "rt.free_physical", ok(x, imp, s, FABRIC, 0))
+    _, g, _ = export(a, flags=NO_PID_CHECK)  # no validation: any process of any server in the cluster
+    ok(c, "rt.free_physical", ok(c, imp, g, FABRIC, 0))
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+
+
+def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(fabric: TestCluster) -> None:
+    a, b = fabric.actor(1), fabric.actor(2)
+    imp = "rt.mem_import_from_shareable_handle_v2"
+    _, s, _ = export(a)
+    a.call("!allow_server", s, fabric.server_id(2) ^ 0xFF, [b.pid])  # b's pid, but of a server b is not on
+    fails(b, NO_PERMISSION, imp, s, FABRIC, 0)
+    a.call("!allow_server", s, fabric.server_id(2), [b.pid])
+    h = ok(b, imp, s, FABRIC, 0)
+    rows = fabric.brokers[1].listing()["exports"]
+    assert rows[0]["remote_importers"] == [f"{fabric.server_id(2):#x}:{b.pid}"]
+    assert f"{fabric.server_id(2):#x}:{b.pid}" in rows[0]["remote_trustlist"]
+    ok(b, "rt.free_physical", h)
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+
+
+def test_rule_12_only_the_exporting_process_sets_the_trustlist(fabric: TestCluster) -> None:
+    a, b, neighbour = fabric.actor(1), fabric.actor(2), fabric.actor(1)
+    _, s, _ = export(a)
+    msg = fails(b, NO_PERMISSION, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [b.pid])
+    assert f"{fabric.server_id(1):#x}" in msg
+    fails(neighbour, NO_PERMISSION, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [b.pid])
+    fails(b, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s, FABRIC, 0)  # none of it took effect
+
+
+def test_rule_13_the_same_handle_twice_in_one_process(fabric: TestCluster) -> None:
+    a, b = fabric.actor(1), fabric.actor(2)
+    imp = "rt.mem_import_from_shareable_handle_v2"
+    _, s, _ = export(a, pids=[b.pid])
+    h = ok(b, imp, s, FABRIC, 0)
+    assert "imported in this process already" in fails(b, PARAM, imp, s, FABRIC, 0)
+    doctored = bytearray(s)
+    doctored[12] ^= 1  # another device id: still the same handle
+    fails(b, PARAM, imp, bytes(doctored), FABRIC, 0)
+    ok(b, "rt.free_physical", h)
+    ok(b, "rt.free_physical", ok(b, imp, s, FABRIC, 0))  # freed: it imports again
+    assert "this process exported the handle" in fails(a, PARAM, imp, s, FABRIC, 0)
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+
+
+@pytest.mark.parametrize("how", ["free", "exit"])
+def test_rule_14_the_exporters_free_or_death_revokes_while_remote_importers_keep_the_memory(
+        fabric: TestCluster, how: str) -> None:
+    a, b, late = fabric.actor(1), fabric.actor(2), fabric.actor(2)
+    imp = "rt.mem_import_from_shareable_handle_v2"
+    h, s, ap = export(a, 2 * M2, pids=[b.pid, late.pid])
+    a.call("!write", ap, 0x11, 2 * M2)
+    ih, rp = import_map(b, s, 2 * M2)
+    if how == "free":
+        ok(a, "rt.unmap_mem", ap)
+        ok(a, "rt.free_physical", h)
+    else:
+        a.kill()
+    assert "revoked" in fails(late, BAD_HANDLE, imp, s, FABRIC, 0)
+    buf = ok(b, "rt.malloc_host", 2 * M2)
+    ok(b, "rt.memcpy", buf, 2 * M2, rp, 2 * M2, 2)
+    assert b.call("!sha256", buf, 2 * M2) == hashlib.sha256(b"\x11" * 2 * M2).hexdigest()
+    ok(b, "rt.memset", rp, 2 * M2, 0x22, 2 * M2)  # still writable, and still the same memory
+    ok(b, "rt.memcpy", buf, 2 * M2, rp, 2 * M2, 2)
+    assert b.call("!sha256", buf, 2 * M2) == hashlib.sha256(b"\x22" * 2 * M2).hexdigest()
+    unmap_free(b, ih, rp)
+    eventually(lambda: served_nothing(fabric), "the memory is still served after its last importer freed it")
+    assert fabric.brokers[1].listing()["used"] == {}
+
+
+def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(fabric: TestCluster) -> None:
+    a, b = fabric.actor(1), fabric.actor(2)
+    imp = "rt.mem_import_from_shareable_handle_v2"
+    _, s, _ = export(a, flags=NO_PID_CHECK)
+    ok(b, "rt.free_physical", ok(b, imp, s, FABRIC, 0))  # the link and both engines are up from here on
+    fds = {n: fabric.brokers[n].fd_count() for n in (1, 2)}
+    for at, code in ((64, BAD_HANDLE), (95, BAD_HANDLE), (16, BAD_HANDLE), (0, BAD_HANDLE), (32, PARAM),
+                     (96, BAD_HANDLE)):
+        bad = bytearray(s)
+        bad[at] ^= 0x40
+        fails(b, code, imp, bytes(bad), FABRIC, 0)
+    nowhere = bytearray(s)
+    nowhere[34:36] = (1).to_bytes(2, "little")  # the endpoint's port: nobody listens there
+    assert "10.77.0.1:1" in fails(b, IPC, imp, bytes(nowhere), FABRIC, 0)
+    for cut in (s[:127], s + b"\0", b""):
+        fails(b, PARAM, imp, cut, FABRIC, 0)
+    ok(b, "rt.free_physical", ok(b, imp, s, FABRIC, 0))  # the real handle still imports
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+    eventually(lambda: all(fabric.brokers[n].fd_count() <= fds[n] for n in (1, 2)), "a broker holds more fds")
+
+
+def test_without_the_transport_a_remote_handle_says_what_to_configure(fabric: TestCluster) -> None:
+    plain = {"VMMSHARE_FABRIC": "off", "VMMSHARE_SOCKET": str(fabric.root / "plain" / "broker.sock")}
+    a, b = fabric.actor(1), fabric.actor(2, **plain)  # b's broker (auto-started) has no transport
+    _, s, _ = export(a, flags=NO_PID_CHECK)
+    msg = fails(b, NOT_SUPPORTED, "rt.mem_import_from_shareable_handle_v2", s, FABRIC, 0)
+    assert "VMMSHARE_FABRIC=tcp" in msg and "cross-server" in msg
+    off = fabric.actor(1, VMMSHARE_FABRIC="off", VMMSHARE_SOCKET=str(fabric.root / "off" / "broker.sock"))
+    _, t, _ = export(off, flags=NO_PID_CHECK)
+    assert t[32:64] == bytes(32)  # no endpoint in the handle
+    msg = fails(fabric.actor(2), NOT_SUPPORTED, "rt.mem_import_from_shareable_handle_v2", t, FABRIC, 0)
+    assert "no fabric endpoint" in msg and "VMMSHARE_FABRIC" in msg

@@ -46,7 +46,7 @@ class ClusterBroker:
         rfd, wfd = os.pipe()
         server = self.cluster.cluster.server(self.n)
         cmd = server.command([sys.executable, "-m", "vmmshare.broker", "--socket", str(self.socket),
-                              "--ready-fd", str(wfd), "--log-level", "DEBUG"])
+                              "--ready-fd", str(wfd), "--log-level", "DEBUG"], **extra)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, env={**self.env, **extra}, pass_fds=(wfd,), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=log)
@@ -126,7 +126,7 @@ class TestCluster:
 
     def run(self, n: int, code: str, **extra: str) -> subprocess.CompletedProcess[str]:
         """Run Python `code` on server `n`."""
-        cmd = self.cluster.server(n).command([sys.executable, "-c", code])
+        cmd = self.cluster.server(n).command([sys.executable, "-c", code], **extra)
         return subprocess.run(cmd, env=self.env(n, **extra), capture_output=True, text=True, timeout=HANG_GUARD)
 
     def logs(self) -> str:

@@ -56,9 +56,10 @@ class Server:
     server_id: int
     env: dict[str, str]
 
-    def command(self, argv: list[str]) -> list[str]:
-        """`argv` run on this server: in its namespace, with its settings."""
-        return ["ip", "netns", "exec", self.namespace, "env", *(f"{k}={v}" for k, v in self.env.items()), *argv]
+    def command(self, argv: list[str], **extra: str) -> list[str]:
+        """`argv` run on this server: in its namespace, with its settings (and `extra` ones)."""
+        env = {**self.env, **extra}
+        return ["ip", "netns", "exec", self.namespace, "env", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
 class Cluster:

@@ -215,12 +215,16 @@ class Link:
         """Close the socket; every request waiting on it fails with 507022 saying `why`."""
         if self.state is State.CLOSED:
             return
+        proved = self.state is State.READY
         self.state = State.CLOSED
         if self._mask:
             self.sel.unregister(self.sock)
             self._mask = 0
         self.sock.close()
-        log.info("fabric link to %s closed: %s", self.name, why)
+        if proved or self.outbound:
+            log.info("fabric link to %s closed: %s", self.name, why)
+        else:
+            log.warning("fabric: a connection from %s closed before it proved the cluster key: %s", self.name, why)
         failed = [p for p in self.pending.values()] + [p for _, p in self.queued]
         self.pending.clear()
         self.queued.clear()

@@ -1,0 +1,250 @@
+"""The fabric against an attacker on the fabric network (docs/security.md): a broker with the wrong key, replayed
+and reflected proofs, requests before the proof, garbled frames, a broker that asks for another server's
+processes, an exporting broker that lies about the memory, a flood of links, and key files others could read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import require
+from fabric_cluster import TestCluster, cluster_problem, eventually
+from test_fabric_sharing import FABRIC, IPC, NO_PERMISSION, export, fails, ok, served_nothing
+
+require(not cluster_problem(), cluster_problem())
+
+IMP = "rt.mem_import_from_shareable_handle_v2"
+ATTACK = """
+import os, socket, struct, sys, hmac
+from vmmshare.fabric import peer_protocol as F
+KEY = open(os.environ["VMMSHARE_CLUSTER_KEY_FILE"], "rb").read()
+ME = int(os.environ["VMMSHARE_SERVER_ID"], 0)
+
+def dial(port=17017):
+    s = socket.create_connection(("10.77.0.1", port), timeout=10)
+    return s
+
+def frames(s, want=1):
+    r = F.FrameReader()
+    got = []
+    while len(got) < want:
+        data = s.recv(65536)
+        if not data:
+            return got + ["CLOSED"]
+        got += [m for _, m in r.feed(data)]
+    return got
+
+def closed(s):
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+"""
+
+
+@pytest.fixture
+def fabric() -> Iterator[TestCluster]:
+    c = TestCluster(2)
+    try:
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.close()
+
+
+def attack(fabric: TestCluster, code: str, **env: str) -> str:
+    """Run `code` on server 2 as an attacker (it knows the key only where the test says so)."""
+    out = fabric.run(2, ATTACK + textwrap.dedent(code), **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def still_serves(fabric: TestCluster) -> None:
+    """Server 1's broker is alive and a real import from server 2 works."""
+    assert fabric.brokers[1].alive()
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, _ = export(a, pids=[b.pid])
+    ok(b, "rt.free_physical", ok(b, IMP, s, FABRIC, 0))
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+
+
+def test_a_broker_with_another_key_is_refused_and_gets_a_clear_error(fabric: TestCluster) -> None:
+    other = fabric.root / "other.key"
+    other.write_bytes(os.urandom(48))
+    other.chmod(0o600)
+    fabric.brokers[2].signal(signal.SIGTERM)
+    fabric.brokers[2].start(VMMSHARE_CLUSTER_KEY_FILE=str(other))
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, _ = export(a, pids=[b.pid])
+    msg = fails(b, IPC, IMP, s, FABRIC, 0)
+    assert "cluster key" in msg
+    assert fabric.brokers[1].listing()["exports"][0]["importer_count"] == 0
+    eventually(lambda: "before it proved the cluster key" in fabric.brokers[1].log.read_text(), "no log line")
+
+
+def test_proofs_cannot_be_reflected_or_replayed_and_nothing_passes_before_them(fabric: TestCluster) -> None:
+    out = attack(fabric, """
+    # reflection: the broker's own proof sent back as ours
+    s = dial()
+    s.sendall(F.encode(F.Hello(ME, os.urandom(32)), 0))
+    ch = frames(s)[0]
+    s.sendall(F.encode(F.Proof(ch.proof), 0))
+    print("reflected", closed(s))
+    # replay: a proof made (with the key) for one connection, shown on the next
+    s = dial()
+    nonce = os.urandom(32)
+    s.sendall(F.encode(F.Hello(ME, nonce), 0))
+    ch = frames(s)[0]
+    good = F.proof(KEY, b"initiator", ME, ch.server_id, nonce, ch.nonce)
+    s2 = dial()
+    s2.sendall(F.encode(F.Hello(ME, nonce), 0))
+    frames(s2)
+    s2.sendall(F.encode(F.Proof(good), 0))
+    print("replayed", closed(s2))
+    s.sendall(F.encode(F.Proof(good), 0))
+    print("original", type(frames(s)[0]).__name__)
+    # requests before the proof: no answer, the link closes
+    s3 = dial()
+    s3.sendall(F.encode(F.Import(1, 2, bytes(32), ME, os.getpid(), 0, 0), 1))
+    print("early request", closed(s3))
+    s4 = dial()
+    s4.sendall(F.encode(F.Hello(ME, os.urandom(32)), 0))
+    frames(s4)
+    s4.sendall(F.encode(F.Heartbeat(), 1))
+    print("request instead of proof", closed(s4))
+    """)
+    assert "reflected True" in out and "replayed True" in out and "original Welcome" in out
+    assert "early request True" in out and "request instead of proof True" in out
+    still_serves(fabric)
+
+
+def test_garbled_frames_close_the_link_and_the_broker_serves_on(fabric: TestCluster) -> None:
+    out = attack(fabric, """
+    import random
+    rng = random.Random(7)
+    for i in range(60):
+        s = dial()
+        junk = [b"GET / HTTP/1.1\\r\\n\\r\\n", rng.randbytes(rng.randrange(1, 300)),
+                F.encode(F.Hello(ME, os.urandom(32)), 0)[:-5] + b"\\xff" * 40,
+                struct.pack("<2sBBII", b"VF", 1, 1, 0, 1 << 30)][i % 4]
+        s.sendall(junk)
+        print("closed", closed(s))
+    """)
+    assert out.count("closed True") == 60
+    still_serves(fabric)
+
+
+def test_a_broker_cannot_import_for_another_servers_processes(fabric: TestCluster) -> None:
+    a = fabric.actor(1)
+    victim = fabric.server_id(1) ^ 0x55  # some third server
+    _, s, _ = export(a, flags=1)
+    out = attack(fabric, f"""
+    s = dial()
+    ini = F.Initiator(KEY, ME)
+    s.sendall(F.encode(ini.hello(), 0))
+    s.sendall(F.encode(ini.answer(frames(s)[0]), 0))
+    assert isinstance(frames(s)[0], F.Welcome)
+    h = bytes.fromhex({s.hex()!r})
+    s.sendall(F.encode(F.Import(int.from_bytes(h[16:24], "little"), 2, h[64:96], {victim}, os.getpid(), 0, 0), 5))
+    r = frames(s)[0]
+    print(type(r).__name__, r.code, r.message)
+    """)
+    assert f"Error {NO_PERMISSION}" in out and "its own processes" in out
+    assert served_nothing(fabric)
+
+
+@pytest.mark.parametrize("lie", ["size", "address", "segment"])
+def test_an_exporting_broker_that_lies_about_the_memory_is_refused(fabric: TestCluster, lie: str) -> None:
+    """A fake exporting broker (it has the key) answers an import with memory that does not match the handle."""
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, _ = export(a, flags=1)
+    fake = bytearray(s)
+    fake[34:36] = (17018).to_bytes(2, "little")  # the handle now points at the fake broker's port
+    server = f"""
+import os, socket, sys
+from vmmshare.fabric import peer_protocol as F
+KEY = open(os.environ["VMMSHARE_CLUSTER_KEY_FILE"], "rb").read()
+ls = socket.create_server(("10.77.0.1", 17018))
+print("ready", flush=True)
+c, _ = ls.accept()
+r, res = F.FrameReader(), F.Responder(KEY, int(os.environ["VMMSHARE_SERVER_ID"], 0))
+while True:
+    data = c.recv(65536)
+    if not data:
+        break
+    for req, m in r.feed(data):
+        if isinstance(m, F.Hello):
+            c.sendall(F.encode(res.challenge(m), 0))
+        elif isinstance(m, F.Proof):
+            res.verify(m)
+            c.sendall(F.encode(F.Welcome(), 0))
+        elif isinstance(m, F.Import):
+            size, addr, seg = {{"size": (4 << 20, 4096, "10.77.0.1:1"), "address": (2 << 20, 0, "10.77.0.1:1"),
+                               "segment": (2 << 20, 4096, "")}}[{lie!r}]
+            c.sendall(F.encode(F.Imported(9, size, 0, 0, 0, 5, 1, 0, addr, seg), req))
+        elif isinstance(m, F.Release):
+            print("released", m.hold, flush=True)
+            c.sendall(F.encode(F.Ok(), req))
+            sys.exit(0)
+"""
+    import subprocess
+    import sys
+
+    cmd = fabric.cluster.server(1).command([sys.executable, "-c", server])
+    proc = subprocess.Popen(cmd, env=fabric.env(1), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        msg = fails(b, IPC, IMP, bytes(fake), FABRIC, 0)
+        assert "does not match" in msg
+        assert proc.stdout.readline().strip() == "released 9"  # and the hold it was given goes back
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_flood_of_links_is_bounded_and_the_broker_serves_on(fabric: TestCluster) -> None:
+    base = fabric.brokers[1].fd_count()
+    broker_pid = fabric.brokers[1].pid
+    out = attack(fabric, f"""
+    import time
+    held = []
+    for _ in range(300):
+        try:
+            held.append(dial())
+        except OSError as exc:
+            print("dial failed", exc)
+            break
+    time.sleep(0.5)   # the broker accepts what it will meanwhile
+    print("broker fds", len(os.listdir("/proc/{broker_pid}/fd")))
+    print("closed by the broker", sum(closed(s) for s in held[-50:]))
+    """)
+    fds = int(out.split("broker fds")[1].split()[0])
+    assert fds <= base + 40, f"the broker holds {fds} fds under a flood of links ({base} before)"
+    assert int(out.split("closed by the broker")[1].split()[0]) > 0
+    still_serves(fabric)
+
+
+@pytest.mark.parametrize("problem", ["mode", "short", "owner", "missing"])
+def test_a_key_file_that_others_could_read_or_that_is_too_short_is_refused(fabric: TestCluster, problem: str) -> None:
+    key = fabric.root / f"key-{problem}"
+    key.write_bytes(os.urandom(16 if problem == "short" else 48))
+    key.chmod(0o644 if problem == "mode" else 0o600)
+    if problem == "owner":
+        os.chown(key, 65534, 65534)
+    if problem == "missing":
+        key.unlink()
+    b = fabric.brokers[2]
+    b.signal(signal.SIGTERM)
+    with pytest.raises(RuntimeError) as failed:
+        b.start(VMMSHARE_CLUSTER_KEY_FILE=str(key))
+    said = str(failed.value)
+    assert str(key) in said
+    assert {"mode": "chmod 600", "short": "16 bytes", "owner": "chown", "missing": "cannot read"}[problem] in said
+    assert not Path(b.socket).exists() or not b.alive()

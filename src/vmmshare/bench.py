@@ -511,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if "--fabric" in argv:  # copies across servers, in a test cluster made for the run (see --fabric --help)
+        from . import bench_fabric
+
+        return bench_fabric.main([a for a in argv if a != "--fabric"])
     if "--gpu" in argv or _gpu_backend():
         from . import bench_gpu  # device memory is GPU memory: the CPU-side measurements below do not apply
 
@@ -521,6 +525,9 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--gpu", action="store_true",
                     help="GPU memory with the CUDA backend instead, against torch CUDA IPC (see --gpu --help); "
                          "the default when VMMSHARE_BACKEND gives GPU memory (cuda, or auto with a GPU)")
+    ap.add_argument("--fabric", action="store_true",
+                    help="copies across servers (two network namespaces) against the transfer engine and a TCP "
+                         "socket (see --fabric --help; needs root and vmmshare[fabric])")
     ap.add_argument("--quick", action="store_true", help="CI-sized: fewer sizes and repetitions")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")

@@ -10,6 +10,7 @@ memory by dropping the connection. A remote-to-remote copy goes through a bounce
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,13 +54,17 @@ class RemoteBackend:
 
     def __init__(self, transfers: Callable[[], Transfers]) -> None:
         self._transfers = transfers  # this process's engine, made on first use
-        self._mapped: Intervals[RemoteMemory] = Intervals()
-        self._lock = threading.Lock()
+        self._engine: tuple[int, Transfers] | None = None  # (the pid it was made in, the engine)
+        self._mapped: Intervals[RemoteMemory] = Intervals()  # the runtime's lock is held around every use
         self._bounce = 0
         self._bounce_lock = threading.Lock()
 
     def engine(self) -> Transfers:
-        return self._transfers()
+        """This process's engine (kept: every copy needs it, and a forked child asks for its own)."""
+        got = self._engine
+        if got is None or got[0] != os.getpid():
+            got = self._engine = (os.getpid(), self._transfers())
+        return got[1]
 
     def granularity(self, device: int) -> int:
         return C.MIN_GRANULARITY
@@ -91,61 +96,79 @@ class RemoteBackend:
     def map(self, ptr: int, size: int, mem: Memory, access: int, prepopulate: bool) -> None:
         """Let `[ptr, ptr+size)` stand for `mem` (the range itself stays reserved and inaccessible)."""
         assert isinstance(mem, RemoteMemory)
-        with self._lock:
-            self._mapped.add(ptr, size, mem)
+        self._mapped.add(ptr, size, mem)
 
     def unmap(self, ptr: int, size: int) -> None:
-        with self._lock:
-            self._mapped.remove(ptr)
+        self._mapped.remove(ptr)
 
     def protect(self, ptr: int, size: int, access: int, device: int) -> None:
         """Access flags are the runtime's to check before each copy: nothing to change in the address space."""
 
-    def remote_at(self, ptr: int, count: int) -> tuple[str, int] | None:
-        """(segment, remote address) of `[ptr, ptr+count)` when it lies in remote memory mapped here; None when
-        `ptr` is not in any; InvalidParamError when the range runs past its mapping."""
-        with self._lock:
-            hit = self._mapped.at(ptr)
-        if hit is None:
-            return None
-        start, end, mem = hit
-        offset = ptr - start
-        if count < 0 or ptr + count > end or offset + count > mem.size:
-            raise InvalidParamError(f"{ptr:#x}+{count} runs past the remote mapping at {start:#x} ({mem.size} bytes)")
-        return mem.segment, mem.address + offset
+    def read(self, mem: RemoteMemory, offset: int, local: int, count: int) -> None:
+        """`count` bytes of `mem` from `offset` into local memory at `local` (the CPU can address it)."""
+        _check(mem, offset, count)
+        self.engine().read(mem.segment, local, mem.address + offset, count)
 
-    def copy(self, dst: int, src: int, count: int, device: int) -> None:
-        """Copy between remote memory mapped here and local memory the CPU can address (or remote to remote)."""
-        to, of = self.remote_at(dst, count), self.remote_at(src, count)
+    def write(self, mem: RemoteMemory, offset: int, local: int, count: int) -> None:
+        """`count` bytes of local memory at `local` into `mem` from `offset`."""
+        _check(mem, offset, count)
+        self.engine().write(mem.segment, local, mem.address + offset, count)
+
+    def between(self, to: RemoteMemory, to_offset: int, of: RemoteMemory, of_offset: int, count: int) -> None:
+        """Remote to remote (the same server's or two servers'), through the bounce buffer."""
+        _check(of, of_offset, count)
+        _check(to, to_offset, count)
         engine = self.engine()
-        if to is None and of is None:
-            ctypes.memmove(dst, src, count)
-        elif to is None:
-            assert of is not None
-            engine.read(of[0], dst, of[1], count)
-        elif of is None:
-            engine.write(to[0], src, to[1], count)
-        else:
-            with self._bounce_lock:
-                bounce = self._bounce_buffer()
-                for done in range(0, count, BOUNCE):
-                    n = min(BOUNCE, count - done)
-                    engine.read(of[0], bounce, of[1] + done, n)
-                    engine.write(to[0], bounce, to[1] + done, n)
+        with self._bounce_lock:
+            bounce = self._bounce_buffer()
+            for done in range(0, count, BOUNCE):
+                n = min(BOUNCE, count - done)
+                engine.read(of.segment, bounce, of.address + of_offset + done, n)
+                engine.write(to.segment, bounce, to.address + to_offset + done, n)
 
-    def fill(self, ptr: int, value: int, count: int, device: int) -> None:
-        to = self.remote_at(ptr, count)
-        if to is None:
-            ctypes.memset(ptr, value & 0xFF, count)
-            return
+    def set(self, mem: RemoteMemory, offset: int, value: int, count: int) -> None:
+        """`count` bytes of `mem` from `offset` set to `value` (written from the bounce buffer)."""
+        _check(mem, offset, count)
         engine = self.engine()
         with self._bounce_lock:
             bounce = self._bounce_buffer()
             ctypes.memset(bounce, value & 0xFF, min(BOUNCE, count))
             for done in range(0, count, BOUNCE):
-                engine.write(to[0], bounce, to[1] + done, min(BOUNCE, count - done))
+                engine.write(mem.segment, bounce, mem.address + offset + done, min(BOUNCE, count - done))
+
+    def copy(self, dst: int, src: int, count: int, device: int) -> None:
+        """Copy between remote memory mapped here and local memory the CPU can address (or remote to remote)."""
+        to, of = self._at(dst, count), self._at(src, count)
+        if to is None and of is None:
+            ctypes.memmove(dst, src, count)
+        elif to is None:
+            assert of is not None
+            self.read(of[0], of[1], dst, count)
+        elif of is None:
+            self.write(to[0], to[1], src, count)
+        else:
+            self.between(to[0], to[1], of[0], of[1], count)
+
+    def fill(self, ptr: int, value: int, count: int, device: int) -> None:
+        to = self._at(ptr, count)
+        if to is None:
+            ctypes.memset(ptr, value & 0xFF, count)
+        else:
+            self.set(to[0], to[1], value, count)
+
+    def _at(self, ptr: int, count: int) -> tuple[RemoteMemory, int] | None:
+        hit = self._mapped.at(ptr)
+        if hit is None:
+            return None
+        return hit[2], ptr - hit[0]
 
     def _bounce_buffer(self) -> int:
         if not self._bounce:
             self._bounce = host.map_anonymous(BOUNCE)
         return self._bounce
+
+
+def _check(mem: RemoteMemory, offset: int, count: int) -> None:
+    """The engine answers an address outside the memory it serves by dropping the connection: never send one."""
+    if offset < 0 or count < 0 or offset + count > mem.size:
+        raise InvalidParamError(f"{count} bytes at offset {offset} run past the remote memory ({mem.size} bytes)")

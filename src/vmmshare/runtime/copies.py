@@ -85,16 +85,24 @@ class Copies:
         if count == 0:
             return
         with self.rt.lock:
-            mover = self._copy_sides(dst, src, count, kind)
+            to, of = self._sides(dst, src, count, kind)
+            mover = _mover(to, of)
             if mover is None:
                 self.rt.host.copy(dst, src, count, 0)
-            elif mover.alloc.backend.kind is MemoryKind.REMOTE:
-                self._remote_copy(dst, src, count)
-            else:
+                return
+            if mover.alloc.backend.kind is not MemoryKind.REMOTE:
                 mover.alloc.backend.copy(dst, src, count, mover.alloc.device)
+                return
+        # across servers: not under the lock, which a stalled peer would hold for up to VMMSHARE_FABRIC_TIMEOUT (the
+        # memory stays served until this process's import of it is released, so nothing moves under the copy)
+        self._remote_copy(to, of, dst, src, count)
 
     def _copy_sides(self, dst: int, src: int, count: int, kind: int) -> MappingEntry | None:
         """Check a copy's ranges and kind; returns the mapping whose backend copies (None: the CPU does)."""
+        return _mover(*self._sides(dst, src, count, kind))
+
+    def _sides(self, dst: int, src: int, count: int, kind: int) -> tuple[MappingEntry | None, MappingEntry | None]:
+        """Check a copy's ranges and kind; the mappings of its destination and source (None: other memory)."""
         to = self._classify(dst, count, True, "dst")
         of = self._classify(src, count, False, "src")
         dst_dev, src_dev = _on_device(to), _on_device(of)
@@ -105,31 +113,41 @@ class Copies:
                 f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
                 f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
             )
-        # whichever side is not plain host memory decides who copies: the transfer engine for memory of another
-        # server, a GPU, or the CPU
-        sides = [m for m in (to, of) if m is not None and m.alloc.backend.kind is not MemoryKind.HOST]
-        return next((m for m in sides if m.alloc.backend.kind is MemoryKind.REMOTE), sides[0] if sides else None)
+        return to, of
 
-    def _remote_copy(self, dst: int, src: int, count: int) -> None:
+    def _remote_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
         """A copy with memory of another server on one side or both: the engine moves the bytes to and from memory
         the CPU can address; GPU memory on the other side goes through a host bounce buffer."""
         remote = self.rt.remote
-        gpu = next((m for m in (self.rt.memory.mappings.at(dst), self.rt.memory.mappings.at(src))
-                    if m is not None and m[2].alloc.backend.kind is MemoryKind.GPU), None)
-        if gpu is None:
-            remote.copy(dst, src, count, 0)
+        kt = to.alloc.backend.kind if to is not None else MemoryKind.HOST
+        ko = of.alloc.backend.kind if of is not None else MemoryKind.HOST
+        if kt is MemoryKind.REMOTE and ko is MemoryKind.HOST:
+            remote.write(to.alloc.mem, dst - to.ptr, src, count)  # type: ignore[union-attr, arg-type]
             return
-        backend, device, to_gpu = gpu[2].alloc.backend, gpu[2].alloc.device, gpu[0] <= dst < gpu[1]
+        if ko is MemoryKind.REMOTE and kt is MemoryKind.HOST:
+            remote.read(of.alloc.mem, src - of.ptr, dst, count)  # type: ignore[union-attr, arg-type]
+            return
+        gpu = to if kt is MemoryKind.GPU else of if ko is MemoryKind.GPU else None
+        if gpu is None:  # remote to remote
+            remote.between(to.alloc.mem, dst - to.ptr, of.alloc.mem, src - of.ptr, count)  # type: ignore[union-attr, arg-type]
+            return
+        far = of if gpu is to else to
+        assert far is not None
+        with self.rt.lock:  # GPU memory is copied under the lock, as any GPU copy is
+            self._bounce_gpu(gpu, far, gpu is to, dst, src, count)
+
+    def _bounce_gpu(self, gpu: MappingEntry, far: MappingEntry, to_gpu: bool, dst: int, src: int, count: int) -> None:
+        remote, backend, device = self.rt.remote, gpu.alloc.backend, gpu.alloc.device
         bounce = host.map_anonymous(min(count, BOUNCE))
         try:
             for done in range(0, count, BOUNCE):
                 n = min(BOUNCE, count - done)
                 if to_gpu:
-                    remote.copy(bounce, src + done, n, 0)
+                    remote.read(far.alloc.mem, src - far.ptr + done, bounce, n)  # type: ignore[arg-type]
                     backend.copy(dst + done, bounce, n, device)
                 else:
                     backend.copy(bounce, src + done, n, device)
-                    remote.copy(dst + done, bounce, n, 0)
+                    remote.write(far.alloc.mem, dst - far.ptr + done, bounce, n)  # type: ignore[arg-type]
         finally:
             host.unmap(bounce, min(count, BOUNCE))
 
@@ -144,8 +162,11 @@ class Copies:
             m = self._classify(ptr, count, True, "devPtr")
             if m is None:
                 self.rt.host.fill(ptr, value, count, 0)
-            else:
+                return
+            if m.alloc.backend.kind is not MemoryKind.REMOTE:
                 m.alloc.backend.fill(ptr, value, count, m.alloc.device)
+                return
+        self.rt.remote.set(m.alloc.mem, ptr - m.ptr, value, count)  # type: ignore[arg-type]  # not under the lock
 
     def memcpy_async(self, dst: int, dest_max: int, src: int, count: int, kind: int, stream: int) -> None:
         """Queue a copy on `stream`: checked now (a bad range fails here), checked again and done when its turn
@@ -174,6 +195,16 @@ class Copies:
                 raise FeatureNotSupportedError(f"{ptr:#x} cannot be viewed by the CPU: {NO_CPU_ACCESS}")
             if m is not None and m.alloc.backend.kind is not MemoryKind.HOST:
                 raise InvalidParamError(f"{ptr:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
+
+
+def _mover(to: MappingEntry | None, of: MappingEntry | None) -> MappingEntry | None:
+    """Whichever side is not plain host memory decides who copies: the transfer engine for memory of another
+    server, a GPU, or (None) the CPU."""
+    kt = to.alloc.backend.kind if to is not None else MemoryKind.HOST
+    ko = of.alloc.backend.kind if of is not None else MemoryKind.HOST
+    if kt is MemoryKind.REMOTE or (kt is not MemoryKind.HOST and ko is not MemoryKind.REMOTE):
+        return to
+    return of if ko is not MemoryKind.HOST else None
 
 
 def _on_device(m: MappingEntry | None) -> bool:

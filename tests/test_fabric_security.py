@@ -248,3 +248,30 @@ def test_a_key_file_that_others_could_read_or_that_is_too_short_is_refused(fabri
     assert str(key) in said
     assert {"mode": "chmod 600", "short": "16 bytes", "owner": "chown", "missing": "cannot read"}[problem] in said
     assert not Path(b.socket).exists() or not b.alive()
+
+
+def test_doctor_says_where_the_engines_ports_are_reachable(fabric: TestCluster) -> None:
+    import subprocess
+    import sys
+
+    ns = fabric.cluster.server(1).namespace
+    subprocess.run(["ip", "-n", ns, "link", "add", "extra0", "type", "veth", "peer", "name", "extra1"], check=True)
+    subprocess.run(["ip", "-n", ns, "addr", "add", "10.99.0.1/24", "dev", "extra0"], check=True)
+    subprocess.run(["ip", "-n", ns, "link", "set", "extra0", "up"], check=True)
+    doctor = fabric.cluster.server(1).command([sys.executable, "-m", "vmmshare.cli", "doctor", "--json"])
+
+    def findings() -> dict[str, dict[str, str]]:
+        out = subprocess.run(doctor, env=fabric.env(1), capture_output=True, text=True, timeout=60)
+        import json
+
+        return {f["item"]: f for f in json.loads(out.stdout)}
+
+    before = findings()
+    assert before["fabric engine"]["status"] == "ok" and before["cluster key"]["status"] == "ok"
+    assert before["fabric exposure"]["status"] == "ok"  # no engine yet: only the control port, on its address
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, _ = export(a, pids=[b.pid])
+    h = ok(b, IMP, s, FABRIC, 0)  # the exporting broker's engine runs from here on
+    exposure = findings()["fabric exposure"]
+    assert exposure["status"] == "limit" and "10.99.0.1" in exposure["detail"] and "firewall" in exposure["fix"]
+    ok(b, "rt.free_physical", h)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import socket
 import stat
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import config as cfg
 from .backends import host
-from .broker.wire import peer_pidfd
+from .broker.wire import peer_credentials, peer_pidfd
 
 
 @dataclass
@@ -163,6 +165,76 @@ def backend(name: str) -> list[Finding]:
     return [Finding("ok", "backend", f"{name}: device memory is GPU memory ({gpus})")]
 
 
+def fabric() -> list[Finding]:
+    """The cross-server transport: its settings, the engine, the key file, and what the engine exposes."""
+    try:
+        mode = cfg.fabric()
+    except cfg.ConfigError:
+        return []  # reported with the configuration
+    if mode == "off":
+        return [Finding("ok", "fabric", "off: FABRIC handles import on this server only (VMMSHARE_FABRIC=tcp and "
+                        "docs/fabric.md to share across servers)")]
+    from .fabric.agent import FabricSetupError, read_cluster_key
+    from .fabric.engine import missing
+
+    out = []
+    problem = missing()
+    out.append(Finding("missing" if problem else "ok", "fabric engine", problem or "the transfer engine is installed",
+                       "pip install 'vmmshare[fabric]'; apt-get install libibverbs1 libnuma1 libcurl4" if problem
+                       else ""))
+    try:
+        read_cluster_key(cfg.cluster_key_file())
+        out.append(Finding("ok", "cluster key", f"{cfg.cluster_key_file()}: readable by this user only"))
+    except (FabricSetupError, cfg.ConfigError) as exc:
+        out.append(Finding("missing", "cluster key", str(exc), "see docs/fabric.md: one key file for the cluster"))
+    out += _engine_exposure()
+    return out
+
+
+def _engine_exposure() -> list[Finding]:
+    """The engine listens on every interface whatever address it is given: say where its ports are reachable."""
+    from .fabric.engine import listening_sockets
+
+    try:
+        addr, path = cfg.fabric_addr(), cfg.socket_path()
+    except cfg.ConfigError:
+        return []
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(str(path))
+        pid = peer_credentials(s)[0]
+    except OSError:
+        return [Finding("ok", "fabric exposure", "no broker runs: nothing listens yet")]
+    finally:
+        s.close()
+    listeners = listening_sockets()
+    ports = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and int(target[8:-1]) in listeners:
+                    ports.add(listeners[int(target[8:-1])])
+    wild = sorted(p for a, p in ports if a in ("0.0.0.0", "::"))
+    others = [a for a in _local_addresses() if a != addr and not a.startswith("127.") and a != "::1"]
+    if not wild or not others:
+        return [Finding("ok", "fabric exposure", f"the broker's ports are reachable on {addr or 'this node'} only")]
+    return [Finding("limit", "fabric exposure",
+                    f"the transfer engine listens on every interface (ports {', '.join(map(str, wild))}): besides "
+                    f"{addr} it is reachable on {', '.join(others)}; it has no authentication of its own",
+                    "firewall those ports to the fabric network, or run the broker in a network namespace whose "
+                    "only interface is on it (docs/security.md)")]
+
+
+def _local_addresses() -> list[str]:
+    try:
+        # a hang guard only
+        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+
+
 def run(as_json: bool = False) -> int:
     """Print the findings (a table, or JSON); 1 if anything is missing, a bad VMMSHARE_* variable included."""
     findings = huge_pages() + kernel_features() + configuration()
@@ -170,6 +242,7 @@ def run(as_json: bool = False) -> int:
         findings += broker(cfg.socket_path())
     except cfg.ConfigError as exc:
         findings.append(Finding("missing", "broker socket", f"unknown: {exc.name} cannot be used", f"fix {exc.name}"))
+    findings += fabric()
     try:
         findings += backend(cfg.backend())
     except cfg.ConfigError as exc:

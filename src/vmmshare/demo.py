@@ -288,11 +288,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if "--fabric" in argv:  # across two servers made for the run (see --fabric --help)
+        from .demo_fabric import main as fabric_main
+
+        return fabric_main([a for a in argv if a != "--fabric"])
     ap = Parser(prog="vmmshare demo", description="\n\n".join(plain(__doc__).split("\n\n")[:2]),
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Exit status: 0 every step behaved, 1 a step misbehaved (or the running broker cannot hold "
                        "--size), 2 bad usage or configuration.")
     ap.add_argument("--size", default="64M", help="bytes to share (K/M/G suffixes; rounded up to 2 MiB)")
+    ap.add_argument("--fabric", action="store_true", help="memory shared across two servers made for the run "
+                    "(network namespaces; needs root and vmmshare[fabric]; see --fabric --help)")
     ap.add_argument("--role", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role:

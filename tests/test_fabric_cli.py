@@ -1,0 +1,74 @@
+"""`vmmshare cluster`, `vmmshare demo --fabric` and `vmmshare bench --fabric` as a user runs them (root and the
+engine needed; CI has both). No timing is asserted: the bench's numbers are for docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import require
+from fabric_cluster import cluster_problem
+
+require(not cluster_problem(), cluster_problem())
+
+CLI = [sys.executable, "-m", "vmmshare.cli"]
+
+
+def vmmshare(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    # a hang guard only
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cluster_up_status_exec_down() -> None:
+    name = f"c{os.getpid() % 10000}"
+    up = vmmshare("cluster", "up", "--name", name, "--servers", "3", "--timeout", "2")
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "server 3:" in up.stdout and "VMMSHARE_FABRIC_ADDR=10.77.0.3" in up.stdout
+        status = vmmshare("cluster", "status", "--name", name)
+        assert status.returncode == 0 and "VMMSHARE_FABRIC_TIMEOUT=2" in status.stdout
+        ran = vmmshare("cluster", "exec", "2", "--name", name, "--", sys.executable, "-c",
+                       "import os; print(os.environ['VMMSHARE_SERVER_ID'], os.environ['VMMSHARE_FABRIC_ADDR'])")
+        assert ran.returncode == 0 and ran.stdout.split()[1] == "10.77.0.2", ran.stderr
+        again = vmmshare("cluster", "up", "--name", name)
+        assert again.returncode == 1 and "up already" in again.stderr and "Traceback" not in again.stderr
+        key = Path(f"/run/vmmshare-cluster/{name}/cluster.key")
+        assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_size >= 32
+    finally:
+        down = vmmshare("cluster", "down", "--name", name)
+    assert down.returncode == 0 and "is down" in down.stdout
+    gone = vmmshare("cluster", "status", "--name", name)
+    assert gone.returncode == 1 and "is not up" in gone.stderr
+    bad = vmmshare("cluster", "up", "--name", "Bad-Name")
+    assert bad.returncode == 1 and "cluster name" in bad.stderr
+
+
+def test_cluster_up_needs_root_and_says_so() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *CLI, "cluster",
+                          "up", "--name", "nr"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and "needs root" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_fabric_shares_across_two_servers() -> None:
+    out = vmmshare("demo", "--fabric")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "'hello from server 1'" in out.stdout and "'and back from server 2'" in out.stdout
+    assert "207006" in out.stdout and "every step behaved" in out.stdout
+
+
+def test_bench_fabric_reports_every_ratio(tmp_path: Path) -> None:
+    path = tmp_path / "fabric.json"
+    out = vmmshare("bench", "--fabric", "--sizes", "1M,4M", "--reps", "2", "--latency-reps", "20", "--json",
+                   str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(path.read_text())
+    assert set(res["throughput"]) == {"read 1 MiB", "read 4 MiB", "write 1 MiB", "write 4 MiB"}
+    for row in res["throughput"].values():
+        assert set(row) == {"vmmshare", "engine", "engine_to_broker", "tcp"} and all(v > 0 for v in row.values())
+    assert res["ratios"]["latency_4k_vs_engine"] > 0 and res["import_map_us"]["median"] > 0
+    assert "4 KiB read latency" in out.stdout and "import + reserve + map" in out.stdout

@@ -30,6 +30,9 @@ exits 1): D1, a call under way when the broker dies fails with 507022 (at most o
 a reconnection that failed mid-way (D1, or a double kill) the restarted broker no longer charges some live
 allocations. Both are pinned by regression tests in tests/test_faults.py; see docs/reliability.md §6.
 
+`--fabric` runs the cross-server kind instead (stress/fabric_faults.py): SIGKILL of the exporter, the importer or
+either broker while the importer reads and writes the exporter's memory on another server.
+
 Worker roles (internal): `--role exporter|importer --progress FILE --seed S`, driven by JSON lines on stdin.
 """
 
@@ -769,6 +772,11 @@ def run(kinds: list[str], trials: int, seconds: float | None, seed: int, double_
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--fabric" in argv:  # across servers: stress/fabric_faults.py
+        import fabric_faults
+
+        return fabric_faults.main([a for a in argv if a != "--fabric"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=200, help="trials of each kind (default 200)")
     ap.add_argument("--seconds", type=float, default=None, help="cap on the whole run's time (split between kinds)")

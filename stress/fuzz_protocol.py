@@ -64,7 +64,7 @@ REPLY_TO = {
     Msg.LIST: Msg.LISTING, Msg.CHARGE_GPU: Msg.TOKEN, Msg.REMOTE_IMPORT: Msg.REMOTE_IMPORTED,
     Msg.SET_REMOTE_PIDS: Msg.OK,
 }
-NOT_CONFIGURED = 207000  # a remote import on a broker without the cross-server transport: what to configure
+NOT_CONFIGURED = 207000  # a remote import or remote trust on a broker without the cross-server transport
 RSS_LIMIT_KB = 5 * 1024
 
 # ---------------------------------------------------------------- valid frames of every type
@@ -765,7 +765,8 @@ def _check_reply(case: Case, valid: Frame | None, data: bytes, got: list[int], t
     request = valid.message
     expected = REPLY_TO[request.TYPE]
     if isinstance(reply, P.Error):
-        if code not in REQUEST_ERRORS and not (code == NOT_CONFIGURED and isinstance(request, P.RemoteImport)):
+        if code not in REQUEST_ERRORS and not (code == NOT_CONFIGURED and isinstance(request, (P.RemoteImport,
+                                                                                               P.SetRemotePids))):
             stats.defect(f"valid {request.TYPE.name} refused with unexpected code {code}", case, reply.message)
         if code == 107017 and isinstance(request, (P.Import, P.SetPids)):  # revoked (or never was): stop using it
             exported[:] = [e for e in exported if e[0] != request.shareable]

@@ -1,0 +1,217 @@
+"""The exporting side of the broker's fabric agent: the links other brokers open to this one, and the memory of
+this node served to their importers.
+
+A remote import is an import like any other, by the same ledger code (rules 11-14), for a `Client` record of the
+importer's server and pid as its own broker reported them. While an export has remote importers, this broker maps
+its memfd and registers the mapping with its transfer engine, which serves their one-sided reads and writes; the
+last remote hold's release unregisters it (the mapping goes a fabric timeout later, when no transfer of an importer
+that died can still be landing). A dead link's holds wait LEASE_FACTOR fabric timeouts to be adopted on a new link
+of the same server, and are released after that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import selectors
+import socket
+import time
+from dataclasses import dataclass
+
+from .. import constants as C
+from ..backends import host
+from ..broker.ledger import KIND_HOST, ChargedMemory, Client, Ledger, LedgerError
+from ..config import Config
+from ..errors import AclError
+from . import peer_protocol as F
+from .engine import Engine
+from .link import Link, State
+
+log = logging.getLogger("vmmshare.fabric")
+LEASE_FACTOR = 4  # a dead link's remote holds wait this many fabric timeouts to be adopted on a new link
+MAX_LINKS = 256  # accepted links at once
+MAX_HANDSHAKES = 32  # accepted links that have not proved the key yet, at once
+FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
+
+
+@dataclass(eq=False)
+class Served:
+    """An export this node's engine serves to other servers: its mapping in this broker, and its remote holds."""
+
+    address: int
+    size: int
+    holds: int = 0
+
+
+@dataclass(eq=False)
+class RemoteHold:
+    """A remote importer's hold on an export of this node, and the link that keeps it (None: leased)."""
+
+    client: Client
+    server: int
+    memory: ChargedMemory
+    link: Link | None
+    expires: float = 0.0
+
+
+class Serving:
+    """The exporting side, mixed into the Agent (which owns the listener, the selector and the loop)."""
+
+    config: Config
+    ledger: Ledger
+    sel: selectors.BaseSelector
+    key: bytes
+    server_id: int
+    timeout: float
+    listener: socket.socket | None
+    engine: Engine | None
+    accepted: set[Link]
+    remote_clients: dict[tuple[int, int, int, int], Client]
+    client_keys: dict[Client, tuple[int, int, int, int]]
+    remote_holds: dict[int, RemoteHold]
+    served: dict[ChargedMemory, Served]
+    unmaps: list[tuple[float, int, int]]
+
+    # ------------------------------------------------------------ other brokers
+
+    def _accept(self, mask: int) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("fabric: cannot accept another broker: %s", exc.strerror)
+                return
+            handshaking = sum(1 for link in self.accepted if link.state is not State.READY)
+            if len(self.accepted) >= MAX_LINKS or handshaking >= MAX_HANDSHAKES:
+                log.warning("fabric: refused a connection from %s: too many links", peer[0])
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.set_inheritable(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
+                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed)
+            self.accepted.add(link)
+
+    def _inbound_ready(self, link: Link) -> None:
+        """An importing broker proved the key; an older link of the same server is stale now (it reconnected)."""
+        for old in [o for o in self.accepted if o is not link and o.peer_id == link.peer_id]:
+            old.close("the same server connected again")
+
+    def _inbound_closed(self, link: Link) -> None:
+        self.accepted.discard(link)
+        expires = time.monotonic() + LEASE_FACTOR * self.timeout
+        for rh in self.remote_holds.values():
+            if rh.link is link:
+                rh.link, rh.expires = None, expires
+
+    def _request(self, link: Link, req: int, m: F.PeerMessage) -> None:
+        assert link.peer_id is not None
+        if isinstance(m, F.Import):
+            reply = self._import_for(link, link.peer_id, m)
+        elif isinstance(m, F.Release):
+            reply = self._release_for(link.peer_id, m.hold)
+        elif isinstance(m, F.Adopt):
+            reply = self._adopt_for(link, link.peer_id, m.hold)
+        else:  # a heartbeat
+            reply = F.Ok()
+        link.send(reply, req)
+
+    def _import_for(self, link: Link, server: int, m: F.Import) -> F.PeerMessage:
+        if m.server_id != server:
+            return F.Error(C.ACL_ERROR_RT_NO_PERMISSION, f"server {server:#x} asked on behalf of server "
+                                                         f"{m.server_id:#x}: a broker imports for its own processes")
+        if m.share_type != FABRIC:
+            return F.Error(C.ACL_ERROR_RT_PARAM_INVALID, "only FABRIC handles import across servers")
+        key = (server, m.pid, m.uid, m.tag)
+        client = self.remote_clients.get(key)
+        if client is None:
+            client = self.remote_clients[key] = self.ledger.connect(m.pid, m.uid, (None, None), server=server)
+            self.client_keys[client] = key
+        try:
+            hold, share = self.ledger.admit(client, m.shareable, m.share_type, m.secret)
+        except LedgerError as exc:
+            self._forget_if_idle(client)
+            return F.Error(exc.code, exc.message)
+        memory = share.memory
+        try:
+            if memory.kind != KIND_HOST:
+                raise AclError("this export is GPU memory, which this node's transfer engine cannot serve to other "
+                               "servers: share host or device memory of the host backend across servers",
+                               C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+            served = self._serve(memory, share.fd)
+        except (AclError, OSError) as exc:
+            self.ledger.release(client, hold)
+            self._forget_if_idle(client)
+            code = exc.code if isinstance(exc, AclError) else C.ACL_ERROR_RT_INTERNAL_ERROR
+            return F.Error(code, exc.message if isinstance(exc, AclError) else f"cannot serve the memory: {exc}")
+        self.remote_holds[hold] = RemoteHold(client, server, memory, link)
+        assert self.engine is not None
+        log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
+        return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.engine.segment)
+
+    def _release_for(self, server: int, hold: int) -> F.PeerMessage:
+        rh = self.remote_holds.get(hold)
+        if rh is None or rh.server != server:
+            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"no remote hold {hold:#x} of server {server:#x} here")
+        self._drop_remote(hold)
+        return F.Ok()
+
+    def _adopt_for(self, link: Link, server: int, hold: int) -> F.PeerMessage:
+        rh = self.remote_holds.get(hold)
+        if rh is None or rh.server != server:
+            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"remote hold {hold:#x} of server {server:#x} is gone "
+                                                          "(released, or its lease ran out)")
+        rh.link, rh.expires = link, 0.0
+        return F.Ok()
+
+    def _drop_remote(self, hold: int) -> None:
+        rh = self.remote_holds.pop(hold)
+        with contextlib.suppress(LedgerError):
+            self.ledger.release(rh.client, hold)
+        served = self.served.get(rh.memory)
+        if served is not None:
+            served.holds -= 1
+            if served.holds == 0:
+                self._unserve(rh.memory, grace=True)
+        self._forget_if_idle(rh.client)
+
+    def _forget_if_idle(self, client: Client) -> None:
+        if not client.holds:
+            self.ledger.disconnect(client)
+            key = self.client_keys.pop(client, None)
+            if key is not None:
+                self.remote_clients.pop(key, None)
+
+    # ------------------------------------------------------------ serving memory
+
+    def _serve(self, memory: ChargedMemory, fd: int) -> Served:
+        served = self.served.get(memory)
+        if served is None:
+            if self.engine is None:
+                self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
+            address = host.map_file(fd, memory.size)
+            try:
+                self.engine.register(address, memory.size)
+            except BaseException:
+                host.unmap(address, memory.size)
+                raise
+            served = self.served[memory] = Served(address, memory.size)
+            log.debug("fabric: serving %d bytes at %#x", memory.size, address)
+        served.holds += 1
+        return served
+
+    def _unserve(self, memory: ChargedMemory, grace: bool) -> None:
+        served = self.served.pop(memory)
+        if self.engine is not None:
+            self.engine.unregister(served.address)
+        if grace:
+            self.unmaps.append((time.monotonic() + self.timeout, served.address, served.size))
+        else:
+            with contextlib.suppress(OSError):
+                host.unmap(served.address, served.size)

@@ -187,3 +187,7 @@ def main(argv: list[str]) -> int:
     for v in result["violations"][:20]:
         print("  " + v)
     return 1 if result["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -118,6 +118,10 @@ class Engine:
         if segment not in self._contacted:
             self._contact(segment, remote)
         call = self._engine.transfer_sync_write if write else self._engine.transfer_sync_read
+        if size <= CHUNK:  # the common case, one call
+            if call(segment, local, remote, size) != 0:
+                self._failed(segment, "write" if write else "read", size)
+            return
         done = 0
         while done < size:
             n = min(CHUNK, size - done)

@@ -103,7 +103,14 @@ class BrokerClient:
             raise
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
-        packet, got, truncated = self._waiter.wait(sock)
+        try:
+            packet, got, truncated = self._waiter.wait(sock)
+        except OSError:
+            refusal = _refusal(sock)  # a broker that refused the connection (ECONNRESET comes before its word)
+            if refusal is not None:
+                self._reset()
+                raise refusal from None
+            raise
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
         try:

@@ -18,7 +18,7 @@ import hmac
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,16 @@ SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # an e
 WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10  # F_SEAL_FUTURE_WRITE: importers map the memory read-write
 
 Answer = tuple[P.Message, int]  # a reply and the fd to send with it (-1: none; the ledger still owns it)
-Found = Mapping[int, "Identity | OSError"]  # pid -> who had it when looked up (or why the lookup failed)
+NOBODY: Identity = (None, None)
+MAX_PID = 0x7FFFFFFF
+
+
+@dataclass
+class Lookups:
+    """Who had each pid when it was looked up, and the pids whose lookup failed (with the error)."""
+
+    ids: dict[int, Identity] = field(default_factory=dict)
+    failed: dict[int, OSError] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -108,7 +117,7 @@ class Ledger:
         self.broker_pid = broker_pid
         self.random_bytes = random_bytes
         self.usage = Usage(quotas or Quotas(), capacity, fd_budget)
-        self._serve: dict[type[P.Message], Callable[[Client, Any, int, Found], Answer]] = {
+        self._serve: dict[type[P.Message], Callable[[Client, Any, int, Lookups | None], Answer]] = {
             P.Charge: self._charge, P.ChargeGpu: self._charge_gpu, P.Release: self._release_request,
             P.MemInfo: self._mem_info, P.Export: self._export, P.Revoke: self._revoke_request,
             P.SetPids: self._set_pids, P.Import: self._import, P.BareTgid: self._bare_tgid, P.List: self._list,
@@ -139,7 +148,7 @@ class Ledger:
         self.usage.disconnect(client.uid)
 
     def handle(self, client: Client, request: P.Message, fd: int = -1, sender: int | None = None,
-               found: Found | None = None) -> Answer:
+               found: Lookups | None = None) -> Answer:
         """Serve one request of `client`. `fd` came with it: the ledger owns it from here (an export keeps it,
         anything else closes it). `sender` is the pid the kernel stamped on the message (None: the client's own);
         `found` holds pid lookups made ahead of time for it (see `pids_to_bind`)."""
@@ -153,14 +162,14 @@ class Ledger:
             reason = f"protocol error: {request.TYPE.name} is a reply, not a request"
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, reason), -1
         try:
-            return serve(client, request, fd, found or {})
+            return serve(client, request, fd, found)
         except LedgerError as exc:
             return P.Error(exc.code, exc.message), -1
 
     def pids_to_bind(self, client: Client, request: P.Message) -> set[int]:
         """The pids `request` would look up (each once): the server spreads a long list over several turns of its
         loop and hands the results to `handle` as `found`."""
-        if not isinstance(request, (P.Export, P.SetPids)) or not all(0 < p <= 0x7FFFFFFF for p in request.pids):
+        if not isinstance(request, (P.Export, P.SetPids)) or not _valid_pids(request.pids):
             return set()  # nothing to look up, or a request that is refused before any lookup
         if isinstance(request, P.SetPids):
             share = self.exports.get(request.shareable)
@@ -170,19 +179,19 @@ class Ledger:
             return set()
         return set(request.pids)
 
-    def look_up(self, pids: Iterable[int]) -> dict[int, Identity | OSError]:
-        """Who has each pid now, or the error that kept it from being known."""
-        found: dict[int, Identity | OSError] = {}
+    def look_up(self, pids: Iterable[int], into: Lookups | None = None) -> Lookups:
+        """Who has each pid now, or the error that kept it from being known (added to `into`)."""
+        found = into if into is not None else Lookups()
         for pid in pids:
             try:
-                found[pid] = self.identify(pid)
+                found.ids[pid] = self.identify(pid)
             except OSError as exc:
-                found[pid] = exc
+                found.failed[pid] = exc
         return found
 
     # ------------------------------------------------------------ capacity
 
-    def _charge(self, client: Client, m: P.Charge, fd: int, found: Found) -> Answer:
+    def _charge(self, client: Client, m: P.Charge, fd: int, found: Lookups | None) -> Answer:
         if m.device != -1:
             free = self.capacity - self.used[self._device(m.device)]
             if m.size > free:
@@ -195,13 +204,13 @@ class Ledger:
             self.usage.check_memory(client.uid, m.device, m.size)
         return P.Token(self._new_charge(ChargedMemory(client, m.device, m.size))), -1
 
-    def _charge_gpu(self, client: Client, m: P.ChargeGpu, fd: int, found: Found) -> Answer:
+    def _charge_gpu(self, client: Client, m: P.ChargeGpu, fd: int, found: Lookups | None) -> Answer:
         """GPU memory (a CUDA-backend allocation): the GPU's own capacity applies, not this node's."""
         if m.device >= MAX_GPUS:
             raise LedgerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"GPU {m.device} is beyond {MAX_GPUS} GPUs")
         return P.Token(self._new_charge(ChargedMemory(client, m.device, m.size, KIND_GPU))), -1
 
-    def _mem_info(self, client: Client, m: P.MemInfo, fd: int, found: Found) -> Answer:
+    def _mem_info(self, client: Client, m: P.MemInfo, fd: int, found: Lookups | None) -> Answer:
         return P.Mem(self.capacity - self.used[self._device(m.device)], self.capacity), -1
 
     def _device(self, device: int) -> int:
@@ -242,7 +251,7 @@ class Ledger:
             raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, "unknown allocation token for this connection")
         return found
 
-    def _release_request(self, client: Client, m: P.Release, fd: int, found: Found) -> Answer:
+    def _release_request(self, client: Client, m: P.Release, fd: int, found: Lookups | None) -> Answer:
         self._own(client, m.hold)
         self._release(client, m.hold)
         return P.Ok(), -1
@@ -263,7 +272,7 @@ class Ledger:
 
     # ------------------------------------------------------------ exports
 
-    def _export(self, client: Client, m: P.Export, fd: int, found: Found) -> Answer:
+    def _export(self, client: Client, m: P.Export, fd: int, found: Lookups | None) -> Answer:
         try:
             shareable = self._share(client, m, fd, found)
         except BaseException:
@@ -272,7 +281,7 @@ class Ledger:
             raise
         return P.Exported(shareable), -1
 
-    def _share(self, client: Client, m: P.Export, fd: int, found: Found) -> bytes:
+    def _share(self, client: Client, m: P.Export, fd: int, found: Lookups | None) -> bytes:
         memory = self._own(client, m.hold).memory
         if memory.share is not None:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
@@ -315,7 +324,7 @@ class Ledger:
                 "importers of a file that can shrink would die of SIGBUS",
             )
 
-    def _revoke_request(self, client: Client, m: P.Revoke, fd: int, found: Found) -> Answer:
+    def _revoke_request(self, client: Client, m: P.Revoke, fd: int, found: Lookups | None) -> Answer:
         share = self._own(client, m.hold).memory.share
         if share is not None:
             if m.hold in share.importers:
@@ -348,7 +357,7 @@ class Ledger:
             )
         return share
 
-    def _set_pids(self, client: Client, m: P.SetPids, fd: int, found: Found) -> Answer:
+    def _set_pids(self, client: Client, m: P.SetPids, fd: int, found: Lookups | None) -> Answer:
         share = self._shared(m.shareable, m.share_type)
         if share.exporter is not client:
             raise LedgerError(
@@ -361,37 +370,46 @@ class Ledger:
         return P.Ok(), -1
 
     def _bind(self, client: Client, pids: tuple[int, ...], trust: dict[int, Identity],
-              found: Found) -> dict[int, Identity]:
+              found: Lookups | None) -> dict[int, Identity]:
         """`trust` plus `pids`, each bound to the process that has it now (pid reuse); each pid is looked up once.
 
         An entry keeps its binding while its process lives (re-adding it changes nothing), and is never made unbound
         again: re-adding the pid of a process that exited binds it only to a process that has the pid now. Any
         failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident."""
-        if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
+        if not _valid_pids(pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
         wanted = set(pids)
-        new = sum(1 for p in wanted if p not in trust)
+        new = len(wanted.difference(trust))
         if len(trust) + new > MAX_TRUSTLIST:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
         self.usage.check_trust(client.uid, new)
-        now = dict(found) if found else {}
-        now.update(self.look_up(p for p in wanted if p not in now))
+        got = found if found is not None else Lookups()
+        missing = wanted.difference(got.ids, got.failed)
+        if missing:
+            self.look_up(missing, got)
+        failed = wanted.intersection(got.failed)
+        if failed:
+            pid = min(failed)
+            why = got.failed[pid]
+            raise LedgerError(
+                C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
+                f"could not tell which process has pid {pid} ({why.strerror or why}), so it cannot be trusted "
+                "safely; the trustlist is unchanged: try again",
+            )
+        ids = got.ids
         result = dict(trust)
+        if not trust:
+            result.update({pid: ids[pid] for pid in wanted})
+            return result
         for pid in wanted:
-            who = now[pid]
-            if isinstance(who, OSError):
-                raise LedgerError(
-                    C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
-                    f"could not tell which process has pid {pid} ({who.strerror or who}), so it cannot be trusted "
-                    "safely; the trustlist is unchanged: try again",
-                )
-            if pid not in trust or who != (None, None):
-                result[pid] = who  # a new entry; or the one that has the pid now (the same process, or a new one)
+            who = ids[pid]
+            if who != NOBODY or pid not in trust:  # the process that has the pid now; never unbind an entry
+                result[pid] = who
         return result
 
     # ------------------------------------------------------------ imports
 
-    def _import(self, client: Client, m: P.Import, fd: int, found: Found) -> Answer:
+    def _import(self, client: Client, m: P.Import, fd: int, found: Lookups | None) -> Answer:
         share = self._shared(m.shareable, m.share_type)
         if m.share_type == FABRIC and not hmac.compare_digest(m.secret, share.secret):
             raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE,
@@ -419,16 +437,21 @@ class Ledger:
 
     # ------------------------------------------------------------ who asks, and what there is
 
-    def _bare_tgid(self, client: Client, m: P.BareTgid, fd: int, found: Found) -> Answer:
+    def _bare_tgid(self, client: Client, m: P.BareTgid, fd: int, found: Lookups | None) -> Answer:
         return P.Pid(client.pid), -1
 
-    def _list(self, client: Client, m: P.List, fd: int, found: Found) -> Answer:
+    def _list(self, client: Client, m: P.List, fd: int, found: Lookups | None) -> Answer:
         return P.Listing(self.listing(m.offset, client)), -1
 
     def listing(self, offset: int, viewer: Client) -> str:
         """One page of `vmmshare ls` as JSON (listing.py); the viewer's own connection is not counted."""
         others = len(self.clients) - (viewer in self.clients)
         return listing_page(self, offset, viewer, others)
+
+
+def _valid_pids(pids: tuple[int, ...]) -> bool:
+    """Whether every pid is a positive 32-bit int (min and max: a trustlist can hold 4,096)."""
+    return not pids or (min(pids) > 0 and max(pids) <= MAX_PID)
 
 
 def _not_the_owner(client: Client, sender: int) -> str:

@@ -10,6 +10,7 @@ exports are revoked.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -29,13 +30,17 @@ from ..config import Config, ConfigError, Quotas, check_socket_path, quotas, spi
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import wire
 from .folder import FolderError, make_serving_folder, open_private
-from .identity import PIDFS, Identity, identity_of_pid, identity_of_pidfd
-from .ledger import Client, Ledger, LedgerError
+from .identity import PIDFS, identity_of_pid, identity_of_pidfd
+from .ledger import Client, Ledger, LedgerError, Lookups
 from .ratelog import RateLimitedLog
 
 log = logging.getLogger("vmmshare.broker")
 SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
-LOOKUPS_PER_TURN = 256  # pid lookups (trustlist bindings) per turn of the loop, shared by every client
+LOOKUPS_PER_TURN = 256  # pid lookups (trustlist bindings) made at once per turn of the loop, by all clients
+JOB_SECONDS = 0.0005  # then, per turn, this long for the longer trustlists, spread over turns (see Job)
+JOB_BATCH = 32  # pids of one deferred request looked up before the next one's turn
+TRIM_AFTER = 16384  # trustlist entries released by one client that make the broker hand memory back
+_LIBC = ctypes.CDLL(None)
 FD_RESERVE = 64  # file descriptors kept back from clients: the listener, the selector, lookups, the log
 
 
@@ -60,7 +65,7 @@ class Job:
     fd: int
     sender: int
     todo: list[int]
-    found: dict[int, Identity | OSError] = field(default_factory=dict)
+    found: Lookups = field(default_factory=Lookups)
 
 
 class _Exit:
@@ -101,6 +106,8 @@ class Broker:
                              memfd_info=memfd_info, broker_pid=os.getpid(), quotas=limits, fd_budget=_fd_budget())
         self.conns: dict[int, Conn] = {}
         self.jobs: list[Job] = []
+        self.next_job = 0
+        self.released = 0  # trustlist entries let go since the heap was last trimmed
         self.budget = LOOKUPS_PER_TURN
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
@@ -364,7 +371,7 @@ class Broker:
             fd = fds.pop() if fds else -1  # the ledger's (or the job's) from here
             need = self.ledger.pids_to_bind(conn.client, request) if sender == pid else set()
             if len(need) > self.budget:
-                self._defer(Job(conn, req, request, fd, sender, sorted(need)))
+                self._defer(Job(conn, req, request, fd, sender, list(need)))
                 return
             self.budget -= len(need)
             answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender)
@@ -393,20 +400,21 @@ class Broker:
         self.jobs.append(job)
 
     def _run_jobs(self) -> None:
-        """Look up the next pids of each deferred request, sharing what is left of this turn's budget."""
-        if not self.jobs:
-            return
-        share = max(16, self.budget // len(self.jobs))
-        for job in list(self.jobs):
-            batch, job.todo = job.todo[:share], job.todo[share:]
+        """Look up the next pids of the deferred requests, a few of each in turn, for at most JOB_SECONDS: the
+        clients that wait on other requests are served again right after."""
+        deadline = time.perf_counter() + JOB_SECONDS
+        while self.jobs and time.perf_counter() < deadline:
+            self.next_job = (self.next_job + 1) % len(self.jobs)
+            job = self.jobs[self.next_job]
+            batch = job.todo[-JOB_BATCH:]
+            del job.todo[-JOB_BATCH:]
             try:
-                job.found.update(self.ledger.look_up(batch))
+                self.ledger.look_up(batch, job.found)
             except Exception:  # a bug must not take the node's broker down: the request is answered with it
                 log.exception("internal error looking up pids for pid %d", job.conn.client.pid)
                 job.todo = []
             if not job.todo:
                 self._finish(job)
-        self.budget = 0
 
     def _finish(self, job: Job) -> None:
         conn = job.conn
@@ -432,7 +440,12 @@ class Broker:
             conn.job = None
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
+        before = self.ledger.usage.trust_entries()
         self.ledger.disconnect(conn.client)
+        self.released += before - self.ledger.usage.trust_entries()
+        if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
+            self.released = 0
+            _trim_memory()
         conn.sock.close()
         self._close_pidfd(conn.pidfd)
         if not self.conns:
@@ -454,6 +467,13 @@ def _refuse(sock: socket.socket, code: int, why: str) -> None:
     with contextlib.suppress(OSError):
         sock.send(encode(P.Error(code, why), 0), wire.DONTWAIT)
     sock.close()
+
+
+def _trim_memory() -> None:
+    """Return freed heap memory to the system (glibc's malloc_trim; nothing elsewhere)."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _spare_fd() -> int:

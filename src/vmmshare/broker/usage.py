@@ -49,6 +49,10 @@ class Usage:
         self.fds = 0  # held for clients: connections and exports
         self.users: dict[int, Tally] = {}
 
+    def trust_entries(self) -> int:
+        """Trustlist entries held by all users."""
+        return sum(t.trust for t in self.users.values())
+
     def of(self, uid: int) -> Tally:
         tally = self.users.get(uid)
         if tally is None:

@@ -26,7 +26,7 @@ from test_ledger import (
     MiB2,
 )
 from vmmshare import protocol as P
-from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, MAX_GPUS
+from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, MAX_GPUS, Lookups
 from vmmshare.broker.usage import FDS_PER_CONNECTION
 from vmmshare.config import Quotas
 
@@ -144,7 +144,7 @@ def test_trustlist_lookups_made_ahead_are_used_and_a_failed_one_refuses(books: B
     reply, _ = books.ledger.handle(a, P.SetPids(shareable, DEFAULT, pids), found=found)
     assert reply == P.Ok() and books.lookups == [], "nothing looked up twice"
     assert books.imports(books.client(9, identity=(None, 7009)), shareable) == 0
-    found = {p: (None, None) for p in range(600, 700)} | {650: OSError(errno.EMFILE, "injected")}
+    found = Lookups({p: (None, None) for p in range(600, 700) if p != 650}, {650: OSError(errno.EMFILE, "injected")})
     reply, _ = books.ledger.handle(a, P.SetPids(shareable, DEFAULT, tuple(range(600, 700))), found=found)
     assert isinstance(reply, P.Error) and reply.code == RESOURCE and len(books.ledger.exports[shareable].trust) == 598
 

@@ -19,7 +19,6 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import constants as C
@@ -28,74 +27,19 @@ from ..config import Quotas
 from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, FabricHandle, default_bytes
 from .identity import Identity, same_process
 from .listing import LIST_IMPORTERS, LIST_PAGE, LIST_TRUST, listing_page
+from .records import KIND_GPU, KIND_HOST, NOBODY, ChargedMemory, Client, Hold, Lookups, Share
 from .usage import LedgerError, Usage
 
-__all__ = ["LIST_IMPORTERS", "LIST_PAGE", "LIST_TRUST", "Client", "Ledger", "LedgerError"]
+__all__ = ["LIST_IMPORTERS", "LIST_PAGE", "LIST_TRUST", "Client", "Ledger", "LedgerError", "Lookups"]
 
 log = logging.getLogger("vmmshare.broker")
-KIND_HOST, KIND_GPU = 0, 1
 MAX_GPUS = 1024  # GPU ids accepted for GPU charges (the broker cannot see the GPUs)
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # an exported memfd keeps its size
 WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10  # F_SEAL_FUTURE_WRITE: importers map the memory read-write
 
 Answer = tuple[P.Message, int]  # a reply and the fd to send with it (-1: none; the ledger still owns it)
-NOBODY: Identity = (None, None)
 MAX_PID = 0x7FFFFFFF
-
-
-@dataclass
-class Lookups:
-    """Who had each pid when it was looked up, and the pids whose lookup failed (with the error)."""
-
-    ids: dict[int, Identity] = field(default_factory=dict)
-    failed: dict[int, OSError] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class Client:
-    """Who sends requests: a process as the kernel named it (pid, uid, identity), apart from any socket."""
-
-    pid: int
-    uid: int
-    identity: Identity
-    holds: set[int] = field(default_factory=set)  # hold ids
-
-
-@dataclass(eq=False)
-class ChargedMemory:
-    """One allocation charged to the node, alive while any hold on it is."""
-
-    charger: Client  # who charged it (the exporter, if it is exported)
-    device: int  # -1: host memory (not capped)
-    size: int
-    kind: int = KIND_HOST  # a memfd, counted against the node's capacity; or KIND_GPU, which the driver caps
-    holders: int = 1
-    share: Share | None = None  # once exported
-
-
-@dataclass(eq=False)
-class Share:
-    """An export: the handle value that names it on the node, the memory's fd, and who may import it."""
-
-    handle: int
-    memory: ChargedMemory
-    fd: int  # -1 once revoked
-    share_type: int
-    flags: int
-    prop: tuple[int, int, int, int, int]  # handleType, allocationType, memAttr, location type, location id
-    exporter: Client
-    secret: bytes  # a FABRIC handle's; zeros for DEFAULT
-    trust: dict[int, Identity] = field(default_factory=dict)  # pid -> the process it was bound to
-    importers: dict[int, Client] = field(default_factory=dict)  # hold id -> importer
-
-
-@dataclass(eq=False)
-class Hold:
-    """One client's claim on charged memory: its charge, or one import of it."""
-
-    client: Client
-    memory: ChargedMemory
 
 
 class Ledger:

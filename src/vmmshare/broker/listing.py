@@ -17,7 +17,8 @@ from .. import protocol as P
 from ..handles import MAX_TRUSTLIST
 
 if TYPE_CHECKING:
-    from .ledger import Client, Ledger, Share
+    from .ledger import Ledger
+    from .records import Client, Share
 
 LIST_PAGE = 100  # items per listing page, at most
 LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)

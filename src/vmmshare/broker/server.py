@@ -10,7 +10,6 @@ exports are revoked.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
@@ -19,29 +18,25 @@ import resource
 import selectors
 import signal
 import socket
-import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
 from .. import protocol as P
 from ..config import Config, ConfigError, Quotas, check_socket_path, quotas, spin_seconds
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
-from . import wire
+from . import system, wire
 from .folder import FolderError, make_serving_folder, open_private
 from .identity import PIDFS, identity_of_pid, identity_of_pidfd
-from .ledger import Client, Ledger, LedgerError, Lookups
+from .jobs import Job, Jobs
+from .ledger import Client, Ledger, LedgerError
 from .ratelog import RateLimitedLog
 
 log = logging.getLogger("vmmshare.broker")
 SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
 LOOKUPS_PER_TURN = 256  # pid lookups (trustlist bindings) made at once per turn of the loop, by all clients
-JOB_SECONDS = 0.0005  # then, per turn, this long for the longer trustlists, spread over turns (see Job)
-JOB_BATCH = 32  # pids of one deferred request looked up before the next one's turn
-TRIM_AFTER = 16384  # trustlist entries released by one client that make the broker hand memory back
-_LIBC = ctypes.CDLL(None)
-FD_RESERVE = 64  # file descriptors kept back from clients: the listener, the selector, lookups, the log
+TRIM_AFTER = 16384  # trustlist entries released by clients that make the broker hand memory back
 
 
 @dataclass(eq=False)
@@ -51,21 +46,7 @@ class Conn:
     sock: socket.socket
     pidfd: int
     client: Client
-    job: Job | None = None  # a request waiting for its pid lookups
-
-
-@dataclass(eq=False)
-class Job:
-    """A request whose trustlist needs more pid lookups than one turn of the loop allows: they are spread over
-    several turns, so that other clients are served in between; its connection is not read meanwhile."""
-
-    conn: Conn
-    req: int
-    request: P.Message
-    fd: int
-    sender: int
-    todo: list[int]
-    found: Lookups = field(default_factory=Lookups)
+    job: Job[Conn] | None = None  # a request waiting for its pid lookups (jobs.py)
 
 
 class _Exit:
@@ -79,19 +60,6 @@ class InUse(RuntimeError):
     """Another broker answers on the path already."""
 
 
-def memfd_info(fd: int) -> tuple[int, int] | None:
-    """(size, seals) of the regular file at `fd` (seals -1: a file that takes no seals, so not a memfd); None for
-    anything else (a pipe, a socket)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = -1
-    return st.st_size, seals
-
-
 class Broker:
     """The node's sharing authority on its socket: the event loop around the ledger (ledger.py), which keeps the
     books; this side accepts clients, names them by their kernel credentials, and passes fds."""
@@ -103,10 +71,10 @@ class Broker:
         self.idle = idle
         self.multi_user = multi_user
         self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=os.close,
-                             memfd_info=memfd_info, broker_pid=os.getpid(), quotas=limits, fd_budget=_fd_budget())
+                             memfd_info=system.memfd_info, broker_pid=os.getpid(), quotas=limits,
+                             fd_budget=system.fd_budget())
         self.conns: dict[int, Conn] = {}
-        self.jobs: list[Job] = []
-        self.next_job = 0
+        self.jobs: Jobs[Conn] = Jobs(self.ledger)
         self.released = 0  # trustlist entries let go since the heap was last trimmed
         self.budget = LOOKUPS_PER_TURN
         self.listener: socket.socket | None = None
@@ -115,7 +83,7 @@ class Broker:
         self.stopping = False
         self.uid = os.getuid()
         self.warn = RateLimitedLog(log)
-        self.spare = _spare_fd()  # given up to accept (and refuse) a client when the broker runs out of fds
+        self.spare = system.spare_fd()  # given up to accept (and refuse) a client when the broker runs out of fds
         self.listen_paused_until = 0.0
 
     # ------------------------------------------------------------ socket set-up
@@ -127,7 +95,7 @@ class Broker:
         tmp = folder / f".b{os.getpid():x}"
         check_socket_path(tmp, "--socket (its folder, for the broker's temporary name)")
         make_serving_folder(folder, self.multi_user)
-        if _answers(self.path):
+        if system.answers(self.path):
             raise InUse(f"a broker already serves {self.path}")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -185,7 +153,7 @@ class Broker:
     def _dispatch(self, key: selectors.SelectorKey) -> None:
         try:
             if key.data is _WAKE:
-                _drain(key.fileobj)  # type: ignore[arg-type]
+                system.drain(key.fileobj)  # type: ignore[arg-type]
             elif key.data is None:
                 self._accept()
             elif isinstance(key.data, _Exit):
@@ -312,7 +280,7 @@ class Broker:
                 code = C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL
                 why = f"the broker could not tell which process connected ({exc.strerror or exc}): try again"
             self.warn.log(logging.WARNING, f"refuse:{code}", "refused pid %d of uid %d: %s", pid, uid, why)
-            _refuse(sock, code, why)
+            system.refuse(sock, code, why)
             return
         conn = Conn(sock, pidfd, client)
         self.conns[sock.fileno()] = conn
@@ -334,11 +302,11 @@ class Broker:
             with contextlib.suppress(OSError):
                 sock, _ = self.listener.accept()
         if sock is not None:
-            _refuse(sock, C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, "the broker is out of file descriptors: its clients "
-                    "hold all that its open-file limit allows; try again once some have closed")
-            self.spare = _spare_fd()
+            system.refuse(sock, C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, "the broker is out of file descriptors: its "
+                          "clients hold all that its open-file limit allows; try again once some have closed")
+            self.spare = system.spare_fd()
             return
-        self.spare = _spare_fd()
+        self.spare = system.spare_fd()
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(self.listener)
         self.listen_paused_until = time.monotonic() + 0.1
@@ -394,31 +362,18 @@ class Broker:
         except OSError:
             self._drop(conn)
 
-    def _defer(self, job: Job) -> None:
-        job.conn.job = job
-        self.sel.unregister(job.conn.sock)  # its next request waits for this one's reply
-        self.jobs.append(job)
+    def _defer(self, job: Job[Conn]) -> None:
+        job.owner.job = job
+        self.sel.unregister(job.owner.sock)  # its next request waits for this one's reply
+        self.jobs.add(job)
 
     def _run_jobs(self) -> None:
-        """Look up the next pids of the deferred requests, a few of each in turn, for at most JOB_SECONDS: the
-        clients that wait on other requests are served again right after."""
-        deadline = time.perf_counter() + JOB_SECONDS
-        while self.jobs and time.perf_counter() < deadline:
-            self.next_job = (self.next_job + 1) % len(self.jobs)
-            job = self.jobs[self.next_job]
-            batch = job.todo[-JOB_BATCH:]
-            del job.todo[-JOB_BATCH:]
-            try:
-                self.ledger.look_up(batch, job.found)
-            except Exception:  # a bug must not take the node's broker down: the request is answered with it
-                log.exception("internal error looking up pids for pid %d", job.conn.client.pid)
-                job.todo = []
-            if not job.todo:
-                self._finish(job)
+        """Give the deferred requests their share of this turn, and answer those whose lookups are done."""
+        for job in self.jobs.step():
+            self._finish(job)
 
-    def _finish(self, job: Job) -> None:
-        conn = job.conn
-        self.jobs.remove(job)
+    def _finish(self, job: Job[Conn]) -> None:
+        conn = job.owner
         conn.job = None
         try:
             answer, reply_fd = self.ledger.handle(conn.client, job.request, job.fd, job.sender, job.found)
@@ -434,9 +389,7 @@ class Broker:
         if self.conns.pop(conn.sock.fileno(), None) is None:
             return
         if conn.job is not None:
-            self.jobs.remove(conn.job)
-            if conn.job.fd >= 0:
-                os.close(conn.job.fd)
+            self.jobs.cancel(conn.job)
             conn.job = None
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
@@ -445,7 +398,7 @@ class Broker:
         self.released += before - self.ledger.usage.trust_entries()
         if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
             self.released = 0
-            _trim_memory()
+            system.trim_memory()
         conn.sock.close()
         self._close_pidfd(conn.pidfd)
         if not self.conns:
@@ -460,54 +413,6 @@ class Broker:
 
 
 _WAKE = object()
-
-
-def _refuse(sock: socket.socket, code: int, why: str) -> None:
-    """Tell a connection the broker will not serve it (an ERROR addressed to request 0), and close it."""
-    with contextlib.suppress(OSError):
-        sock.send(encode(P.Error(code, why), 0), wire.DONTWAIT)
-    sock.close()
-
-
-def _trim_memory() -> None:
-    """Return freed heap memory to the system (glibc's malloc_trim; nothing elsewhere)."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-def _spare_fd() -> int:
-    try:
-        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return -1
-
-
-def _drain(sock: socket.socket) -> None:
-    with contextlib.suppress(BlockingIOError):
-        while sock.recv(512):
-            pass
-
-
-def _answers(path: Path) -> bool:
-    """Whether a broker listens at `path` (one whose queue is full counts: it is there, only stuck)."""
-    try:
-        wire.connect(path, 2.0).close()
-    except TimeoutError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def _fd_budget() -> int:
-    """The fds the broker may hold for its clients: its open-file limit (raised to the hard limit), less a reserve."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-    return max(0, soft - FD_RESERVE - len(os.listdir("/proc/self/fd")))
 
 
 def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1,

@@ -488,9 +488,10 @@ class Broker:
 class Conn:
     """One SOCK_SEQPACKET connection speaking raw frames.
 
-    With `foreign`, a forked helper makes the connection and hands it over (SCM_RIGHTS), then waits: the broker
-    sees (SO_PEERCRED) another process, so IMPORT from this connection of a handle exported on another one is
-    allowed and the broker's import paths are reached. The helper exits when the connection is closed.
+    With `foreign`, a forked helper makes the connection and relays our packets over it: the broker sees
+    (SO_PEERCRED, and SCM_CREDENTIALS on each packet) another process, so IMPORT from this connection of a handle
+    exported on another one is allowed and the broker's import paths are reached. The helper exits when the
+    connection is closed.
     """
 
     def __init__(self, path: Path, foreign: bool = False) -> None:
@@ -539,41 +540,68 @@ class Conn:
 
 
 def _connect_from_helper(path: Path) -> tuple[socket.socket, int, int]:
-    """Fork a helper that connects to `path`, passes us the socket and waits until `hold` (returned) is closed."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    """Fork a helper that connects to `path` and relays packets (with their fds) between that connection and the
+    socket returned to us, until either side closes; `hold` (returned) is closed to make it leave.
+
+    The broker decides each packet by its sender (SCM_CREDENTIALS), so the helper itself sends them: to the broker
+    this connection is another process's in every packet."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     hold_r, hold_w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the helper: no Python-level cleanup, just the connection and a wait
+    if pid == 0:  # the helper: no Python-level cleanup, just the relay
         try:
-            keep = {0, 1, 2, theirs.fileno(), hold_r}
+            keep = {0, 1, 2, theirs.fileno(), hold_r, ready_w}
             for name in os.listdir("/proc/self/fd"):  # hold no copy of the parent's connections or pipes
                 if int(name) not in keep:
                     with contextlib.suppress(OSError):
                         os.close(int(name))
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.connect(str(path))
-            theirs.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [s.fileno()]))])
-            s.close()
-            os.read(hold_r, 1)
+            os.write(ready_w, b"x")
+            os.close(ready_w)
+            _relay(theirs, s, hold_r)
         finally:
             os._exit(0)
     theirs.close()
     os.close(hold_r)
+    os.close(ready_w)
     try:
-        _, anc, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
+        if os.read(ready_r, 1) != b"x":
+            os.close(hold_w)
+            os.waitpid(pid, 0)
+            raise RuntimeError("the helper could not connect to the broker")
     finally:
-        ours.close()
-    fds = array.array("i")
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    if len(fds) != 1:
-        os.close(hold_w)
-        os.waitpid(pid, 0)
-        raise RuntimeError("the helper did not pass its connection")
-    sock = socket.socket(fileno=fds[0])
-    os.set_inheritable(sock.fileno(), False)
-    return sock, pid, hold_w
+        os.close(ready_r)
+    return ours, pid, hold_w
+
+
+def _relay(a: socket.socket, b: socket.socket, hold: int) -> None:
+    """Pass packets and their fds both ways between `a` and `b` until one side closes or `hold` is closed."""
+    peer = {a.fileno(): b, b.fileno(): a}
+    poller = select.poll()
+    for fd in (a.fileno(), b.fileno(), hold):
+        poller.register(fd, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == hold:
+                return
+            src = a if fd == a.fileno() else b
+            data, anc, _, _ = src.recvmsg(4 * MAX_FRAME, socket.CMSG_SPACE(4 * 64))
+            fds = array.array("i")
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+            if not data and not fds:
+                return
+            try:
+                cmsg = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else []
+                peer[fd].sendmsg([data], cmsg)
+            except OSError:
+                return
+            finally:
+                for passed in fds:
+                    os.close(passed)
 
 
 def settled_fd_count(broker: Broker) -> int:
@@ -598,7 +626,7 @@ def broker_state(broker: Broker, devices: int = 8) -> dict[str, Any]:
             mem[d] = (f.free, f.total) if isinstance(f, P.Mem) else None
         listing = json.loads(c.call(P.List(0)).page)
         return {"all_free": all(m is not None and m[0] == m[1] for m in mem.values()),
-                "exports": len(listing["exports"]), "clients_seen": listing["clients"]}
+                "exports": len(listing["exports"]), "clients_seen": listing["clients"] + 1}  # + this one's own
     finally:
         c.close()
 
@@ -677,9 +705,8 @@ def _attach_fds(rng: random.Random, n: int, size_hint: int, stats: LiveStats) ->
             pipes.append(rd)
             stats.fd_kinds["pipe"] += 1
         elif r < 0.85:
-            fd = os.memfd_create("fuzz", os.MFD_CLOEXEC)
             fit = size_hint if size_hint <= 1 << 40 else MiB2  # sparse: a memfd's size costs no memory
-            os.ftruncate(fd, fit if rng.random() < 0.7 else rng.choice((0, 4096, MiB2)))
+            fd = rawsock.sealed_memfd(fit if rng.random() < 0.7 else rng.choice((0, 4096, MiB2)), "fuzz")
             fds.append(fd)
             stats.fd_kinds["memfd"] += 1
         else:
@@ -865,8 +892,7 @@ def fuzz_live(broker: Broker, seed: int, count: int, seconds: float | None = Non
                 valid = None
             n = min(case.nfds, 7)  # the case's fd count, as real fds (the kernel takes at most 253 per message)
             if case.memfd_size is not None:
-                fds, pipes = [os.memfd_create("fuzz-export", os.MFD_CLOEXEC)], []
-                os.ftruncate(fds[0], case.memfd_size)
+                fds, pipes = [rawsock.sealed_memfd(case.memfd_size, "fuzz-export")], []
             else:
                 fds, pipes = _attach_fds(rng, n, size_hint, stats) if n else ([], [])
             stats.fds_attached += len(fds)

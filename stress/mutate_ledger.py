@@ -2,9 +2,10 @@
 """Mutation run over the broker ledger's checks: each check is deleted (or inverted) in turn, and the tests of the
 sharing rules must fail on every such mutant.
 
-For each mutant the source of ``vmmshare/broker/ledger.py`` is rewritten in place (the test brokers are separate
-processes that import it), the test files run with ``pytest -x``, and the source is put back, also when the run is
-interrupted. A mutant is *killed* when some test fails; the first failing test is reported.
+For each mutant the source of its module (``vmmshare/broker/ledger.py``, or ``listing.py`` / ``usage.py`` beside it)
+is rewritten in place (the test brokers are separate processes that import it), the test files run with
+``pytest -x``, and the source is put back, also when the run is interrupted. A mutant is *killed* when some test
+fails; the first failing test is reported.
 
     .venv/bin/python stress/mutate_ledger.py                 # every mutant, the three files in one pytest run
     .venv/bin/python stress/mutate_ledger.py --each-file     # which test of each file catches each mutant
@@ -27,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-LEDGER = ROOT / "src" / "vmmshare" / "broker" / "ledger.py"
-FILES = ["tests/test_ledger.py", "tests/test_broker_robustness.py", "tests/test_sharing_rules.py"]
+BROKER = ROOT / "src" / "vmmshare" / "broker"
+FILES = ["tests/test_ledger.py", "tests/test_ledger_limits.py", "tests/test_broker_robustness.py",
+         "tests/test_sharing_rules.py"]
 
-# (name, what the check is, the source text, what the mutant has instead); each text occurs once in ledger.py
-MUTANTS: list[tuple[str, str, str, str]] = [
+# (name, what the check is, the source text, what the mutant has instead[, the module if not ledger.py]); each
+# text occurs once in its module
+MUTANTS: list[tuple[str, ...]] = [
     ("capacity", "a charge over the device's free capacity (207001)",
      "if m.size > free:", "if False:"),
     ("device_range", "a device id out of range (107001)",
@@ -54,9 +57,11 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("export_no_fd", "an export without an fd (107000)",
      "if fd < 0 or m.size != memory.size", "if m.size != memory.size"),
     ("export_size", "an export whose size is not the allocation's (107000)",
-     "or m.size != memory.size or (memory.kind", "or (memory.kind"),
+     " or m.size != memory.size:", ":"),
     ("export_memfd", "an fd that is not the allocation's memfd (107000)",
-     "(memory.kind == KIND_HOST and self.memfd_size(fd) != m.size)", "False"),
+     "if info is None or info[0] != size:", "if False:"),
+    ("export_sealed", "a memfd that is not sealed against resizing (107000)",
+     "if seals < 0 or seals & SIZE_SEALS != SIZE_SEALS or seals & WRITE_SEALS:", "if False:"),
     ("refused_export_fd", "a refused export closes the fd it came with",
      "            if fd >= 0:\n                self.close_fd(fd)\n            raise", "            raise"),
     ("revoke_by_importer", "rule 14: an importer revoking the export (207006)",
@@ -72,9 +77,9 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("trustlist_exporter_only", "rule 12: the trustlist set by another client (207006)",
      "if share.exporter is not client:", "if False:"),
     ("pid_range", "rule 12: pids that are not positive 32-bit ints (107000)",
-     "if any(p <= 0 or p > 0x7FFFFFFF for p in pids):", "if False:"),
+     "if not _valid_pids(pids):\n            raise", "if False:\n            raise"),
     ("trustlist_max", "rule 12: more than 4096 pids (107000)",
-     "if len(trust) + len(new) > MAX_TRUSTLIST:", "if False:"),
+     "if len(trust) + new > MAX_TRUSTLIST:", "if False:"),
     ("fabric_secret", "a FABRIC import without the handle's secret (107017)",
      "if m.share_type == FABRIC and not hmac.compare_digest(m.secret, share.secret):", "if False:"),
     ("self_import", "rule 13: the exporting process importing its own handle (107000)",
@@ -91,11 +96,34 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("stray_fd", "an fd on a request that takes none is closed",
      "            self.close_fd(fd)\n            fd = -1", "            fd = -1"),
     ("listing_hides_handles", "listing: handle values hidden from other users",
-     "if viewer.uid in (share.exporter.uid, 0) else", "if True else"),
-    ("listing_page_rows", "listing: at most LIST_PAGE rows a page",
-     "if len(rows) >= LIST_PAGE:", "if False:"),
+     "if viewer.uid in (share.exporter.uid, 0) else", "if True else", "listing.py"),
+    ("listing_page_rows", "listing: at most LIST_PAGE items a page",
+     "while at < total and len(page_used) + len(page_gpus) + len(rows) < LIST_PAGE:", "while at < total:",
+     "listing.py"),
     ("listing_page_bytes", "listing: a page fits one frame",
-     "if rows and budget - len(row) - 1 < 0:", "if False:"),
+     "if at > offset and cost > budget:", "if False:", "listing.py"),
+    ("listing_not_the_viewer", "listing: the asking connection is not counted among the clients",
+     "others = len(self.clients) - (viewer in self.clients)", "others = len(self.clients)"),
+    ("unseen_client", "a client the broker sees as pid 0 (207006)",
+     "if pid <= 0:\n            raise LedgerError(", "if False:\n            raise LedgerError("),
+    ("sender", "a request sent by another process than the connection's (207006)",
+     "if sender is not None and sender != client.pid:\n            return", "if False:\n            return"),
+    ("fail_closed", "a pid lookup that failed refuses the trustlist (207005)",
+     "if failed:\n            pid = min(failed)", "if False:\n            pid = min(failed)"),
+    ("never_unbind", "a re-added pid is never bound to nobody",
+     "if who != NOBODY or pid not in trust:", "if True:"),
+    ("quota_connections", "a user's connections past VMMSHARE_QUOTA_CONNECTIONS (207005)",
+     "if tally.connections >= self.quotas.connections:", "if False:", "usage.py"),
+    ("quota_exports", "a user's exports past VMMSHARE_QUOTA_EXPORTS (207005)",
+     "if exports >= self.quotas.exports:", "if False:", "usage.py"),
+    ("quota_holds", "a user's holds past VMMSHARE_QUOTA_HOLDS (207005)",
+     "if tally.holds >= self.quotas.holds:", "if False:", "usage.py"),
+    ("quota_trustlist", "a user's trustlist entries past VMMSHARE_QUOTA_TRUSTLIST (207005)",
+     "if new and held + new > self.quotas.trustlist:", "if False:", "usage.py"),
+    ("quota_memory", "a user's device memory past VMMSHARE_QUOTA_MEMORY (207001)",
+     "if size > self.memory_quota - charged:", "if False:", "usage.py"),
+    ("fd_budget", "the broker's fds past its budget (207005)",
+     "if self.fd_budget is not None and self.fds + count > self.fd_budget:", "if False:", "usage.py"),
 ]
 
 
@@ -125,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [m for m in MUTANTS if args.only is None or m[0] in args.only]
     if not chosen:
         parser.error(f"no such mutant; known: {', '.join(m[0] for m in MUTANTS)}")
-    original = LEDGER.read_text()
-    for name, _, text, _ in MUTANTS:
-        if original.count(text) != 1:
-            print(f"{name}: its source text occurs {original.count(text)} times in {LEDGER}", file=sys.stderr)
+    modules = {m[4] if len(m) > 4 else "ledger.py" for m in MUTANTS}
+    originals = {name: (BROKER / name).read_text() for name in modules}
+    for mutant in MUTANTS:
+        name, text, module = mutant[0], mutant[2], mutant[4] if len(mutant) > 4 else "ledger.py"
+        if originals[module].count(text) != 1:
+            print(f"{name}: its source text occurs {originals[module].count(text)} times in {module}",
+                  file=sys.stderr)
             return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # restore the source on SIGTERM too
     results: list[dict[str, Any]] = []
@@ -137,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         if baseline:
             print(f"the unmutated ledger fails {baseline}: fix that first", file=sys.stderr)
             return 2
-        for name, check, text, mutant in chosen:
-            LEDGER.write_text(original.replace(text, mutant))
+        for name, check, text, mutant, *where in chosen:
+            module = BROKER / (where[0] if where else "ledger.py")
+            module.write_text(originals[module.name].replace(text, mutant))
             caught: dict[str, str] = {}
             groups = [[f] for f in FILES] if args.each_file else [FILES]
             seconds = 0.0
@@ -151,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                             "seconds": round(seconds, 1)})
             first = next((t for t in caught.values() if t), "SURVIVED")
             print(f"{'killed  ' if killed else 'SURVIVED'} {name:24s} {first}", flush=True)
-            LEDGER.write_text(original)
+            module.write_text(originals[module.name])
     finally:
-        LEDGER.write_text(original)
+        for module_name, text in originals.items():
+            (BROKER / module_name).write_text(text)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     survivors = [r["mutant"] for r in results if not r["killed"]]

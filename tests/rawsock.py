@@ -4,11 +4,25 @@ so that the suites can catch its bugs. Used by the raw clients of tests/test_bro
 from __future__ import annotations
 
 import array
+import fcntl
+import os
 import socket
 from pathlib import Path
 from typing import Any
 
 from vmmshare.protocol import MAX_FRAME
+
+
+def sealed_memfd(size: int, name: str = "vmmshare-test") -> int:
+    """A memfd of `size` bytes sealed as the broker wants an export (its size fixed for good)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def send(sock: socket.socket, data: bytes, fds: tuple[int, ...] | list[int] = ()) -> bool:

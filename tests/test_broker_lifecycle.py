@@ -372,6 +372,7 @@ def test_auto_start_one_broker_for_many_clients_then_idle_exit(procs: Procs, tmp
                          ids=["default", "multi_user"])
 def test_socket_permissions(procs: Procs, tmp_path: Path, extra: tuple[str, ...], sock_mode: int) -> None:
     folder = tmp_path / "run" / "vmmshare"
+    folder.parent.mkdir()  # the broker creates only the socket's own folder
     broker = procs.broker(folder, *extra)
     st = broker.socket.stat()
     assert stat.S_ISSOCK(st.st_mode)

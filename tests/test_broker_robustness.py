@@ -173,8 +173,7 @@ def assert_released(r: int) -> None:
 
 
 def memfd_of(size: int, fill: bytes = b"") -> int:
-    fd = os.memfd_create("vmmshare-test", os.MFD_CLOEXEC)
-    os.ftruncate(fd, size)
+    fd = rawsock.sealed_memfd(size)
     if fill:
         os.pwrite(fd, fill, 0)
     return fd

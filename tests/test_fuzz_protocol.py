@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stress"))
 
 import fuzz_protocol as F
 
+import rawsock
 from vmmshare import protocol as P
 from vmmshare.protocol import LAYOUTS, Frame, Msg, ProtocolError
 
@@ -254,9 +255,8 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             size = self.charged[c][token][1]
             if size > CAPACITY:
                 return  # host charges of 2**63 bytes: no memfd of that size
-            fd = os.memfd_create("model", os.MFD_CLOEXEC)
+            fd = rawsock.sealed_memfd(size if right_size else size + 4096, "model")
             try:
-                os.ftruncate(fd, size if right_size else size + 4096)
                 reply = c.call(P.Export(token, size, flags, share_type, 0, 0, 0, 0, 5, 1, 0), fds=(fd,))
             finally:
                 os.close(fd)

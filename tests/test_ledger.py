@@ -8,6 +8,7 @@ test_sharing_rules.py; raw clients that break them on purpose are in test_broker
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import pytest
 from vmmshare import protocol as P
 from vmmshare.broker.identity import Identity
 from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, Client, Ledger
+from vmmshare.config import Quotas
 from vmmshare.handles import decode_fabric
 
 MiB2 = 2 << 20
@@ -34,28 +36,38 @@ NO_PID_CHECK = 1
 HOST, GPU = 0, 1
 PROP = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location type, location id
 SERVER = 0x5EED
+SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # what an exported memfd must carry
 
 
 class Books:
     """A ledger whose I/O is a table: the processes alive (pid -> identity), the fds handed to it and those it
     closed, the size of each memfd (None: not a regular file)."""
 
-    def __init__(self, devices: int = DEVICES, capacity: int = CAPACITY) -> None:
+    def __init__(self, devices: int = DEVICES, capacity: int = CAPACITY, quotas: Quotas | None = None,
+                 fd_budget: int | None = None) -> None:
         self.alive: dict[int, Identity] = {}
-        self.sizes: dict[int, int | None] = {}
+        self.sizes: dict[int, tuple[int, int] | None] = {}  # fd -> (size, seals) of a memfd; None: not a file
         self.closed: list[int] = []
+        self.lookups: list[int] = []  # every pid looked up, in order
+        self.failing: dict[int, OSError] = {}  # pid -> the error looking it up raises
         self._fds = itertools.count(1000)
-        self.ledger = Ledger(devices, capacity, identify=lambda pid: self.alive.get(pid, (None, None)),
-                             close_fd=self.closed.append, memfd_size=self.sizes.__getitem__, broker_pid=4242)
+        self.ledger = Ledger(devices, capacity, identify=self._identify, close_fd=self.closed.append,
+                             memfd_info=self.sizes.__getitem__, broker_pid=4242, quotas=quotas, fd_budget=fd_budget)
+
+    def _identify(self, pid: int) -> Identity:
+        self.lookups.append(pid)
+        if pid in self.failing:
+            raise self.failing[pid]
+        return self.alive.get(pid, (None, None))
 
     def client(self, pid: int, uid: int = 1000, identity: Identity | None = None) -> Client:
         """A process that connects now (a pidfs identity unless given)."""
         self.alive[pid] = identity if identity is not None else (None, 50_000 + pid)
         return self.ledger.connect(pid, uid, self.alive[pid])
 
-    def memfd(self, size: int = MiB2) -> int:
+    def memfd(self, size: int = MiB2, seals: int = SEALED) -> int:
         fd = next(self._fds)
-        self.sizes[fd] = size
+        self.sizes[fd] = (size, seals)
         return fd
 
     def pipe(self) -> int:
@@ -461,7 +473,7 @@ def test_listing_pages_are_bounded_and_list_every_export_once() -> None:
     big = [tuple(range(10_000 * i + 1, 10_000 * i + 1501)) for i in range(8)]  # about 84 kB of trustlists
     values = [books.export(a, pids=pids)[1] for pids in big]
     values += [books.export(a)[1] for _ in range(LIST_PAGE + 20)]
-    pages = _pages(books, a)
+    pages = _pages(books, books.client(2, uid=1000))  # the viewer's own connection is not counted in "clients"
     sizes = [len(p["exports"]) for p in pages]
     assert len(pages) >= 3 and max(sizes) == LIST_PAGE and sizes[0] < 8, sizes  # both bounds bit
     rows = [row for p in pages for row in p["exports"]]

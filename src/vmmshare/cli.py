@@ -54,7 +54,6 @@ def _ls(args: argparse.Namespace) -> int:
         return FAILED
     finally:
         client.close()
-    listing["clients"] = max(0, listing["clients"] - 1)  # the broker counts this listing's own connection
     if args.json:
         print(json.dumps(listing, indent=2))
         return OK

@@ -9,6 +9,7 @@ import hashlib
 import ipaddress
 import math
 import os
+import pwd
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,6 +129,85 @@ def spin_seconds(name: str, default_us: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{name}={raw!r} is not a number of microseconds (0 or more)", name)
     return value / 1e6
+
+
+# ---------------------------------------------------------------- the broker's limits per user (docs/security.md)
+
+QUOTA_DEFAULTS = {  # variable -> default: sized so that a workload of thousands of exports fits
+    "VMMSHARE_QUOTA_CONNECTIONS": 1024,  # connections open at once
+    "VMMSHARE_QUOTA_EXPORTS": 16384,  # live exports (each holds one file descriptor in the broker)
+    "VMMSHARE_QUOTA_HOLDS": 65536,  # allocations and imports held at once
+    "VMMSHARE_QUOTA_TRUSTLIST": 262144,  # trustlist entries over all live exports
+}
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """What the processes of one user may hold in the broker at once; `memory` is per device (None: a device's
+    whole capacity)."""
+
+    connections: int = QUOTA_DEFAULTS["VMMSHARE_QUOTA_CONNECTIONS"]
+    exports: int = QUOTA_DEFAULTS["VMMSHARE_QUOTA_EXPORTS"]
+    holds: int = QUOTA_DEFAULTS["VMMSHARE_QUOTA_HOLDS"]
+    trustlist: int = QUOTA_DEFAULTS["VMMSHARE_QUOTA_TRUSTLIST"]
+    memory: int | None = None
+
+
+def _quota(name: str) -> int:
+    raw = _raw(name)
+    if raw is None:
+        return QUOTA_DEFAULTS[name]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1 << 31:
+        raise ConfigError(f"{name}={raw!r} is not a count from 1 to {1 << 31}", name)
+    return value
+
+
+def quota_memory() -> int | None:
+    """$VMMSHARE_QUOTA_MEMORY: device memory one user may charge on each device (default: the whole device)."""
+    raw = _raw("VMMSHARE_QUOTA_MEMORY")
+    if raw is None:
+        return None
+    try:
+        value = parse_size(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"VMMSHARE_QUOTA_MEMORY={raw!r} is not a positive size (such as 16G)",
+                          "VMMSHARE_QUOTA_MEMORY")
+    return value
+
+
+def quotas() -> Quotas:
+    """The broker's per-user limits, from the VMMSHARE_QUOTA_* variables."""
+    return Quotas(_quota("VMMSHARE_QUOTA_CONNECTIONS"), _quota("VMMSHARE_QUOTA_EXPORTS"),
+                  _quota("VMMSHARE_QUOTA_HOLDS"), _quota("VMMSHARE_QUOTA_TRUSTLIST"), quota_memory())
+
+
+def broker_user() -> int | None:
+    """$VMMSHARE_BROKER_USER: the account (name or uid) a shared broker runs as, which clients trust besides
+    themselves and root (default: none)."""
+    raw = _raw("VMMSHARE_BROKER_USER")
+    if raw is None:
+        return None
+    text = raw.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise ConfigError(f"VMMSHARE_BROKER_USER={raw!r} is neither a uid nor a user of this machine",
+                          "VMMSHARE_BROKER_USER") from None
+
+
+def trusted_uids() -> frozenset[int]:
+    """Whose broker a client may talk to, and who may own the socket's folder: this user, root, and
+    VMMSHARE_BROKER_USER."""
+    extra = broker_user()
+    return frozenset({os.getuid(), 0} | ({extra} if extra is not None else set()))
 
 
 def check_socket_path(path: Path | str, name: str) -> Path:
@@ -252,6 +332,7 @@ _READERS: tuple[Callable[[], object], ...] = (
     devices, device_memory, socket_path, server_id, backend, broker_idle, prepopulate, log_level,
     lambda: spin_seconds("VMMSHARE_SPIN_US", 100), lambda: spin_seconds("VMMSHARE_BROKER_SPIN_US", 200),
     fabric, fabric_addr, fabric_port, fabric_timeout, fabric_problem,
+    *(lambda name=name: _quota(name) for name in QUOTA_DEFAULTS), quota_memory, broker_user,
 )
 
 

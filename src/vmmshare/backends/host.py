@@ -47,6 +47,7 @@ MAP_FIXED_NOREPLACE = 0x100000
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22
 MFD_HUGE_SHIFT = 26
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # what the broker wants of an export
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 ARENA_START = 16 << 40
@@ -116,8 +117,8 @@ class HostMemory:
 
 
 def allocate(size: int, huge_page: int = 0, name: str = "vmmshare", hugetlb: bool = True) -> HostMemory:
-    """A sealed memfd of `size` bytes; `huge_page` (2 MiB or 1 GiB) asks for huge pages when the pool allows
-    (hugetlb pages only with `hugetlb`).
+    """A memfd of `size` bytes, sealed so that nobody (an importer included) can shrink or grow it; `huge_page`
+    (2 MiB or 1 GiB) asks for huge pages when the pool allows (hugetlb pages only with `hugetlb`).
 
     Never fails for lack of huge pages: it falls back to transparent huge pages, then to normal pages.
     """
@@ -131,13 +132,15 @@ def allocate(size: int, huge_page: int = 0, name: str = "vmmshare", hugetlb: boo
     fd = os.memfd_create(name, flags)
     try:
         os.ftruncate(fd, size)
-        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-        if pages.startswith("hugetlb"):
-            seals = fcntl.F_SEAL_SEAL  # hugetlbfs memfds cannot take size seals on every kernel
-        try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-        except OSError as exc:
-            log.debug("memfd seals refused (%s); size is still fixed by the runtime", exc)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+    except OSError as exc:
+        os.close(fd)
+        if flags & os.MFD_HUGETLB and exc.errno in (errno.EINVAL, errno.EPERM):
+            # a kernel whose hugetlbfs memfds take no size seals (before 4.16): an importer could then truncate
+            # the file under every other mapping of it, so such memory is made of ordinary pages instead
+            log.debug("hugetlb memfd refused its size seals (%s): using ordinary pages", exc)
+            return allocate(size, huge_page, name, hugetlb=False)
+        raise
     except BaseException:
         os.close(fd)
         raise

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
-from .server import run
+from .. import config
+
+
+def _level(text: str) -> str:
+    if text.strip().upper() not in config.LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: use one of {', '.join(config.LOG_LEVELS)}")
+    return text.strip().upper()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,10 +24,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multi-user", action="store_true", help="let other users connect (socket 0666)")
     parser.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--log-level", default=os.environ.get("VMMSHARE_LOG", "INFO"))
+    parser.add_argument("--log-level", type=_level, default=None,
+                        help=f"{', '.join(config.LOG_LEVELS)} (default: $VMMSHARE_LOG, else INFO)")
     args = parser.parse_args(argv)
     fmt = "%(asctime)s broker[%(process)d] %(levelname)s %(message)s"
-    logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    try:
+        level = args.log_level or config.log_level()
+    except config.ConfigError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=level, format=fmt)
+    try:
+        from .server import run  # reads VMMSHARE_BROKER_SPIN_US
+    except config.ConfigError as exc:
+        logging.getLogger("vmmshare.broker").error("bad configuration: %s", exc)
+        return 2
     return run(args.socket, args.idle, args.multi_user, args.ready_fd, args.auto)
 
 

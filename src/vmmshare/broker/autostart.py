@@ -1,11 +1,16 @@
 """Reaching the node's broker: connect to it, or start the embedded default broker when none answers.
 
+Nothing is sent to a broker before it is known to be the right one: its folder must be one that only this user,
+root or VMMSHARE_BROKER_USER controls, and the process listening must run as one of them (SO_PEERCRED), so that a
+socket another user put in the way never sees a request or a memfd (folder.py).
+
 Starting is race-free: under a lock file next to the socket, so that many processes starting at once get one
 broker. The broker tells its starter it serves over a pipe (``--ready-fd``); every wait here is bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -16,8 +21,10 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import IpcError
-from .wire import connect, wait_readable
+from ..config import ConfigError, check_socket_path, trusted_uids
+from ..errors import IpcError, NoPermissionError
+from .folder import FolderError, check_client_folder, check_starting_folder, open_private
+from .wire import connect, peer_credentials, wait_readable
 
 log = logging.getLogger("vmmshare.client")
 START_TIMEOUT = 20.0
@@ -35,26 +42,46 @@ def reach_broker(path: Path, start: bool) -> socket.socket:
 
 
 def _try_connect(path: Path) -> socket.socket | None:
-    """A connection to the broker at `path`, or None when no broker listens there."""
+    """A connection to the broker at `path`, checked to be a broker this user may trust; None when no broker
+    listens there."""
     try:
-        return connect(path, CONNECT_TIMEOUT)
+        trusted = trusted_uids()
+    except ConfigError as exc:
+        raise IpcError(str(exc)) from None
+    try:
+        check_client_folder(path.parent, trusted)
+        sock = connect(path, CONNECT_TIMEOUT)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
+    except FolderError as exc:
+        raise NoPermissionError(str(exc)) from None
     except TimeoutError:
         raise IpcError(f"the broker at {path} does not take connections (stopped, or overloaded) "
                        f"within {CONNECT_TIMEOUT:.0f} s") from None
     except OSError as exc:
-        raise IpcError(f"cannot reach the broker at {path}: {exc.strerror}") from None
+        raise IpcError(f"cannot reach the broker at {path}: {exc.strerror or exc}") from None
+    pid, uid, _gid = peer_credentials(sock)
+    if uid not in trusted:
+        sock.close()
+        raise NoPermissionError(
+            f"the process listening at {path} (pid {pid}) runs as uid {uid}, not as you, root or "
+            "VMMSHARE_BROKER_USER: it is not a broker to trust with your memory; nothing was sent to it")
+    return sock
 
 
 def start_broker(path: Path) -> socket.socket:
     """Start the embedded default broker (idle-exiting) unless another process just did; connect to it."""
     folder = path.parent
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lock = os.open(folder / "broker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        check_socket_path(path, "VMMSHARE_SOCKET")
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)  # the socket's own folder only, never the ones above it
+        check_starting_folder(folder)
+        lock = open_private(folder / "broker.lock", os.O_RDWR)
+    except (FolderError, ConfigError) as exc:
+        raise NoPermissionError(str(exc)) from None
     except OSError as exc:
-        raise IpcError(f"cannot prepare {folder} for the broker: {exc.strerror}") from None
+        raise IpcError(f"cannot prepare {folder} for the broker: {exc.strerror or exc}") from None
     try:
         _lock_within(lock, START_TIMEOUT, folder / "broker.lock")
         sock = _try_connect(path)  # somebody else may have started one while we waited
@@ -88,15 +115,22 @@ def _spawn(path: Path) -> None:
     log_path = path.parent / "broker.log"
     cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(path), "--auto", "--ready-fd", str(wfd)]
     try:
-        with open(log_path, "ab") as logf:
+        logfd = open_private(log_path, os.O_WRONLY | os.O_APPEND)
+        try:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(wfd,),
+                cmd, stdin=subprocess.DEVNULL, stdout=logfd, stderr=logfd, pass_fds=(wfd,),
                 start_new_session=True, close_fds=True,
             )
+        finally:
+            os.close(logfd)
+    except FolderError as exc:
+        os.close(rfd)
+        os.close(wfd)
+        raise NoPermissionError(str(exc)) from None
     except OSError as exc:
         os.close(rfd)
         os.close(wfd)
-        raise IpcError(f"cannot start the broker ({' '.join(cmd)}): {exc.strerror}") from None
+        raise IpcError(f"cannot start the broker ({' '.join(cmd)}): {exc.strerror or exc}") from None
     os.close(wfd)
     try:
         deadline = time.monotonic() + START_TIMEOUT

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from .. import protocol as P
 from ..backends.remote import Transfers
-from ..config import Config
+from ..config import Config, spin_seconds
 from ..errors import AclError, IpcError, error_from_code
 from ..node import Imported, RemoteImported
 from ..props import Location, PhysicalProp
@@ -32,7 +32,7 @@ from .wire import DONTWAIT, close_fds, recv_packet, send_packet
 log = logging.getLogger("vmmshare.client")
 REPLY_TIMEOUT = 60.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
-SPIN_SECONDS = float(os.environ.get("VMMSHARE_SPIN_US", "100")) / 1e6
+SPIN_SECONDS = spin_seconds("VMMSHARE_SPIN_US", 100)
 R = TypeVar("R", bound=P.Message)
 
 
@@ -93,17 +93,35 @@ class BrokerClient:
         meanwhile: Callable[[], None] | None,
     ) -> tuple[R, list[int]]:
         """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
-        req = next(self._req) & 0xFFFFFFFF
-        send_packet(sock, encode(message, req), fds)
+        req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses the broker's refusal of a connection
+        try:
+            send_packet(sock, encode(message, req), fds)
+        except OSError:
+            refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
+            if refusal is not None:
+                self._reset()
+                raise refusal from None
+            raise
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
-        packet, got, truncated = self._waiter.wait(sock)
+        try:
+            packet, got, truncated = self._waiter.wait(sock)
+        except OSError:
+            refusal = _refusal(sock)  # a broker that refused the connection (ECONNRESET comes before its word)
+            if refusal is not None:
+                self._reset()
+                raise refusal from None
+            raise
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
         try:
             if truncated:
                 raise ProtocolError("reply too large")
             got_req, reply = decode(packet, len(got))
+            if got_req == 0 and isinstance(reply, P.Error):  # the broker will not serve this connection
+                close_fds(got)
+                self._reset()
+                raise error_from_code(reply.code, reply.message)
             if got_req != req:
                 raise ProtocolError(f"reply to request {got_req}, expected {req}")
             if isinstance(reply, P.Error):
@@ -250,14 +268,39 @@ class BrokerClient:
         offset: int | None = 0
         result: dict[str, Any] = {}
         rows: list[Any] = []
+        used: dict[str, int] = {}
+        gpu_used: dict[str, int] = {}
         while offset is not None:
             reply, _ = self.request(P.List(offset), P.Listing)
-            page = json.loads(reply.page)
-            rows.extend(page.pop("exports"))
-            offset = page.pop("next")
+            try:
+                page = json.loads(reply.page)
+                rows.extend(page.pop("exports"))
+                used.update(page.pop("used", {}))
+                gpu_used.update(page.pop("gpu_used", {}))
+                after = page.pop("next")
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise IpcError(f"the broker at {self.path} sent a listing page that cannot be read ({exc}); "
+                               "it may be of another vmmshare version") from None
+            if after is not None and (not isinstance(after, int) or after <= offset):
+                raise IpcError(f"the broker at {self.path} sent a listing page that does not move on")
+            offset = after
             result = page
-        result["exports"] = rows
+        result["used"], result["gpu_used"], result["exports"] = used, gpu_used, rows
         return result
+
+
+def _refusal(sock: socket.socket) -> AclError | None:
+    """The broker's refusal of this connection (an ERROR to request 0) if it left one on `sock` before closing it."""
+    try:
+        packet, got, _ = recv_packet(sock, DONTWAIT)
+    except OSError:
+        return None
+    close_fds(got)
+    try:
+        req, reply = decode(packet, len(got))
+    except ProtocolError:
+        return None
+    return error_from_code(reply.code, reply.message) if req == 0 and isinstance(reply, P.Error) else None
 
 
 class _Waiter:

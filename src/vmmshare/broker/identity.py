@@ -6,6 +6,7 @@ inode of a pidfd for it, which no other process ever gets.
 
 from __future__ import annotations
 
+import errno
 import os
 
 Identity = tuple[int | None, int | None]  # (start time in clock ticks, pidfs inode)
@@ -29,6 +30,9 @@ def _pidfs_unique() -> bool:
 
 
 PIDFS = _pidfs_unique()
+# pidfd_open's answers for a pid that no process has: none at all, a thread's id or a kernel thread's (ENOENT), one
+# beyond the pid range (EINVAL)
+_NO_PROCESS = (errno.ESRCH, errno.ENOENT, errno.EINVAL)
 
 
 def identity_of_pidfd(pid: int, pidfd: int) -> Identity:
@@ -39,13 +43,19 @@ def identity_of_pidfd(pid: int, pidfd: int) -> Identity:
 
 
 def identity_of_pid(pid: int) -> Identity:
-    """Who has `pid` right now ((None, None) when nobody does)."""
+    """Who has `pid` right now ((None, None) when nobody does).
+
+    Fails closed: any error but "no such process" (out of fds, out of memory) raises OSError, so that a trustlist
+    entry is never left bound to nothing by accident.
+    """
     if not PIDFS:
         return process_start_time(pid), None
     try:
         fd = os.pidfd_open(pid)  # first: the inode then names the process that has the pid now
-    except OSError:
-        return None, None
+    except OSError as exc:
+        if exc.errno in _NO_PROCESS:
+            return None, None
+        raise
     try:
         return None, _pidfs_ino(fd)  # the inode alone decides (see same_process)
     finally:
@@ -64,14 +74,17 @@ def same_process(bound: Identity, peer: Identity) -> bool:
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), None if it is gone."""
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), None if it is gone; any other
+    failure to read it raises OSError."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         return int(fields[19])
     except (IndexError, ValueError):
-        return None
+        if not stat:  # the process went away while being read
+            return None
+        raise OSError(errno.EIO, f"/proc/{pid}/stat has no start time") from None

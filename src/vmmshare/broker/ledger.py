@@ -3,97 +3,44 @@
 The ledger is fed one typed request at a time with the client that sent it (and the fd that came with it, as an
 opaque int) and returns the typed reply; a refusal is an Error reply with the rule's code. Everything that
 touches the system is handed in: naming the process that has a pid now (`identify`), closing an fd the books
-let go of (`close_fd`), the size of an exported memfd (`memfd_size`), and randomness. The server does the
-sockets, the kernel's credentials and the fd passing (server.py).
+let go of (`close_fd`), the size and seals of an exported memfd (`memfd_info`), and randomness. The server does
+the sockets, the kernel's credentials and the fd passing (server.py).
 
 Words: a *hold* is one client's claim on charged memory (its charge, or an import of it), named by a hold id
-that means something only to this broker; a *share* is an export, named on the node by its handle value.
+that means something only to this broker; a *share* is an export, named on the node by its handle value. What
+the processes of one user hold together is limited by `Quotas` (usage.py).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hmac
-import itertools
-import json
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import constants as C
 from .. import protocol as P
+from ..config import Quotas
 from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, Endpoint, FabricHandle, default_bytes
 from .identity import Identity, same_process
+from .listing import LIST_IMPORTERS, LIST_PAGE, LIST_TRUST, listing_page
+from .records import KIND_GPU, KIND_HOST, NOBODY, ChargedMemory, Client, Hold, Lookups, Share
+from .usage import LedgerError, Usage
+
+__all__ = ["LIST_IMPORTERS", "LIST_PAGE", "LIST_TRUST", "Client", "Ledger", "LedgerError", "Lookups"]
 
 log = logging.getLogger("vmmshare.broker")
-KIND_HOST, KIND_GPU = 0, 1
 MAX_GPUS = 1024  # GPU ids accepted for GPU charges (the broker cannot see the GPUs)
-LIST_PAGE = 100  # exports per listing page, at most
-LIST_IMPORTERS = 1000  # importers listed per export (importer_count has them all)
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
-NO_ENDPOINT = Endpoint()  # a node without the cross-server transport
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # an exported memfd keeps its size
+WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10  # F_SEAL_FUTURE_WRITE: importers map the memory read-write
 
 Answer = tuple[P.Message, int]  # a reply and the fd to send with it (-1: none; the ledger still owns it)
-
-
-class LedgerError(Exception):
-    """A refused request: the client gets an Error reply with this code and message."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(eq=False)
-class Client:
-    """Who sends requests: a process as the kernel named it (pid, uid, identity), apart from any socket."""
-
-    pid: int
-    uid: int
-    identity: Identity
-    holds: set[int] = field(default_factory=set)  # hold ids
-    server: int | None = None  # another server's process (a remote importer, as its own broker named it)
-
-
-@dataclass(eq=False)
-class ChargedMemory:
-    """One allocation charged to the node, alive while any hold on it is."""
-
-    charger: Client  # who charged it (the exporter, if it is exported)
-    device: int  # -1: host memory (not capped)
-    size: int
-    kind: int = KIND_HOST  # a memfd, counted against the node's capacity; or KIND_GPU, which the driver caps
-    holders: int = 1
-    share: Share | None = None  # once exported
-    gone: Callable[[], None] | None = None  # called when the last hold goes (memory held on another server)
-
-
-@dataclass(eq=False)
-class Share:
-    """An export: the handle value that names it on the node, the memory's fd, and who may import it."""
-
-    handle: int
-    memory: ChargedMemory
-    fd: int  # -1 once revoked
-    share_type: int
-    flags: int
-    prop: tuple[int, int, int, int, int]  # handleType, allocationType, memAttr, location type, location id
-    exporter: Client
-    secret: bytes  # a FABRIC handle's; zeros for DEFAULT
-    trust: dict[int, Identity] = field(default_factory=dict)  # pid -> the process it was bound to
-    remote_trust: set[tuple[int, int]] = field(default_factory=set)  # (server id, pid) of other servers' processes
-    importers: dict[int, Client] = field(default_factory=dict)  # hold id -> importer
-
-
-@dataclass(eq=False)
-class Hold:
-    """One client's claim on charged memory: its charge, or one import of it."""
-
-    client: Client
-    memory: ChargedMemory
+MAX_PID = 0x7FFFFFFF
+NO_ENDPOINT = Endpoint()  # a node without the cross-server transport
 
 
 class Ledger:
@@ -101,8 +48,9 @@ class Ledger:
 
     def __init__(
         self, devices: int, capacity: int, *, identify: Callable[[int], Identity], close_fd: Callable[[int], None],
-        memfd_size: Callable[[int], int | None], broker_pid: int = 0,
-        random_bytes: Callable[[int], bytes] = secrets.token_bytes, endpoint: Endpoint = NO_ENDPOINT,
+        memfd_info: Callable[[int], tuple[int, int] | None], broker_pid: int = 0,
+        random_bytes: Callable[[int], bytes] = secrets.token_bytes, quotas: Quotas | None = None,
+        fd_budget: int | None = None, endpoint: Endpoint = NO_ENDPOINT,
     ) -> None:
         self.capacity = capacity
         self.used = [0] * devices  # host-backed device memory, per device (capped by `capacity`)
@@ -110,11 +58,12 @@ class Ledger:
         self.clients: set[Client] = set()
         self.holds: dict[int, Hold] = {}
         self.exports: dict[int, Share] = {}  # handle value -> share
-        self.identify, self.close_fd, self.memfd_size = identify, close_fd, memfd_size
+        self.identify, self.close_fd, self.memfd_info = identify, close_fd, memfd_info
         self.broker_pid = broker_pid
         self.random_bytes = random_bytes
+        self.usage = Usage(quotas or Quotas(), capacity, fd_budget)
         self.endpoint = endpoint  # where other servers reach this node (FABRIC handles carry it)
-        self._serve: dict[type[P.Message], Callable[[Client, Any, int], Answer]] = {
+        self._serve: dict[type[P.Message], Callable[[Client, Any, int, Lookups | None], Answer]] = {
             P.Charge: self._charge, P.ChargeGpu: self._charge_gpu, P.Release: self._release_request,
             P.MemInfo: self._mem_info, P.Export: self._export, P.Revoke: self._revoke_request,
             P.SetPids: self._set_pids, P.Import: self._import, P.BareTgid: self._bare_tgid, P.List: self._list,
@@ -124,51 +73,94 @@ class Ledger:
     # ------------------------------------------------------------ clients
 
     def connect(self, pid: int, uid: int, identity: Identity, server: int | None = None) -> Client:
+        """A process connected (or, with `server`, another server's process imports through its broker);
+        LedgerError when it may not (a pid the broker cannot see, its user's quota of connections)."""
+        if pid <= 0:
+            raise LedgerError(
+                C.ACL_ERROR_RT_NO_PERMISSION,
+                "the broker cannot see this process (the kernel gives it pid 0: the broker runs in a pid namespace "
+                "that does not contain this process); run the broker in the host's pid namespace, or in yours",
+            )
+        if server is None:  # a remote importer holds no connection here: its holds count, not connections
+            self.usage.connect(uid)
         client = Client(pid, uid, identity, server=server)
         self.clients.add(client)
         return client
 
     def disconnect(self, client: Client) -> None:
         """A client left (or died): release all it held and revoke its exports."""
+        if client not in self.clients:
+            return
         for hold in list(client.holds):
             self._release(client, hold)
         self.clients.discard(client)
+        if client.server is None:
+            self.usage.disconnect(client.uid)
 
-    def handle(self, client: Client, request: P.Message, fd: int = -1) -> Answer:
+    def handle(self, client: Client, request: P.Message, fd: int = -1, sender: int | None = None,
+               found: Lookups | None = None) -> Answer:
         """Serve one request of `client`. `fd` came with it: the ledger owns it from here (an export keeps it,
-        anything else closes it)."""
-        if fd >= 0 and type(request) is not P.Export:
+        anything else closes it). `sender` is the pid the kernel stamped on the message (None: the client's own);
+        `found` holds pid lookups made ahead of time for it (see `pids_to_bind`)."""
+        if fd >= 0 and (type(request) is not P.Export or (sender is not None and sender != client.pid)):
             self.close_fd(fd)
             fd = -1
+        if sender is not None and sender != client.pid:
+            return P.Error(C.ACL_ERROR_RT_NO_PERMISSION, _not_the_owner(client, sender)), -1
         serve = self._serve.get(type(request))
         if serve is None:
             reason = f"protocol error: {request.TYPE.name} is a reply, not a request"
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, reason), -1
         try:
-            return serve(client, request, fd)
+            return serve(client, request, fd, found)
         except LedgerError as exc:
             return P.Error(exc.code, exc.message), -1
 
+    def pids_to_bind(self, client: Client, request: P.Message) -> set[int]:
+        """The pids `request` would look up (each once): the server spreads a long list over several turns of its
+        loop and hands the results to `handle` as `found`."""
+        if not isinstance(request, (P.Export, P.SetPids)) or not _valid_pids(request.pids):
+            return set()  # nothing to look up, or a request that is refused before any lookup
+        if isinstance(request, P.SetPids):
+            share = self.exports.get(request.shareable)
+            if share is None or share.exporter is not client:
+                return set()
+        elif request.hold not in client.holds:
+            return set()
+        return set(request.pids)
+
+    def look_up(self, pids: Iterable[int], into: Lookups | None = None) -> Lookups:
+        """Who has each pid now, or the error that kept it from being known (added to `into`)."""
+        found = into if into is not None else Lookups()
+        for pid in pids:
+            try:
+                found.ids[pid] = self.identify(pid)
+            except OSError as exc:
+                found.failed[pid] = exc
+        return found
+
     # ------------------------------------------------------------ capacity
 
-    def _charge(self, client: Client, m: P.Charge, fd: int) -> Answer:
+    def _charge(self, client: Client, m: P.Charge, fd: int, found: Lookups | None) -> Answer:
         if m.device != -1:
             free = self.capacity - self.used[self._device(m.device)]
             if m.size > free:
                 raise LedgerError(
                     C.ACL_ERROR_RT_MEMORY_ALLOCATION,
-                    f"device {m.device} has {free} of {self.capacity} bytes free on this node; "
-                    f"{m.size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)",
+                    f"device {m.device} has {free} of {self.capacity} bytes free on this node; {m.size} bytes do not "
+                    f"fit. The capacity is the broker's VMMSHARE_DEVICE_MEMORY, read when it started (broker pid "
+                    f"{self.broker_pid}): free memory, or stop the broker and start it again with a larger value",
                 )
+            self.usage.check_memory(client.uid, m.device, m.size)
         return P.Token(self._new_charge(ChargedMemory(client, m.device, m.size))), -1
 
-    def _charge_gpu(self, client: Client, m: P.ChargeGpu, fd: int) -> Answer:
+    def _charge_gpu(self, client: Client, m: P.ChargeGpu, fd: int, found: Lookups | None) -> Answer:
         """GPU memory (a CUDA-backend allocation): the GPU's own capacity applies, not this node's."""
         if m.device >= MAX_GPUS:
             raise LedgerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"GPU {m.device} is beyond {MAX_GPUS} GPUs")
         return P.Token(self._new_charge(ChargedMemory(client, m.device, m.size, KIND_GPU))), -1
 
-    def _mem_info(self, client: Client, m: P.MemInfo, fd: int) -> Answer:
+    def _mem_info(self, client: Client, m: P.MemInfo, fd: int, found: Lookups | None) -> Answer:
         return P.Mem(self.capacity - self.used[self._device(m.device)], self.capacity), -1
 
     def _device(self, device: int) -> int:
@@ -177,19 +169,24 @@ class Ledger:
         return device
 
     def _account(self, memory: ChargedMemory, sign: int) -> None:
-        """Count charged memory in (sign 1) or out (-1) of the node's tallies (per-client or per-uid ones too)."""
+        """Count charged memory in (sign 1) or out (-1) of the node's tallies and its charger's user's."""
         if memory.kind == KIND_GPU:
             self.gpu_used[memory.device] += sign * memory.size
+            if not self.gpu_used[memory.device]:
+                del self.gpu_used[memory.device]
         elif memory.device != -1:
             self.used[memory.device] += sign * memory.size
+            self.usage.memory(memory.charger.uid, memory.device, sign * memory.size)
 
     def _new_charge(self, memory: ChargedMemory) -> int:
+        hold = self._new_hold(memory.charger, memory)  # first: it checks the user's quota of holds
         self._account(memory, 1)
-        return self._new_hold(memory.charger, memory)
+        return hold
 
     # ------------------------------------------------------------ holds
 
     def _new_hold(self, client: Client, memory: ChargedMemory) -> int:
+        self.usage.add_hold(client.uid)
         while True:
             hold = int.from_bytes(self.random_bytes(8), "little") >> 1 | 1
             if hold not in self.holds:
@@ -204,7 +201,7 @@ class Ledger:
             raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, "unknown allocation token for this connection")
         return found
 
-    def _release_request(self, client: Client, m: P.Release, fd: int) -> Answer:
+    def _release_request(self, client: Client, m: P.Release, fd: int, found: Lookups | None) -> Answer:
         self.release(client, m.hold)
         return P.Ok(), -1
 
@@ -217,6 +214,7 @@ class Ledger:
         """Drop a hold; the exporter's own hold revokes the export, and the last one uncharges the memory."""
         memory = self.holds.pop(hold).memory
         client.holds.discard(hold)
+        self.usage.drop_hold(client.uid)
         share = memory.share
         if share is not None:
             if share.exporter is client and hold not in share.importers:
@@ -230,25 +228,28 @@ class Ledger:
 
     # ------------------------------------------------------------ exports
 
-    def _export(self, client: Client, m: P.Export, fd: int) -> Answer:
+    def _export(self, client: Client, m: P.Export, fd: int, found: Lookups | None) -> Answer:
         try:
-            shareable = self._share(client, m, fd)
+            shareable = self._share(client, m, fd, found)
         except BaseException:
             if fd >= 0:
                 self.close_fd(fd)
             raise
         return P.Exported(shareable), -1
 
-    def _share(self, client: Client, m: P.Export, fd: int) -> bytes:
+    def _share(self, client: Client, m: P.Export, fd: int, found: Lookups | None) -> bytes:
         memory = self._own(client, m.hold).memory
         if memory.share is not None:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
         if m.flags not in (0, 1) or m.share_type not in (1, 2) or m.memory_kind != memory.kind:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {m.flags} or share type {m.share_type}, "
                               f"or memory kind {m.memory_kind} for an allocation charged as kind {memory.kind}")
-        if fd < 0 or m.size != memory.size or (memory.kind == KIND_HOST and self.memfd_size(fd) != m.size):
+        if fd < 0 or m.size != memory.size:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
-        trust = self._bind(m.pids, {})
+        if memory.kind == KIND_HOST:
+            self._check_memfd(fd, m.size)
+        self.usage.check_export(client.uid)
+        trust = self._bind(client, m.pids, {}, found)
         handle = 0
         while handle == 0 or handle in self.exports:
             handle = int.from_bytes(self.random_bytes(8), "little")
@@ -256,6 +257,7 @@ class Ledger:
         prop = (m.handle_type, m.allocation_type, m.mem_attr, m.location_type, m.location_id)
         memory.share = self.exports[handle] = Share(handle, memory, fd, m.share_type, m.flags, prop, client, secret,
                                                      trust)
+        self.usage.add_export(client.uid, len(trust))
         log.debug("pid %d exported %#x (%d bytes, share type %d, flags %d)", client.pid, handle, m.size,
                   m.share_type, m.flags)
         if m.share_type == FABRIC:
@@ -263,7 +265,22 @@ class Ledger:
                                 FLAG_NO_PID_VALIDATION if m.flags else 0, self.endpoint).pack()
         return default_bytes(handle)
 
-    def _revoke_request(self, client: Client, m: P.Revoke, fd: int) -> Answer:
+    def _check_memfd(self, fd: int, size: int) -> None:
+        """A host export must be a memfd of the allocation's size that nobody can resize: importers map it, and a
+        file that shrinks under a mapping kills them with SIGBUS."""
+        info = self.memfd_info(fd)
+        if info is None or info[0] != size:
+            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
+        seals = info[1]
+        if seals < 0 or seals & SIZE_SEALS != SIZE_SEALS or seals & WRITE_SEALS:
+            raise LedgerError(
+                C.ACL_ERROR_RT_PARAM_INVALID,
+                "the attached fd is not a memfd sealed against resizing (F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_SEAL, "
+                f"and no write seal; it has {'none: not a memfd' if seals < 0 else f'seals {seals:#x}'}): "
+                "importers of a file that can shrink would die of SIGBUS",
+            )
+
+    def _revoke_request(self, client: Client, m: P.Revoke, fd: int, found: Lookups | None) -> Answer:
         share = self._own(client, m.hold).memory.share
         if share is not None:
             if m.hold in share.importers:
@@ -278,6 +295,8 @@ class Ledger:
         self.exports.pop(share.handle, None)
         self.close_fd(share.fd)
         share.fd = -1
+        self.usage.drop_export(share.exporter.uid, len(share.trust) + len(share.remote_trust))
+        share.trust, share.remote_trust = {}, set()  # nobody imports any more: the lists are dead weight
         log.debug("handle %#x revoked", share.handle)
 
     def _shared(self, handle: int, share_type: int) -> Share:
@@ -294,17 +313,19 @@ class Ledger:
             )
         return share
 
-    def _set_pids(self, client: Client, m: P.SetPids, fd: int) -> Answer:
+    def _set_pids(self, client: Client, m: P.SetPids, fd: int, found: Lookups | None) -> Answer:
         share = self._shared(m.shareable, m.share_type)
         if share.exporter is not client:
             raise LedgerError(
                 C.ACL_ERROR_RT_NO_PERMISSION,
                 f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
             )
-        share.trust = self._bind(m.pids, share.trust)
+        before = len(share.trust)
+        share.trust = self._bind(client, m.pids, share.trust, found)
+        self.usage.add_trust(client.uid, len(share.trust) - before)
         return P.Ok(), -1
 
-    def _set_remote_pids(self, client: Client, m: P.SetRemotePids, fd: int) -> Answer:
+    def _set_remote_pids(self, client: Client, m: P.SetRemotePids, fd: int, found: Lookups | None) -> Answer:
         """Trust processes of another server: (server id, pid) pairs, each admitting that server's pid only."""
         if self.endpoint.family == 0:
             raise LedgerError(C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, (
@@ -316,26 +337,57 @@ class Ledger:
                 C.ACL_ERROR_RT_NO_PERMISSION,
                 f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
             )
-        if any(p <= 0 or p > 0x7FFFFFFF for p in m.pids):
+        if not _valid_pids(m.pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
         new = {(m.server, p) for p in m.pids} - share.remote_trust
         if len(share.trust) + len(share.remote_trust) + len(new) > MAX_TRUSTLIST:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+        self.usage.check_trust(client.uid, len(new))
         share.remote_trust |= new
+        self.usage.add_trust(client.uid, len(new))
         return P.Ok(), -1
 
-    def _bind(self, pids: tuple[int, ...], trust: dict[int, Identity]) -> dict[int, Identity]:
-        """`trust` plus `pids`, each bound to the process that has it now (pid reuse)."""
-        if any(p <= 0 or p > 0x7FFFFFFF for p in pids):
+    def _bind(self, client: Client, pids: tuple[int, ...], trust: dict[int, Identity],
+              found: Lookups | None) -> dict[int, Identity]:
+        """`trust` plus `pids`, each bound to the process that has it now (pid reuse); each pid is looked up once.
+
+        An entry keeps its binding while its process lives (re-adding it changes nothing), and is never made unbound
+        again: re-adding the pid of a process that exited binds it only to a process that has the pid now. Any
+        failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident."""
+        if not _valid_pids(pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-        new = {p for p in pids if p not in trust}
-        if len(trust) + len(new) > MAX_TRUSTLIST:
+        wanted = set(pids)
+        new = len(wanted.difference(trust))
+        if len(trust) + new > MAX_TRUSTLIST:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
-        return {**trust, **{pid: self.identify(pid) for pid in pids}}
+        self.usage.check_trust(client.uid, new)
+        got = found if found is not None else Lookups()
+        missing = wanted.difference(got.ids, got.failed)
+        if missing:
+            self.look_up(missing, got)
+        failed = wanted.intersection(got.failed)
+        if failed:
+            pid = min(failed)
+            why = got.failed[pid]
+            raise LedgerError(
+                C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
+                f"could not tell which process has pid {pid} ({why.strerror or why}), so it cannot be trusted "
+                "safely; the trustlist is unchanged: try again",
+            )
+        ids = got.ids
+        result = dict(trust)
+        if not trust:
+            result.update({pid: ids[pid] for pid in wanted})
+            return result
+        for pid in wanted:
+            who = ids[pid]
+            if who != NOBODY or pid not in trust:  # the process that has the pid now; never unbind an entry
+                result[pid] = who
+        return result
 
     # ------------------------------------------------------------ imports
 
-    def _import(self, client: Client, m: P.Import, fd: int) -> Answer:
+    def _import(self, client: Client, m: P.Import, fd: int, found: Lookups | None) -> Answer:
         hold, share = self.admit(client, m.shareable, m.share_type, m.secret)
         return P.Imported(hold, share.memory.size, share.memory.kind, *share.prop), share.fd
 
@@ -344,8 +396,7 @@ class Ledger:
         hold on the export's memory, and the export."""
         share = self._shared(shareable, share_type)
         if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE,
-                              f"FABRIC handle {shareable:#x} does not carry its secret")
+            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, f"FABRIC handle {shareable:#x} does not carry its secret")
         if client.server is None and client.pid == share.exporter.pid:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
         if not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
@@ -384,60 +435,28 @@ class Ledger:
 
     # ------------------------------------------------------------ who asks, and what there is
 
-    def _bare_tgid(self, client: Client, m: P.BareTgid, fd: int) -> Answer:
+    def _bare_tgid(self, client: Client, m: P.BareTgid, fd: int, found: Lookups | None) -> Answer:
         return P.Pid(client.pid), -1
 
-    def _list(self, client: Client, m: P.List, fd: int) -> Answer:
+    def _list(self, client: Client, m: P.List, fd: int, found: Lookups | None) -> Answer:
         return P.Listing(self.listing(m.offset, client)), -1
 
     def listing(self, offset: int, viewer: Client) -> str:
-        """One page of `vmmshare ls` as JSON, starting at export number `offset`; pages fit in one frame.
+        """One page of `vmmshare ls` as JSON (listing.py); the viewer's own connection is not counted."""
+        others = len(self.clients) - (viewer in self.clients)
+        return listing_page(self, offset, viewer, others)
 
-        Handle values are shown in full only to the exporter's user (and root): on a multi-user node a
-        handle exported without pid validation must not be handed to every user who can list.
-        """
-        total = len(self.exports)
-        page = itertools.islice(self.exports.values(), offset, None)  # not a copy of every export for each page
-        used = {str(d): u for d, u in enumerate(self.used) if u}
-        gpu_used = {str(d): u for d, u in sorted(self.gpu_used.items()) if u}
-        head = {"broker_pid": self.broker_pid, "used": used, "capacity": self.capacity,
-                "gpu_used": gpu_used, "clients": len(self.clients)}
-        rows: list[str] = []
-        budget = P.MAX_BODY - len(json.dumps(head)) - 128
-        at = offset
-        for share in page:
-            if len(rows) >= LIST_PAGE:
-                break
-            row = json.dumps(self._row(share, viewer))
-            if rows and budget - len(row) - 1 < 0:
-                break
-            budget -= len(row) + 1
-            rows.append(row)
-            at += 1
-        head["next"] = at if at < total else None
-        return json.dumps(head)[:-1] + ', "exports": [' + ",".join(rows) + "]}"
 
-    @staticmethod
-    def _row(share: Share, viewer: Client) -> dict[str, Any]:
-        importers = sorted(c.pid for c in share.importers.values())
-        remote = sorted(f"{c.server:#x}:{c.pid}" for c in share.importers.values() if c.server is not None)
-        row: dict[str, Any] = {
-            "handle": f"{share.handle:#018x}" if viewer.uid in (share.exporter.uid, 0) else "(hidden)",
-            "share_type": "fabric" if share.share_type == FABRIC else "default",
-            "device": share.memory.device,
-            "gpu": share.memory.kind == KIND_GPU,
-            "size": share.memory.size,
-            "owner_pid": share.exporter.pid,
-            "pid_validation": not share.flags & 1,
-            "trustlist": sorted(share.trust),
-            "importers": importers[:LIST_IMPORTERS],
-            "importer_count": len(importers),
-        }
-        if remote or share.remote_trust:  # processes of other servers (SPEC §8), as "<server id>:<pid>"
-            row["remote_importers"] = remote[:LIST_IMPORTERS]
-            row["remote_trustlist"] = [f"{s:#x}:{p}" for s, p in sorted(share.remote_trust)]
-        return row
+def _valid_pids(pids: tuple[int, ...]) -> bool:
+    """Whether every pid is a positive 32-bit int (min and max: a trustlist can hold 4,096)."""
+    return not pids or (min(pids) > 0 and max(pids) <= MAX_PID)
 
 
 def _of_server(client: Client) -> str:
     return "" if client.server is None else f" of server {client.server:#x}"
+
+
+def _not_the_owner(client: Client, sender: int) -> str:
+    who = f"pid {sender}" if sender > 0 else "a process the broker cannot see (pid 0: outside its pid namespace)"
+    return (f"this connection to the broker belongs to pid {client.pid}, but {who} sent the request on it (a "
+            "connection inherited across fork() or passed on): each process must open a connection of its own")

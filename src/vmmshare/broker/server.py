@@ -1,8 +1,10 @@
 """The broker daemon: one process per node that holds every exported memfd and enforces the sharing rules.
 
 It is a single-threaded event loop over an AF_UNIX SOCK_SEQPACKET socket. Peers are identified by the
-kernel (SO_PEERCRED, plus a pidfd where offered), never by what a message claims. When a client's
-connection closes, everything it held is released and its exports are revoked.
+kernel (SO_PEERCRED, plus a pidfd where offered), never by what a message claims, and every packet carries its
+sender's pid (SO_PASSCRED), so a connection used by another process than the one that opened it is refused.
+When a client's connection closes, or the process that opened it exits, everything it held is released and its
+exports are revoked.
 """
 
 from __future__ import annotations
@@ -16,22 +18,26 @@ import resource
 import selectors
 import signal
 import socket
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
 from .. import protocol as P
-from ..config import Config
+from ..config import Config, ConfigError, Quotas, check_socket_path, quotas, spin_seconds
 from ..fabric.agent import Agent, FabricSetupError, endpoint_of
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
-from .identity import identity_of_pid, identity_of_pidfd
-from .ledger import Client, Ledger
-from .wire import DONTWAIT, close_fds, connect, peer_credentials, peer_pidfd, recv_packet, send_packet, wait_readable
+from . import system, wire
+from .folder import FolderError, make_serving_folder, open_private
+from .identity import PIDFS, identity_of_pid, identity_of_pidfd
+from .jobs import Job, Jobs
+from .ledger import Client, Ledger, LedgerError
+from .ratelog import RateLimitedLog
 
 log = logging.getLogger("vmmshare.broker")
-SPIN_SECONDS = float(os.environ.get("VMMSHARE_BROKER_SPIN_US", "200")) / 1e6
+SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
+LOOKUPS_PER_TURN = 256  # pid lookups (trustlist bindings) made at once per turn of the loop, by all clients
+TRIM_AFTER = 16384  # trustlist entries released by clients that make the broker hand memory back
 
 
 @dataclass(eq=False)
@@ -41,57 +47,73 @@ class Conn:
     sock: socket.socket
     pidfd: int
     client: Client
+    job: Job[Conn] | None = None  # a request waiting for its pid lookups (jobs.py)
 
 
-def memfd_size(fd: int) -> int | None:
-    """The size of the regular file (an exported memfd) at `fd`; None for anything else (a pipe, a socket)."""
-    st = os.fstat(fd)
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+class _Exit:
+    """Selector data of a connection's pidfd: readable once the process that opened the connection exits."""
+
+    def __init__(self, conn: Conn) -> None:
+        self.conn = conn
+
+
+class InUse(RuntimeError):
+    """Another broker answers on the path already."""
 
 
 class Broker:
     """The node's sharing authority on its socket: the event loop around the ledger (ledger.py), which keeps the
     books; this side accepts clients, names them by their kernel credentials, and passes fds."""
 
-    def __init__(self, path: Path, config: Config, idle: float | None = None, multi_user: bool = False) -> None:
+    def __init__(self, path: Path, config: Config, idle: float | None = None, multi_user: bool = False,
+                 limits: Quotas | None = None) -> None:
         self.path = path
         self.config = config
         self.idle = idle
         self.multi_user = multi_user
         self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=os.close,
-                             memfd_size=memfd_size, broker_pid=os.getpid(), endpoint=endpoint_of(config))
+                             memfd_info=system.memfd_info, broker_pid=os.getpid(), quotas=limits,
+                             fd_budget=system.fd_budget(), endpoint=endpoint_of(config))
         self.conns: dict[int, Conn] = {}
+        self.jobs: Jobs[Conn] = Jobs(self.ledger)
+        self.released = 0  # trustlist entries let go since the heap was last trimmed
+        self.budget = LOOKUPS_PER_TURN
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
         self.idle_since = time.monotonic()
         self.stopping = False
         self.uid = os.getuid()
+        self.warn = RateLimitedLog(log)
+        self.spare = system.spare_fd()  # given up to accept (and refuse) a client when the broker runs out of fds
+        self.listen_paused_until = 0.0
 
     # ------------------------------------------------------------ socket set-up
 
     def bind(self) -> None:
         """Create the socket folder and socket with the SPEC §5 permissions, replacing a dead socket."""
+        check_socket_path(self.path, "--socket")
         folder = self.path.parent
-        try:
-            folder.mkdir(mode=0o700, parents=True)
-            os.chmod(folder, 0o755 if self.multi_user else 0o700)  # ours: exactly SPEC §5's modes
-        except FileExistsError:  # someone's folder (maybe /tmp): use it as it is, and say when it is loose
-            st = folder.stat()
-            loose = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
-            if loose:
-                log.warning("%s is writable by others without the sticky bit: they could replace the socket", folder)
-        if _answers(self.path):
-            raise RuntimeError(f"a broker already serves {self.path}")
+        tmp = folder / f".b{os.getpid():x}"
+        check_socket_path(tmp, "--socket (its folder, for the broker's temporary name)")
+        make_serving_folder(folder, self.multi_user)
+        if system.answers(self.path):
+            raise InUse(f"a broker already serves {self.path}")
         self.fabric.start()
-        tmp = folder / f".broker.{os.getpid()}.sock"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        sock.bind(str(tmp))
-        os.chmod(tmp, 0o666 if self.multi_user else 0o600)
-        sock.listen(512)
-        os.replace(tmp, self.path)
+        try:
+            sock.bind(str(tmp))
+            os.chmod(tmp, 0o666 if self.multi_user else 0o600)
+            wire.pass_credentials(sock)  # accepted sockets inherit it
+            sock.listen(512)
+            os.replace(tmp, self.path)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         sock.setblocking(False)
         self.listener = sock
         self.inode = self.path.stat().st_ino
@@ -104,39 +126,53 @@ class Broker:
     def serve(self, ready_fd: int = -1) -> None:
         if self.listener is None:
             self.bind()
-        _raise_fd_limit()
         if ready_fd >= 0:
             os.write(ready_fd, b"ready\n")
             os.close(ready_fd)
         while not self.stopping:
-            timeout = None
-            if self.idle is not None and not self.conns and not self.ledger.holds:
-                timeout = max(0.0, self.idle_since + self.idle - time.monotonic())
-            fabric_wait = self.fabric.wait_time()
-            if fabric_wait is not None:
-                timeout = fabric_wait if timeout is None else min(timeout, fabric_wait)
-            events = self.sel.select(timeout)
+            events = self.sel.select(self._timeout())
             self.fabric.tick()
-            while events:
+            self._resume_listening()
+            while events or self.jobs:
+                self.budget = LOOKUPS_PER_TURN
                 for key, mask in events:
-                    try:
-                        if key.data is _WAKE:
-                            _drain(key.fileobj)  # type: ignore[arg-type]
-                        elif key.data is None:
-                            self._accept()
-                        elif isinstance(key.data, Conn):
-                            self._readable(key.data)
-                        else:
-                            key.data(mask)  # a socket of the fabric agent
-                    except Exception:  # nothing one client does may take the node's broker down
-                        log.exception("unexpected error in the broker loop")
-                        if isinstance(key.data, Conn):
-                            self._drop(key.data)
-                events = self._poll_briefly()
+                    self._dispatch(key, mask)
+                self._run_jobs()
+                self._resume_listening()
+                events = self.sel.select(0) if self.jobs else self._poll_briefly()
             idle = self.idle is not None and not self.conns and not self.ledger.holds
             if idle and time.monotonic() - self.idle_since >= (self.idle or 0) and self._retire():
                 break
         self.close()
+
+    def _timeout(self) -> float | None:
+        timeout = None
+        if self.idle is not None and not self.conns and not self.ledger.holds:
+            timeout = max(0.0, self.idle_since + self.idle - time.monotonic())
+        if self.listen_paused_until:
+            paused = max(0.0, self.listen_paused_until - time.monotonic())
+            timeout = paused if timeout is None else min(timeout, paused)
+        fabric_wait = self.fabric.wait_time()
+        if fabric_wait is not None:
+            timeout = fabric_wait if timeout is None else min(timeout, fabric_wait)
+        return timeout
+
+    def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
+        try:
+            if key.data is _WAKE:
+                system.drain(key.fileobj)  # type: ignore[arg-type]
+            elif key.data is None:
+                self._accept()
+            elif isinstance(key.data, _Exit):
+                self._drop(key.data.conn)  # the process that opened the connection exited
+            elif isinstance(key.data, Conn):
+                self._readable(key.data)
+            else:
+                key.data(mask)  # a socket of the fabric agent
+        except Exception:  # nothing one client does may take the node's broker down
+            log.exception("unexpected error in the broker loop")
+            if isinstance(key.data, Conn):
+                self._drop(key.data)
 
     def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
@@ -156,7 +192,12 @@ class Broker:
         before is noticed in the accept queue, and then the broker stays.
         """
         assert self.listener is not None
-        lock = os.open(self.path.parent / "broker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            lock = open_private(self.path.parent / "broker.lock", os.O_RDWR)
+        except FolderError as exc:
+            self.warn.log(logging.WARNING, "lock", "staying: %s", exc)
+            self.idle_since = time.monotonic()
+            return False
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -170,7 +211,7 @@ class Broker:
                 os.rename(self.path, aside)
             except FileNotFoundError:
                 pass
-            if wait_readable(self.listener.fileno(), 0):  # a client got in before the rename: stay
+            if wire.wait_readable(self.listener.fileno(), 0):  # a client got in before the rename: stay
                 with contextlib.suppress(OSError):
                     os.rename(aside, self.path)
                 self.idle_since = time.monotonic()
@@ -189,7 +230,8 @@ class Broker:
             with contextlib.suppress(OSError):
                 if self.path.stat().st_ino == self.inode:
                     self.path.unlink()
-            self.sel.unregister(self.listener)
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(self.listener)
             self.listener.close()
             self.listener = None
         for conn in list(self.conns.values()):
@@ -197,6 +239,8 @@ class Broker:
 
     def stop(self, *_: object) -> None:
         self.stopping = True
+
+    # ------------------------------------------------------------ clients arrive
 
     def _accept(self) -> None:
         assert self.listener is not None
@@ -206,30 +250,89 @@ class Broker:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("accept failed: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._shed(exc)
+                else:
+                    self.warn.log(logging.WARNING, "accept", "accept failed: %s", exc)
                 return
             sock.setblocking(False)
-            pid, uid, _gid = peer_credentials(sock)
-            if not self.multi_user and uid not in (self.uid, 0):
-                log.warning("refused pid %d of uid %d: not this broker's user (start it with --multi-user)", pid, uid)
+            try:
+                self._admit(sock)
+            except Exception:
                 sock.close()
-                continue
-            pidfd = peer_pidfd(sock)
+                raise
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Name a new connection's process by its kernel credentials and hand it to the ledger, or refuse it."""
+        pid, uid, _gid = wire.peer_credentials(sock)
+        if not self.multi_user and uid not in (self.uid, 0):
+            self.warn.log(logging.WARNING, "uid", "refused pid %d of uid %d: not this broker's user (start it with "
+                          "--multi-user)", pid, uid)
+            sock.close()
+            return
+        pidfd = wire.peer_pidfd(sock) if pid > 0 else -1
+        try:
+            if PIDFS and pid > 0 and pidfd < 0:
+                raise OSError(errno.EMFILE, "no pidfd for the process")
             identity = identity_of_pidfd(pid, pidfd)
-            if pidfd >= 0 and wait_readable(pidfd, 0):  # exited already: its pid may be reused
-                os.close(pidfd)
-                sock.close()
-                continue
-            conn = Conn(sock, pidfd, self.ledger.connect(pid, uid, identity))
-            self.conns[sock.fileno()] = conn
-            self.sel.register(sock, selectors.EVENT_READ, conn)
-            log.debug("pid %d connected", pid)
+            if pidfd >= 0 and wire.wait_readable(pidfd, 0):  # exited already: its pid may be reused
+                raise ProcessLookupError
+            client = self.ledger.connect(pid, uid, identity)
+        except ProcessLookupError:
+            self._close_pidfd(pidfd)
+            sock.close()
+            return
+        except (OSError, LedgerError) as exc:
+            self._close_pidfd(pidfd)
+            if isinstance(exc, LedgerError):
+                code, why = exc.code, exc.message
+            else:
+                code = C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL
+                why = f"the broker could not tell which process connected ({exc.strerror or exc}): try again"
+            self.warn.log(logging.WARNING, f"refuse:{code}", "refused pid %d of uid %d: %s", pid, uid, why)
+            system.refuse(sock, code, why)
+            return
+        conn = Conn(sock, pidfd, client)
+        self.conns[sock.fileno()] = conn
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+        if pidfd >= 0:
+            self.sel.register(pidfd, selectors.EVENT_READ, _Exit(conn))
+        log.debug("pid %d connected", pid)
+
+    def _shed(self, exc: OSError) -> None:
+        """Out of fds: accept one waiting client with the spare fd and tell it why it is refused; pause listening
+        briefly if that is not possible, so the loop does not spin on a listener it cannot serve."""
+        assert self.listener is not None
+        self.warn.log(logging.WARNING, "emfile", "cannot accept clients: %s (the open-file limit is %d)", exc,
+                      resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        sock = None
+        if self.spare >= 0:
+            os.close(self.spare)
+            self.spare = -1
+            with contextlib.suppress(OSError):
+                sock, _ = self.listener.accept()
+        if sock is not None:
+            system.refuse(sock, C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, "the broker is out of file descriptors: its "
+                          "clients hold all that its open-file limit allows; try again once some have closed")
+            self.spare = system.spare_fd()
+            return
+        self.spare = system.spare_fd()
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(self.listener)
+        self.listen_paused_until = time.monotonic() + 0.1
+
+    def _resume_listening(self) -> None:
+        if self.listen_paused_until and time.monotonic() >= self.listen_paused_until and self.listener is not None:
+            self.listen_paused_until = 0.0
+            self.sel.register(self.listener, selectors.EVENT_READ, None)
+
+    # ------------------------------------------------------------ requests
 
     def _readable(self, conn: Conn) -> None:
         """Serve one packet of a readable connection (the selector reports it again if more are queued, so
         every client gets its turn)."""
         try:
-            data, fds, truncated = recv_packet(conn.sock, DONTWAIT)
+            data, fds, truncated, sender = wire.recv_request(conn.sock, wire.DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -243,16 +346,22 @@ class Broker:
             if truncated:
                 raise ProtocolError(f"frame larger than {MAX_FRAME} bytes, or too many fds")
             req, request = decode(data, len(fds))
-            if isinstance(request, P.RemoteImport):  # the fabric agent answers now, or later when the peer does
+            if isinstance(request, P.RemoteImport) and sender == pid:  # the fabric agent answers now or later
                 later = self.fabric.local(conn.client, request, lambda m: self._answer_later(conn, req, m))
                 if later is None:
                     return
-                answer, fd = later, -1
-            else:
-                answer, fd = self.ledger.handle(conn.client, request, fds.pop() if fds else -1)  # the fd is its now
-            reply, reply_fds = encode(answer, req), (fd,) if fd >= 0 else ()
+                self._send(conn, encode(later, req), ())
+                return
+            fd = fds.pop() if fds else -1  # the ledger's (or the job's) from here
+            need = self.ledger.pids_to_bind(conn.client, request) if sender == pid else set()
+            if len(need) > self.budget:
+                self._defer(Job(conn, req, request, fd, sender, list(need)))
+                return
+            self.budget -= len(need)
+            answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender)
+            reply, reply_fds = encode(answer, req), (reply_fd,) if reply_fd >= 0 else ()
         except ProtocolError as exc:
-            log.info("protocol error from pid %d: %s", pid, exc)
+            self.warn.log(logging.INFO, "protocol", "protocol error from pid %d: %s", pid, exc)
             reply = encode(P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"protocol error: {exc}"), peek_request_id(data))
             reply_fds = ()
         except Exception as exc:  # a bug must not take the node's broker down
@@ -260,75 +369,90 @@ class Broker:
             reply = encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data))
             reply_fds = ()
         finally:
-            close_fds(fds)
+            wire.close_fds(fds)
+        self._send(conn, reply, reply_fds)
+
+    def _send(self, conn: Conn, reply: bytes, fds: tuple[int, ...]) -> None:
         try:
-            send_packet(conn.sock, reply, reply_fds)
+            wire.send_packet(conn.sock, reply, fds)
         except OSError:
             self._drop(conn)
 
     def _answer_later(self, conn: Conn, req: int, message: P.Message) -> None:
         """A reply the fabric agent had to wait for, to a client still connected."""
-        if self.conns.get(conn.sock.fileno()) is not conn:
-            return
+        if self.conns.get(conn.sock.fileno()) is conn:
+            self._send(conn, encode(message, req), ())
+
+    def _defer(self, job: Job[Conn]) -> None:
+        job.owner.job = job
+        self.sel.unregister(job.owner.sock)  # its next request waits for this one's reply
+        self.jobs.add(job)
+
+    def _run_jobs(self) -> None:
+        """Give the deferred requests their share of this turn, and answer those whose lookups are done."""
+        for job in self.jobs.step():
+            self._finish(job)
+
+    def _finish(self, job: Job[Conn]) -> None:
+        conn = job.owner
+        conn.job = None
         try:
-            send_packet(conn.sock, encode(message, req))
-        except OSError:
-            self._drop(conn)
+            answer, reply_fd = self.ledger.handle(conn.client, job.request, job.fd, job.sender, job.found)
+            reply, fds = encode(answer, job.req), (reply_fd,) if reply_fd >= 0 else ()
+        except Exception as exc:  # a bug must not take the node's broker down
+            log.exception("internal error serving pid %d", conn.client.pid)
+            reply, fds = encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), job.req), ()
+        self.sel.register(conn.sock, selectors.EVENT_READ, conn)
+        self._send(conn, reply, fds)
 
     def _drop(self, conn: Conn) -> None:
         """A client left (or died): release all it held and revoke its exports."""
         if self.conns.pop(conn.sock.fileno(), None) is None:
             return
+        if conn.job is not None:
+            self.jobs.cancel(conn.job)
+            conn.job = None
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
+        before = self.ledger.usage.trust_entries()
         self.ledger.disconnect(conn.client)
+        self.released += before - self.ledger.usage.trust_entries()
+        if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
+            self.released = 0
+            system.trim_memory()
         conn.sock.close()
-        if conn.pidfd >= 0:
-            os.close(conn.pidfd)
+        self._close_pidfd(conn.pidfd)
         if not self.conns:
             self.idle_since = time.monotonic()
         log.debug("pid %d disconnected", conn.client.pid)
+
+    def _close_pidfd(self, pidfd: int) -> None:
+        if pidfd >= 0:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(pidfd)
+            os.close(pidfd)
 
 
 _WAKE = object()
 
 
-def _drain(sock: socket.socket) -> None:
-    with contextlib.suppress(BlockingIOError):
-        while sock.recv(512):
-            pass
-
-
-def _answers(path: Path) -> bool:
-    """Whether a broker listens at `path` (one whose queue is full counts: it is there, only stuck)."""
-    try:
-        connect(path, 2.0).close()
-    except TimeoutError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1,
         auto: bool = False) -> int:
     """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle. An auto-started
-    broker (`auto`) lingers VMMSHARE_BROKER_IDLE seconds unless `idle` says otherwise."""
+    broker (`auto`) lingers VMMSHARE_BROKER_IDLE seconds unless `idle` says otherwise.
+
+    Exit status: 0 stopped, 1 could not serve, 2 bad configuration, 3 another broker serves the path."""
     try:
         config = Config.from_env()
-    except ValueError as exc:
+        limits = quotas()
+        if path is not None:
+            check_socket_path(path, "--socket")
+    except ConfigError as exc:
         log.error("bad configuration: %s", exc)
         return 2
     if auto and idle is None:
         idle = config.broker_idle
-    broker = Broker(path or config.socket_path, config, idle, multi_user)
+    broker = Broker(path or config.socket_path, config, idle, multi_user, limits)
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
     wake_w.setblocking(False)
@@ -338,12 +462,18 @@ def run(path: Path | None = None, idle: float | None = None, multi_user: bool = 
     signal.signal(signal.SIGINT, broker.stop)
     try:
         broker.bind()
+    except ConfigError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
     except FabricSetupError as exc:
         log.error("cannot serve %s: %s", broker.path, exc)
         broker.close()
         return 2
-    except (OSError, RuntimeError) as exc:
+    except InUse as exc:
         log.error("cannot serve %s: %s", broker.path, exc)
-        return 1 if not isinstance(exc, OSError) or exc.errno != errno.EADDRINUSE else 2
+        return 3
+    except OSError as exc:
+        log.error("cannot serve %s: %s", broker.path, exc)
+        return 3 if exc.errno == errno.EADDRINUSE else 1
     broker.serve(ready_fd)
     return 0

@@ -7,16 +7,21 @@ import contextlib
 import os
 import select
 import socket
+import struct
 import time
 from pathlib import Path
 
 from ..protocol import MAX_FDS, MAX_FRAME
 
 _ANC = socket.CMSG_SPACE(4 * (MAX_FDS + 4))  # room to notice (and close) fds nobody asked for
+_CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_ANC_CREDS = _ANC + socket.CMSG_SPACE(_CREDS.size)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _CUT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 DONTWAIT = int(socket.MSG_DONTWAIT)
 _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
+_SCM_CREDENTIALS = int(getattr(socket, "SCM_CREDENTIALS", 2))
+_SO_PASSCRED = int(getattr(socket, "SO_PASSCRED", 16))
 
 
 def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool]:
@@ -34,6 +39,31 @@ def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], 
             fds.extend(got)
     truncated = bool(msg_flags & _CUT) or len(data) > MAX_FRAME
     return data, fds, truncated
+
+
+def pass_credentials(sock: socket.socket) -> None:
+    """Have the kernel stamp every packet that arrives on `sock` with its sender's pid, uid and gid (SO_PASSCRED:
+    a sender cannot forge them without privilege); a socket accepted from a listener set so inherits it."""
+    sock.setsockopt(_SOL_SOCKET, _SO_PASSCRED, 1)
+
+
+def recv_request(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool, int]:
+    """`recv_packet` on a socket with SO_PASSCRED, plus the pid of the process that sent the packet (-1 when the
+    kernel attached no credentials)."""
+    data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC_CREDS, _CLOEXEC | flags)
+    fds: list[int] = []
+    sender = -1
+    for level, kind, payload in anc:
+        if level != _SOL_SOCKET:
+            continue
+        if kind == _SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+        elif kind == _SCM_CREDENTIALS and len(payload) >= _CREDS.size:
+            sender = _CREDS.unpack_from(payload)[0]
+    truncated = bool(msg_flags & _CUT) or len(data) > MAX_FRAME
+    return data, fds, truncated, sender
 
 
 def send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:

@@ -28,7 +28,8 @@ from pathlib import Path
 from .. import constants as C
 from .. import protocol as P
 from ..backends import host
-from ..broker.ledger import ChargedMemory, Client, Ledger
+from ..broker.ledger import Client, Ledger
+from ..broker.records import ChargedMemory
 from ..config import Config
 from ..errors import AclError
 from ..handles import Endpoint, decode_fabric

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from .. import constants as C
 from ..backends import host
-from ..broker.ledger import KIND_HOST, ChargedMemory, Client, Ledger, LedgerError
+from ..broker.ledger import Client, Ledger, LedgerError
+from ..broker.records import KIND_HOST, ChargedMemory
 from ..config import Config
 from ..errors import AclError
 from . import peer_protocol as F

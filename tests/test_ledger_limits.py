@@ -1,0 +1,367 @@
+"""The broker's defences that are rules of its books, on the ledger alone (docs/security.md, threat table): pid
+lookups that fail, trustlists re-added, clients the broker cannot see or that did not open the connection, the
+quotas of each user, the seals of an exported memfd, and listings that always fit a frame.
+
+The same defences against a real broker, real processes and other users are in test_security.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+from typing import Any
+
+import pytest
+
+from test_ledger import (
+    BAD_HANDLE,
+    CAPACITY,
+    DEFAULT,
+    NO_MEMORY,
+    NO_PERMISSION,
+    NO_PID_CHECK,
+    PARAM,
+    Books,
+    MiB2,
+)
+from vmmshare import protocol as P
+from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, MAX_GPUS, Lookups
+from vmmshare.broker.usage import FDS_PER_CONNECTION
+from vmmshare.config import Quotas
+
+
+@pytest.fixture
+def books() -> Books:
+    return Books()
+
+
+RESOURCE = 207005  # ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: a limit of the broker or of the user
+IPC_ERROR = 507022
+
+
+def _pages(books: Books, viewer: Any) -> list[dict[str, Any]]:
+    pages: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        reply = books.ask(viewer, P.List(offset))
+        assert isinstance(reply, P.Listing)
+        assert len(reply.page.encode()) <= P.MAX_BODY, "a page fits one frame"
+        pages.append(json.loads(reply.page))  # every page is JSON on its own
+        offset = pages[-1]["next"]
+        assert len(pages) < 10_000
+    return pages
+
+
+# ---------------------------------------------------------------- a pid lookup that fails binds nothing
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ENOMEM, errno.EACCES])
+def test_fail_closed_a_trustlist_entry_that_cannot_be_bound_is_refused(books: Books, err: int) -> None:
+    """When the broker cannot tell which process has a pid (out of fds: EMFILE), the entry used to be bound to
+    nothing, so whoever got that pid later could import. Now the whole request is refused (207005) and nothing is
+    added; only a pid that no process has ("no such process") may stay unbound."""
+    a = books.client(1)
+    books.alive[9] = (None, 7009)
+    books.failing[9] = OSError(err, "injected")
+    _, shareable, _, _ = books.export(a, pids=(5,))
+    reply = books.ask(a, P.SetPids(shareable, DEFAULT, (6, 9)))
+    assert isinstance(reply, P.Error) and reply.code == RESOURCE, reply
+    assert "pid 9" in reply.message and "unchanged" in reply.message
+    assert set(books.ledger.exports[shareable].trust) == {5}, "nothing was added, not even pid 6"
+    stranger = books.client(9, identity=(None, 7777))  # whoever has pid 9 later
+    assert books.imports(stranger, shareable) == NO_PERMISSION
+    hold = books.charge(a)
+    fd = books.memfd()
+    reply = books.ask(a, books.export_request(hold, pids=(9,)), fd)
+    assert isinstance(reply, P.Error) and reply.code == RESOURCE, "an export whose trustlist cannot be bound"
+    assert fd in books.closed and len(books.ledger.exports) == 1
+
+
+# ---------------------------------------------------------------- re-adding a pid keeps its first binding
+
+
+def test_readding_a_listed_pid_never_unbinds_it(books: Books) -> None:
+    """The trusted process exited and nobody has its pid; the exporter re-sends its trustlist. The entry used to
+    be bound anew to whoever had the pid then - nobody - so whichever process got the pid later could import. It
+    keeps its binding until a process has the pid (then a re-add binds that one: the exporter asked for it now)."""
+    a = books.client(1)
+    books.alive[9] = (None, 7009)  # the trusted process
+    _, shareable, _, _ = books.export(a, pids=(9,))
+    del books.alive[9]  # it exited
+    assert books.code(a, P.SetPids(shareable, DEFAULT, (9,))) == 0
+    assert books.imports(books.client(9, identity=(None, 8009)), shareable) == NO_PERMISSION, (
+        "a process that got the pid after the re-add imported")
+    books.alive[9] = (None, 8009)
+    assert books.code(a, P.SetPids(shareable, DEFAULT, (9,))) == 0  # re-added while 8009 has the pid
+    assert books.imports(books.client(9, identity=(None, 8009)), shareable) == 0
+
+
+def test_readding_the_same_live_process_changes_nothing(books: Books) -> None:
+    a = books.client(1)
+    books.alive.update({9: (None, 7009), 10: (None, 7010)})
+    _, shareable, _, _ = books.export(a, pids=(9,))
+    before = dict(books.ledger.exports[shareable].trust)
+    books.lookups.clear()
+    assert books.code(a, P.SetPids(shareable, DEFAULT, (9, 9, 10, 9))) == 0
+    assert sorted(books.lookups) == [9, 10], "each pid is looked up once, duplicates or not"
+    assert books.ledger.exports[shareable].trust == {**before, 10: (None, 7010)}
+    assert books.ledger.usage.users[1000].trust == 2
+
+
+def test_an_entry_bound_to_nothing_is_bound_once_its_process_exists(books: Books) -> None:
+    """A pid added before its process runs is bound to nothing; re-adding it once it runs binds it."""
+    a = books.client(1)
+    _, shareable, _, _ = books.export(a, pids=(9,))
+    books.alive[9] = (None, 7009)
+    assert books.code(a, P.SetPids(shareable, DEFAULT, (9,))) == 0
+    assert books.imports(books.client(9, identity=(None, 8009)), shareable) == NO_PERMISSION
+    assert books.imports(books.client(9, identity=(None, 7009)), shareable) == 0
+
+
+# ---------------------------------------------------------------- trustlist work: each pid once
+
+
+def test_trustlist_duplicates_are_looked_up_once(books: Books) -> None:
+    """A SET_PIDS of 4,096 copies of one pid cost 4,096 lookups (pidfd_open each); now one."""
+    a = books.client(1)
+    _, shareable, _, _ = books.export(a)
+    books.lookups.clear()
+    assert books.code(a, P.SetPids(shareable, DEFAULT, (77,) * 4096)) == 0
+    assert books.lookups == [77]
+    assert books.ledger.pids_to_bind(a, P.SetPids(shareable, DEFAULT, tuple(range(1, 4097)) * 2)) == set(
+        range(1, 4097))
+
+
+def test_trustlist_lookups_made_ahead_are_used_and_a_failed_one_refuses(books: Books) -> None:
+    """The server looks a long trustlist up over several turns of its loop (`look_up`) and hands the results in."""
+    a = books.client(1)
+    books.alive[9] = (None, 7009)
+    _, shareable, _, _ = books.export(a)
+    pids = tuple(range(2, 600))
+    found = books.ledger.look_up(books.ledger.pids_to_bind(a, P.SetPids(shareable, DEFAULT, pids)))
+    books.lookups.clear()
+    reply, _ = books.ledger.handle(a, P.SetPids(shareable, DEFAULT, pids), found=found)
+    assert reply == P.Ok() and books.lookups == [], "nothing looked up twice"
+    assert books.imports(books.client(9, identity=(None, 7009)), shareable) == 0
+    found = Lookups({p: (None, None) for p in range(600, 700) if p != 650}, {650: OSError(errno.EMFILE, "injected")})
+    reply, _ = books.ledger.handle(a, P.SetPids(shareable, DEFAULT, tuple(range(600, 700))), found=found)
+    assert isinstance(reply, P.Error) and reply.code == RESOURCE and len(books.ledger.exports[shareable].trust) == 598
+
+
+@pytest.mark.parametrize("request_of", [lambda v: P.SetPids(v, DEFAULT, (0, 5)), lambda v: P.SetPids(v ^ 4, DEFAULT,
+                                        (5,)), lambda v: P.Charge(0, MiB2)], ids=["bad_pid", "unknown", "no_pids"])
+def test_requests_refused_before_any_lookup_ask_for_none(books: Books, request_of: Any) -> None:
+    a = books.client(1)
+    _, shareable, _, _ = books.export(a)
+    assert books.ledger.pids_to_bind(a, request_of(shareable)) == set()
+
+
+# ---------------------------------------------------------------- who sends: the connection's process only
+
+
+def test_a_client_the_broker_cannot_see_is_refused() -> None:
+    """A broker in a child pid namespace gets pid 0 for every process outside it (SO_PEERCRED); such clients were
+    served as one and the same pid 0. They are refused at once, saying why."""
+    books = Books()
+    with pytest.raises(Exception) as refused:
+        books.ledger.connect(0, 1000, (None, None))
+    assert getattr(refused.value, "code", None) == NO_PERMISSION
+    assert "pid namespace" in str(refused.value)
+    assert not books.ledger.clients and not books.ledger.usage.users
+
+
+@pytest.mark.parametrize("request_of", [P.BareTgid, lambda: P.Release(1), lambda: P.MemInfo(0)],
+                         ids=["bare_tgid", "release", "mem_info"])
+def test_a_request_sent_by_another_process_than_the_connections_is_refused(books: Books, request_of: Any) -> None:
+    """A connection inherited across a C fork() or passed by SCM_RIGHTS used to act as its owner. Each packet now
+    carries its sender's pid (SCM_CREDENTIALS) and only the process that opened the connection is served."""
+    a = books.client(1)
+    hold, shareable, _, _ = books.export(a, flags=NO_PID_CHECK)
+    reply, _ = books.ledger.handle(a, request_of(), sender=2)
+    assert isinstance(reply, P.Error) and reply.code == NO_PERMISSION
+    assert "belongs to pid 1" in reply.message and "pid 2" in reply.message
+    reply, _ = books.ledger.handle(a, P.Release(hold), sender=2)
+    assert isinstance(reply, P.Error) and shareable in books.ledger.exports, "the owner's export is untouched"
+    fd = books.memfd()
+    reply, _ = books.ledger.handle(a, books.export_request(books.charge(a)), fd, sender=0)
+    assert isinstance(reply, P.Error) and reply.code == NO_PERMISSION and fd in books.closed
+    assert books.ledger.handle(a, P.BareTgid(), sender=1)[0] == P.Pid(1)
+
+
+# ---------------------------------------------------------------- quotas of each user
+
+
+def test_quota_connections_per_user() -> None:
+    books = Books(quotas=Quotas(connections=2))
+    a, _ = books.client(1, uid=1000), books.client(2, uid=1000)
+    with pytest.raises(Exception) as refused:
+        books.client(3, uid=1000)
+    assert getattr(refused.value, "code", None) == RESOURCE and "VMMSHARE_QUOTA_CONNECTIONS=2" in str(refused.value)
+    books.client(4, uid=2000)  # another user is not affected
+    books.ledger.disconnect(a)
+    books.client(5, uid=1000)
+
+
+def test_quota_exports_per_user_and_each_refusal_lets_the_fd_go() -> None:
+    books = Books(quotas=Quotas(exports=3))
+    a, b = books.client(1, uid=1000), books.client(2, uid=1000)
+    holds = [books.export(c)[0] for c in (a, b, a)]
+    hold = books.charge(b)
+    fd = books.memfd()
+    reply = books.ask(b, books.export_request(hold), fd)
+    assert isinstance(reply, P.Error) and reply.code == RESOURCE and "VMMSHARE_QUOTA_EXPORTS=3" in reply.message
+    assert fd in books.closed
+    assert books.code(a, P.Release(holds[0])) == 0  # a revoked export no longer counts
+    assert books.code(b, books.export_request(hold), books.memfd()) == 0
+    assert books.export(books.client(3, uid=2000))[1] in books.ledger.exports
+
+
+def test_quota_holds_per_user_counts_allocations_and_imports() -> None:
+    books = Books(quotas=Quotas(holds=3))
+    a, b = books.client(1, uid=1000), books.client(2, uid=2000)
+    _, shareable, _, _ = books.export(b, flags=NO_PID_CHECK)
+    books.charge(a)
+    books.charge(a, device=-1)
+    assert books.imports(a, shareable) == 0
+    assert books.code(a, P.Charge(-1, 1)) == RESOURCE
+    assert books.imports(a, shareable) == RESOURCE
+    assert books.code(a, P.Release(next(iter(a.holds)))) == 0
+    assert books.imports(a, shareable) == 0
+
+
+def test_quota_trustlist_entries_per_user() -> None:
+    books = Books(quotas=Quotas(trustlist=5000))
+    a = books.client(1)
+    hold, _, _, _ = books.export(a, pids=tuple(range(1, 4001)))
+    _, second, _, _ = books.export(a, pids=tuple(range(1, 1001)))
+    reply = books.ask(a, P.SetPids(second, DEFAULT, (5000,)))
+    assert isinstance(reply, P.Error) and reply.code == RESOURCE and "VMMSHARE_QUOTA_TRUSTLIST=5000" in reply.message
+    assert books.code(a, P.SetPids(second, DEFAULT, (1, 2))) == 0, "entries already listed cost nothing"
+    assert books.code(a, P.Release(hold)) == 0, "a revoked export gives its entries back"
+    assert books.code(a, P.SetPids(second, DEFAULT, tuple(range(5000, 8000)))) == 0
+    assert books.ledger.usage.users[1000].trust == 4000
+
+
+def test_quota_memory_per_user_and_device() -> None:
+    books = Books(quotas=Quotas(memory=4 * MiB2))
+    a, b = books.client(1, uid=1000), books.client(2, uid=2000)
+    first = books.charge(a, 3 * MiB2)
+    reply = books.ask(a, P.Charge(0, 2 * MiB2))
+    assert isinstance(reply, P.Error) and reply.code == NO_MEMORY and "VMMSHARE_QUOTA_MEMORY" in reply.message
+    assert books.code(a, P.Charge(1, 4 * MiB2)) == 0, "the limit is per device"
+    assert books.code(a, P.Charge(-1, 64 * MiB2)) == 0, "host memory is not device memory"
+    assert books.code(b, P.Charge(0, 4 * MiB2)) == 0, "another user has a limit of its own"
+    assert books.code(a, P.Release(first)) == 0
+    assert books.code(a, P.Charge(0, 4 * MiB2)) == 0
+
+
+def test_the_broker_fd_budget_covers_connections_and_exports() -> None:
+    """Whatever the quotas, the broker never hands out the file descriptors it needs itself (to accept, to look a
+    pid up): connections and exports past its budget are refused with 207005."""
+    books = Books(fd_budget=3 * FDS_PER_CONNECTION + 2)
+    a, b, _ = books.client(1), books.client(2, uid=2000), books.client(3, uid=3000)
+    books.export(a)
+    books.export(b)
+    with pytest.raises(Exception) as refused:
+        books.client(4, uid=4000)
+    assert getattr(refused.value, "code", None) == RESOURCE and "file descriptors" in str(refused.value)
+    reply = books.ask(a, books.export_request(books.charge(a)), books.memfd())
+    assert isinstance(reply, P.Error) and reply.code == RESOURCE and "ulimit -n" in reply.message
+    books.ledger.disconnect(b)  # its connection and its export
+    books.client(4, uid=4000)
+    books.export(a)
+    assert books.ledger.usage.fds == 3 * FDS_PER_CONNECTION + 2
+
+
+def test_a_user_who_left_leaves_nothing_in_the_tallies(books: Books) -> None:
+    a = books.client(1, uid=1000)
+    b = books.client(2, uid=2000)
+    _, shareable, _, _ = books.export(a, pids=(2, 3, 4))
+    books.charge(a, device=-1)
+    assert books.imports(b, shareable) == 0
+    books.ledger.disconnect(a)
+    books.ledger.disconnect(b)
+    assert books.ledger.usage.users == {} and books.ledger.usage.fds == 0
+
+
+# ---------------------------------------------------------------- seals of an exported memfd
+
+
+SEAL_CASES = [
+    # (id, seals of the attached memfd (-1: a file that takes no seals), expected code)
+    ("sealed", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL, 0),
+    ("not_a_memfd", -1, PARAM),
+    ("no_seals", 0, PARAM),
+    ("seal_seal_only", fcntl.F_SEAL_SEAL, PARAM),  # a tmpfs file, or an old hugetlb memfd
+    ("can_shrink", fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL, PARAM),
+    ("can_grow", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL, PARAM),
+    ("seals_still_open", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, PARAM),
+    ("write_sealed", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL | fcntl.F_SEAL_WRITE, PARAM),
+]
+
+
+@pytest.mark.parametrize(("seals", "code"), [c[1:] for c in SEAL_CASES], ids=[c[0] for c in SEAL_CASES])
+def test_unsealed_exports_are_refused(books: Books, seals: int, code: int) -> None:
+    """A host export must be a memfd sealed against resizing: a file an exporter (or importer) can shrink kills
+    every importer with SIGBUS. Any regular file of the right size used to pass."""
+    a = books.client(1)
+    fd = books.memfd(seals=seals)
+    reply = books.ask(a, books.export_request(books.charge(a)), fd)
+    assert (reply.code if isinstance(reply, P.Error) else 0) == code, reply
+    if code:
+        assert "seal" in reply.message and fd in books.closed  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- listings fit, whatever the node holds
+
+
+def test_ls_pages_of_the_largest_listing_each_fit_a_frame_and_parse() -> None:
+    """Every device and GPU with memory charged, a full trustlist and many importers: the listing's header used to
+    be unbounded and its first row always included, so the page was cut at 64 KiB into invalid JSON."""
+    books = Books(devices=1024, capacity=1 << 62)
+    a = books.client(2_000_000_000, uid=1000)
+    for d in range(1024):
+        books.charge(a, (1 << 61) + d, device=d)
+        books.charge(a, (1 << 63) - d, device=d, gpu=True)
+    books.charge(a, (1 << 63), device=MAX_GPUS - 1, gpu=True)  # a GPU's sum beyond 64 bits
+    trust = tuple(range(0x7FFFFFFF - 4095, 0x7FFFFFFF + 1))
+    _, shareable, _, _ = books.export(a, flags=NO_PID_CHECK, pids=trust)
+    for i in range(LIST_IMPORTERS + 3):
+        assert books.imports(books.client(2_000_000_001 + i), shareable) == 0
+    books.export(a)
+    pages = _pages(books, books.client(2_100_000_000, uid=0))
+    assert len(pages) > 2 and all(len(p["exports"]) + len(p["used"]) + len(p["gpu_used"]) <= LIST_PAGE
+                                  for p in pages)
+    used = {k: v for p in pages for k, v in p["used"].items()}
+    gpus = {k: v for p in pages for k, v in p["gpu_used"].items()}
+    rows = [r for p in pages for r in p["exports"]]
+    assert len(used) == 1024 and len(gpus) == 1024 and len(rows) == 2
+    assert gpus[str(MAX_GPUS - 1)] == (1 << 63) - (MAX_GPUS - 1) + (1 << 63)
+    assert rows[0]["trustlist"] == list(trust)
+    assert len(rows[0]["importers"]) == LIST_IMPORTERS and rows[0]["importer_count"] == LIST_IMPORTERS + 3
+    assert {p["export_count"] for p in pages} == {2} and pages[0]["clients"] == LIST_IMPORTERS + 4
+
+
+# ---------------------------------------------------------------- what the refusals say
+
+
+def test_capacity_refusal_names_the_brokers_variable_and_how_to_change_it(books: Books) -> None:
+    reply = books.ask(books.client(1), P.Charge(0, CAPACITY + 1))
+    assert isinstance(reply, P.Error) and reply.code == NO_MEMORY
+    for words in ("VMMSHARE_DEVICE_MEMORY", "when it started", "4242", "start it again"):
+        assert words in reply.message, reply.message
+
+
+def test_ls_counts_the_other_clients_not_the_one_asking(books: Books) -> None:
+    a, b = books.client(1), books.client(2)
+    assert _pages(books, a)[0]["clients"] == 1
+    books.client(3)
+    assert _pages(books, b)[0]["clients"] == 2
+    assert json.loads(books.ledger.listing(0, books.ledger.connect(9, 1000, (None, 9))))["clients"] == 3
+
+
+def test_unknown_handles_still_refuse_before_quotas(books: Books) -> None:
+    assert books.code(books.client(1), P.SetPids(1234, DEFAULT, (5,))) == BAD_HANDLE
+    assert books.code(books.client(2), P.Import(1234, DEFAULT, bytes(32))) == BAD_HANDLE
+    assert books.code(books.client(3), P.Ok()) == IPC_ERROR

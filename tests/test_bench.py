@@ -22,12 +22,19 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     for step in ("allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch", "share",
                  "shm_create", "shm_attach", "pipe"):
         assert row[step]["p10"] <= row[step]["median"] <= row[step]["p90"], step
-    assert set(res["throughput"]) == {"1", "2"} and all(v > 0 for v in res["throughput"].values())
+    assert set(res["throughput"]) == {"1", "2"}
+    for point in res["throughput"].values():
+        assert point["ops_per_s"] > 0 and point["client_cpu_us"] > 0 and point["broker_cpu_us"] > 0, point
+    floor = res["floor"]
+    assert 0 < floor["fd_round_trip"]["median"] <= floor["fd_round_trip_mmap"]["median"]
+    assert set(res["floor_ratios"]) == {"import (request, reply with fd)", "import + reserve + map",
+                                        "SharedMemory attach"}
+    assert 0 <= res["idle_cpu"] < 1
     assert res["bandwidth"]["read_ratio"] > 0
     assert {"lazy", "prepopulated"} == set(res["bandwidth"]["first_touch"])
     assert "share_2MiB_vs_shm" in res["targets"] and "importer_2MiB_vs_attach" in res["targets"]
     assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
-    assert "share latency" in out.stdout and "targets:" in out.stdout
+    assert "share latency" in out.stdout and "targets:" in out.stdout and "the floor" in out.stdout
 
 
 def test_bench_rejects_bad_sizes() -> None:

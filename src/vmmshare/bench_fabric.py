@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import socket
 import statistics
 import struct
@@ -223,6 +224,7 @@ def run(sizes: list[int], reps: int, latency_reps: int) -> dict[str, Any]:
         res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         cluster.down()
+        shutil.rmtree(root, ignore_errors=True)
     res["ratios"] = {
         "throughput_vs_engine": {k: v["vmmshare"] / v["engine"] for k, v in res["throughput"].items()},
         "throughput_vs_tcp": {k: v["vmmshare"] / v["tcp"] for k, v in res["throughput"].items()},

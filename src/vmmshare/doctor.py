@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import config as cfg
-from .backends import host
+from .backends import host, mman
 from .broker.wire import peer_credentials, peer_pidfd
 
 
@@ -80,17 +80,17 @@ def kernel_features() -> list[Finding]:
         a.close()
         b.close()
     try:
-        arena = host.Arena()
+        arena = mman.Arena()
         ptr = arena.reserve(2 << 20, 2 << 20)
         arena.release(ptr, 2 << 20)
-        in_arena = host.ARENA_START <= ptr < host.ARENA_END
+        in_arena = mman.ARENA_START <= ptr < mman.ARENA_END
         out.append(Finding("ok" if in_arena else "slow", "reservation arena",
                            f"16-24 TiB arena {'usable' if in_arena else 'occupied: reservations land elsewhere'}"))
     except OSError as exc:
         out.append(Finding("missing", "reservation arena", f"cannot reserve address space: {exc}"))
-    addr = host.map_anonymous(4096)
-    ok = host.populate(addr, 4096)
-    host.unmap(addr, 4096)
+    addr = mman.map_anonymous(4096)
+    ok = mman.populate(addr, 4096)
+    mman.unmap(addr, 4096)
     out.append(Finding("ok" if ok else "slow", "pre-populated mappings",
                        "MADV_POPULATE_READ available" if ok else "MADV_POPULATE_READ missing (Linux < 5.14): "
                        "pre-populate falls back to first touch", "" if ok else "upgrade to Linux 5.14 or later"))

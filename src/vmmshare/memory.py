@@ -188,15 +188,12 @@ class PhysicalMemory:
 
     def map(self, access: str = "rw", prepopulate: bool | None = None) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both."""
-        _access(access)
-        _flag("prepopulate", prepopulate, allow_none=True)
-        self._live()
-        rng = VirtualRange(self.size, gpu=self.on_gpu)
-        try:
-            return rng.map(self, access=access, prepopulate=prepopulate, owns_range=True)
-        except BaseException:
-            rng.close()
-            raise
+        flags = _access(access)
+        populate = _flag("prepopulate", prepopulate, allow_none=True)
+        rt = runtime()
+        with rt.lock:
+            ptr = rt.memory.map_new(rt.memory.allocation(self._live()), flags, populate)
+        return Mapping(ptr, self, None, own_range=True)
 
     def close(self) -> None:
         """Free this handle; mappings of it stay valid until they are closed."""
@@ -285,8 +282,11 @@ def _release_quietly(ptr: int) -> None:
         rt.when_safe(lambda: _quietly(rt.memory.release, ptr))
 
 
-def _unmap_quietly(ptr: int, rng: VirtualRange | None) -> None:
+def _unmap_quietly(ptr: int, rng: VirtualRange | None, own_range: bool) -> None:
     def unmap() -> None:
+        if own_range:
+            _quietly(rt.memory.unmap_release, ptr)
+            return
         _quietly(rt.memory.unmap, ptr)
         if rng is not None:
             _quietly(rng.close)
@@ -302,7 +302,9 @@ class Mapping(MemoryViews):
     Like `mmap.mmap`, it refuses to close while views of it are alive (BufferError).
     """
 
-    def __init__(self, ptr: int, memory: PhysicalMemory, rng: VirtualRange | None) -> None:
+    def __init__(self, ptr: int, memory: PhysicalMemory, rng: VirtualRange | None, own_range: bool = False) -> None:
+        """`rng`: a VirtualRange this mapping closes with it; `own_range`: the range was reserved with the mapping
+        (PhysicalMemory.map), and goes with it in one step."""
         self.ptr = ptr
         self.size = memory.size
         self.memory = memory
@@ -310,8 +312,9 @@ class Mapping(MemoryViews):
         self.remote = memory.remote
         self.device = memory.device
         self._range = rng
+        self._own_range = own_range
         self._init_views()
-        self._finalizer = weakref.finalize(self, _unmap_quietly, ptr, rng)
+        self._finalizer = weakref.finalize(self, _unmap_quietly, ptr, rng, own_range)
 
     def __repr__(self) -> str:
         return f"<Mapping {self.ptr:#x}+{self.size:#x}{' closed' if self.closed else ''}>"
@@ -329,6 +332,9 @@ class Mapping(MemoryViews):
             return
         self._check_closable()
         self._finalizer.detach()
+        if self._own_range:
+            runtime().memory.unmap_release(self.ptr)
+            return
         runtime().memory.unmap(self.ptr)
         if self._range is not None:
             self._range.close()

@@ -10,7 +10,7 @@ from .backends.remote import Transfers
 from .props import PhysicalProp
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Imported:
     """What the node hands an importer: the memfd, the node's reference for it, and the exporter's properties."""
 

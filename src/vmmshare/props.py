@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,14 @@ class PhysicalProp:
             "location": self.location.as_dict(),
             "reserve": 0,
         }
+
+
+@functools.lru_cache(maxsize=512)
+def prop_of(
+    handle_type: int, allocation_type: int, mem_attr: int, location_type: int, location_id: int
+) -> PhysicalProp:
+    """The PhysicalProp of these values, made once: props are immutable, and every import needs one."""
+    return PhysicalProp(handle_type, allocation_type, mem_attr, Location(location_type, location_id))
 
 
 LOCATION_TYPES = frozenset({

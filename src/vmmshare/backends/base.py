@@ -70,6 +70,14 @@ class Backend(Protocol):
         """Return a mapping to the reserved state."""
         ...
 
+    def reserve_mapped(self, size: int, alignment: int, mem: Memory, access: int, prepopulate: bool) -> int:
+        """A new range with `mem` mapped over it, in as few steps as the backend can (what reserve then map do)."""
+        ...
+
+    def release_mapped(self, ptr: int, size: int) -> None:
+        """Give back a range made by `reserve_mapped`, mapping and all (what unmap then release do)."""
+        ...
+
     def protect(self, ptr: int, size: int, access: int, device: int) -> None: ...
 
     def copy(self, dst: int, src: int, count: int, device: int) -> None:

@@ -239,6 +239,21 @@ class CudaBackend:
     def unmap(self, ptr: int, size: int) -> None:
         self.check(self.cu.cuMemUnmap(ptr, size)[0], "cuMemUnmap")
 
+    def reserve_mapped(self, size: int, alignment: int, mem: Memory, access: int, prepopulate: bool) -> int:
+        """A new GPU range with `mem` mapped over it (the driver reserves and maps in two calls)."""
+        ptr = self.reserve(size, alignment, 0)
+        try:
+            self.map(ptr, size, mem, access, prepopulate)
+        except BaseException:
+            self.release(ptr, size)
+            raise
+        return ptr
+
+    def release_mapped(self, ptr: int, size: int) -> None:
+        """Unmap a range made by `reserve_mapped` and give it back."""
+        self.unmap(ptr, size)
+        self.release(ptr, size)
+
     def protect(self, ptr: int, size: int, access: int, device: int) -> None:
         cu = self.cu
         flags = {

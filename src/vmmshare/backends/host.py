@@ -1,81 +1,42 @@
 """Host backend: one sealed memfd per physical allocation, mapped with mmap into PROT_NONE reservations.
 
-Reservations are placed in a fixed arena (16 TiB to 24 TiB, as on the real runtime) so that the same
-virtual address is usually free in every process and `expect_ptr` can be honoured.
+Reservations and mappings are made through mman.py, in the arena it places them in.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import fcntl
 import logging
-import mmap as _mmap
 import os
 import platform
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
 from ..errors import FeatureNotSupportedError, InvalidParamError
 from .base import Memory, MemoryKind
+from .mman import (
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
+    Arena,
+    advise_huge,
+    libc,
+    map_shared,
+    mmap_call,
+    oserror,
+    populate,
+    protect,
+    unmap_to_reserved,
+)
 
 log = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.restype = ctypes.c_int
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.syscall.restype = ctypes.c_long
-
-PROT_NONE = _mmap.PROT_NONE if hasattr(_mmap, "PROT_NONE") else 0
-PROT_READ = _mmap.PROT_READ
-PROT_WRITE = _mmap.PROT_WRITE
-MAP_SHARED = _mmap.MAP_SHARED
-MAP_PRIVATE = _mmap.MAP_PRIVATE
-MAP_ANONYMOUS = _mmap.MAP_ANONYMOUS
-MAP_FIXED = 0x10
-MAP_NORESERVE = 0x4000
-MAP_FIXED_NOREPLACE = 0x100000
-MADV_HUGEPAGE = 14
-MADV_POPULATE_READ = 22
 MFD_HUGE_SHIFT = 26
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # what the broker wants of an export
-MAP_FAILED = ctypes.c_void_p(-1).value
-
-ARENA_START = 16 << 40
-ARENA_END = 24 << 40
-
-_RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
-
-
-def _oserror(what: str) -> OSError:
-    err = ctypes.get_errno()
-    return OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mmap_call(addr: int, size: int, prot: int, flags: int, fd: int = -1) -> int:
-    ptr = _libc.mmap(addr, size, prot, flags, fd, 0)
-    if ptr is None or ptr == MAP_FAILED:
-        raise _oserror("mmap")
-    return int(ptr)
-
-
-def map_anonymous(size: int) -> int:
-    """Private read-write memory of `size` bytes (aclrtMallocHost's)."""
-    return _mmap_call(0, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS)
-
-
-def unmap(addr: int, size: int) -> None:
-    if _libc.munmap(addr, size) != 0:
-        raise _oserror("munmap")
 
 
 def _read_first_line(path: str) -> str:
@@ -191,130 +152,19 @@ def bind_numa(fd: int, size: int, node: int) -> None:
         raise OSError(errno.EINVAL, f"mbind: node {node} is beyond the kernel's node mask")
     mask = (ctypes.c_ulong * _MASK_WORDS)()
     mask[node // 64] = 1 << (node % 64)
-    addr = _mmap_call(0, size, PROT_NONE, MAP_SHARED, fd)
+    addr = mmap_call(0, size, PROT_NONE, MAP_SHARED, fd)
     try:
-        rc = _libc.syscall(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_ulong(size), ctypes.c_int(MPOL_BIND),
+        rc = libc.syscall(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_ulong(size), ctypes.c_int(MPOL_BIND),
                            mask, ctypes.c_ulong(_MASK_WORDS * 64 + 1), ctypes.c_uint(0))
         if rc != 0:
-            raise _oserror(f"mbind(node {node})")
+            raise oserror(f"mbind(node {node})")
     finally:
-        _libc.munmap(addr, size)
+        libc.munmap(addr, size)
 
 
 def adopt(fd: int, size: int, pages: str = "normal") -> HostMemory:
     """Wrap an imported memfd of `size` bytes (the broker checked the file's size when it was exported)."""
     return HostMemory(fd, size, pages)
-
-
-class Arena:
-    """Placement of reservations inside [ARENA_START, ARENA_END), first fit, thread-safe."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._lock = threading.Lock()
-
-    def reserve(self, size: int, alignment: int, expect_ptr: int = 0) -> int:
-        """Reserve `size` bytes (inaccessible, nothing committed); at `expect_ptr` exactly when non-zero."""
-        with self._lock:
-            if expect_ptr:
-                ptr = self._try(expect_ptr, size)
-                if ptr is None:
-                    raise OSError(errno.EEXIST, f"the range at {expect_ptr:#x} of {size:#x} bytes is in use")
-                return ptr
-            addr = ARENA_START
-            tries = 0
-            while addr + size <= ARENA_END and tries < 4096:
-                i = bisect.bisect_right(self._starts, addr)
-                if i > 0 and self._ends[i - 1] > addr:  # inside one of ours: skip past it
-                    addr = _align_up(self._ends[i - 1], alignment)
-                    continue
-                if i < len(self._starts) and self._starts[i] < addr + size:
-                    addr = _align_up(self._ends[i], alignment)
-                    continue
-                tries += 1
-                ptr = self._try(addr, size)
-                if ptr is not None:
-                    return ptr
-                addr += _align_up(size, alignment)  # something foreign is there: move on
-            # the arena is full or foreign: let the kernel choose, aligned by over-reserving
-            return self._anywhere(size, alignment)
-
-    def _try(self, addr: int, size: int) -> int | None:
-        ptr = _libc.mmap(addr, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE, -1, 0)
-        if ptr is None or ptr == MAP_FAILED:
-            if ctypes.get_errno() == errno.EEXIST:
-                return None
-            raise _oserror("mmap(reserve)")
-        if ptr != addr:  # very old kernels ignore MAP_FIXED_NOREPLACE and treat it as a hint
-            _libc.munmap(ptr, size)
-            return None
-        self._add(addr, size)
-        return addr
-
-    def _anywhere(self, size: int, alignment: int) -> int:
-        raw = _mmap_call(0, size + alignment, PROT_NONE, _RESERVE_FLAGS)
-        ptr = _align_up(raw, alignment)
-        if ptr > raw:
-            _libc.munmap(raw, ptr - raw)
-        tail = raw + size + alignment - (ptr + size)
-        if tail:
-            _libc.munmap(ptr + size, tail)
-        self._add(ptr, size)
-        return ptr
-
-    def _add(self, addr: int, size: int) -> None:
-        i = bisect.bisect_left(self._starts, addr)
-        self._starts.insert(i, addr)
-        self._ends.insert(i, addr + size)
-
-    def release(self, addr: int, size: int) -> None:
-        """Give a reservation back to the system."""
-        with self._lock:
-            unmap(addr, size)
-            i = bisect.bisect_left(self._starts, addr)
-            if i < len(self._starts) and self._starts[i] == addr:
-                del self._starts[i]
-                del self._ends[i]
-
-
-def _align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
-def map_shared(addr: int, size: int, fd: int, prot: int) -> None:
-    """Map `fd` over the reserved `[addr, addr+size)` (MAP_SHARED | MAP_FIXED)."""
-    _mmap_call(addr, size, prot, MAP_SHARED | MAP_FIXED, fd)
-
-
-def map_file(fd: int, size: int) -> int:
-    """A shared read-write mapping of the first `size` bytes of `fd`, placed by the kernel (a broker serving an
-    export to other servers holds one)."""
-    return _mmap_call(0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd)
-
-
-def unmap_to_reserved(addr: int, size: int) -> None:
-    """Replace a mapping by a fresh reservation, atomically, so the hole stays ours."""
-    _mmap_call(addr, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED)
-
-
-def protect(addr: int, size: int, prot: int) -> None:
-    if _libc.mprotect(addr, size, prot) != 0:
-        raise _oserror("mprotect")
-
-
-def advise_huge(addr: int, size: int) -> bool:
-    """Ask for transparent huge pages on a mapping; False where the kernel says no."""
-    return bool(_libc.madvise(addr, size, MADV_HUGEPAGE) == 0)
-
-
-def populate(addr: int, size: int) -> bool:
-    """Map every page of a mapping now (MADV_POPULATE_READ), False where unsupported (Linux < 5.14).
-
-    Read-populating a shared mapping also leaves its pages writable without another fault, and costs
-    less than MADV_POPULATE_WRITE, which dirties every page (measured: 22 ms against 53 ms for 256 MiB).
-    """
-    return bool(_libc.madvise(addr, size, MADV_POPULATE_READ) == 0)
 
 
 ACCESS_PROT = {
@@ -377,6 +227,21 @@ class HostBackend:
     def map(self, ptr: int, size: int, mem: Memory, access: int, prepopulate: bool) -> None:
         assert isinstance(mem, HostMemory)
         map_shared(ptr, size, mem.fd, ACCESS_PROT[access])
+        self._advise(ptr, size, mem, access, prepopulate)
+
+    def reserve_mapped(self, size: int, alignment: int, mem: Memory, access: int, prepopulate: bool) -> int:
+        """A new range with `mem` mapped over it: reserve and map in one system call."""
+        assert isinstance(mem, HostMemory)
+        ptr = self.arena.reserve(size, alignment, 0, mem.fd, ACCESS_PROT[access])
+        self._advise(ptr, size, mem, access, prepopulate)
+        return ptr
+
+    def release_mapped(self, ptr: int, size: int) -> None:
+        """Give back a range made by `reserve_mapped`: one munmap drops the mapping with the reservation."""
+        self.arena.release(ptr, size)
+
+    @staticmethod
+    def _advise(ptr: int, size: int, mem: HostMemory, access: int, prepopulate: bool) -> None:
         if mem.pages == "thp":
             advise_huge(ptr, size)
         if access and prepopulate:

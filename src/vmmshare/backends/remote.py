@@ -19,7 +19,7 @@ from typing import Protocol
 from .. import constants as C
 from ..errors import FeatureNotSupportedError, InvalidParamError
 from ..intervals import Intervals
-from . import host
+from . import mman
 from .base import Memory, MemoryKind
 
 BOUNCE = 16 << 20  # bytes of the bounce buffer (remote to remote, and fills)
@@ -93,6 +93,12 @@ class RemoteBackend:
     def release(self, ptr: int, size: int) -> None:
         raise FeatureNotSupportedError("memory of another server holds no reservation of its own")
 
+    def reserve_mapped(self, size: int, alignment: int, mem: Memory, access: int, prepopulate: bool) -> int:
+        raise FeatureNotSupportedError("memory of another server is mapped into a host reservation")
+
+    def release_mapped(self, ptr: int, size: int) -> None:
+        raise FeatureNotSupportedError("memory of another server holds no reservation of its own")
+
     def map(self, ptr: int, size: int, mem: Memory, access: int, prepopulate: bool) -> None:
         """Let `[ptr, ptr+size)` stand for `mem` (the range itself stays reserved and inaccessible)."""
         assert isinstance(mem, RemoteMemory)
@@ -164,7 +170,7 @@ class RemoteBackend:
 
     def _bounce_buffer(self) -> int:
         if not self._bounce:
-            self._bounce = host.map_anonymous(BOUNCE)
+            self._bounce = mman.map_anonymous(BOUNCE)
         return self._bounce
 
 

@@ -24,7 +24,7 @@ from ..backends.remote import Transfers
 from ..config import Config, spin_seconds
 from ..errors import AclError, IpcError, error_from_code
 from ..node import Imported, RemoteImported
-from ..props import Location, PhysicalProp
+from ..props import PhysicalProp, prop_of
 from ..protocol import ProtocolError, decode, encode
 from .autostart import reach_broker
 from .wire import DONTWAIT, close_fds, recv_packet, send_packet
@@ -236,8 +236,8 @@ class BrokerClient:
         reply, fds = self.request(P.Import(shareable, share_type, secret.ljust(32, b"\0")), P.Imported)
         token = next(self._tokens)
         self._holds[token] = reply.hold
-        prop = PhysicalProp(reply.handle_type, reply.allocation_type, reply.mem_attr,
-                            Location(reply.location_type, reply.location_id))
+        prop = prop_of(reply.handle_type, reply.allocation_type, reply.mem_attr, reply.location_type,
+                       reply.location_id)
         return Imported(fds[0], token, reply.size, prop, bool(reply.memory_kind))
 
     def bare_tgid(self) -> int:
@@ -249,8 +249,8 @@ class BrokerClient:
         reply, _ = self.request(P.RemoteImport(handle), P.RemoteImported)
         token = next(self._tokens)
         self._holds[token] = reply.hold
-        prop = PhysicalProp(reply.handle_type, reply.allocation_type, reply.mem_attr,
-                            Location(reply.location_type, reply.location_id))
+        prop = prop_of(reply.handle_type, reply.allocation_type, reply.mem_attr, reply.location_type,
+                       reply.location_id)
         return RemoteImported(token, reply.size, prop, reply.segment, reply.address)
 
     def set_remote_pids(self, shareable: int, share_type: int, server: int, pids: list[int]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import hmac
+import itertools
 import logging
 import secrets
 from collections import Counter
@@ -63,6 +64,7 @@ class Ledger:
         self.random_bytes = random_bytes
         self.usage = Usage(quotas or Quotas(), capacity, fd_budget)
         self.endpoint = endpoint  # where other servers reach this node (FABRIC handles carry it)
+        self._hold_ids = itertools.count(1)
         self._serve: dict[type[P.Message], Callable[[Client, Any, int, Lookups | None], Answer]] = {
             P.Charge: self._charge, P.ChargeGpu: self._charge_gpu, P.Release: self._release_request,
             P.MemInfo: self._mem_info, P.Export: self._export, P.Revoke: self._revoke_request,
@@ -186,11 +188,9 @@ class Ledger:
     # ------------------------------------------------------------ holds
 
     def _new_hold(self, client: Client, memory: ChargedMemory) -> int:
+        """A hold id: a count, not a secret (a hold is only ever honoured for the client that holds it)."""
         self.usage.add_hold(client.uid)
-        while True:
-            hold = int.from_bytes(self.random_bytes(8), "little") >> 1 | 1
-            if hold not in self.holds:
-                break
+        hold = next(self._hold_ids)
         self.holds[hold] = Hold(client, memory)
         client.holds.add(hold)
         return hold

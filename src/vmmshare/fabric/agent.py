@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import constants as C
 from .. import protocol as P
-from ..backends import host
+from ..backends import mman
 from ..broker.ledger import Client, Ledger
 from ..broker.records import ChargedMemory
 from ..config import Config
@@ -150,7 +150,7 @@ class Agent(Serving):
             self._unserve(memory, grace=False)
         for _, address, size in self.unmaps:
             with contextlib.suppress(OSError):
-                host.unmap(address, size)
+                mman.unmap(address, size)
         self.unmaps.clear()
         if self.engine is not None:
             self.engine.close()
@@ -201,7 +201,7 @@ class Agent(Serving):
             self.unmaps.sort()
             _, address, size = self.unmaps.pop(0)
             with contextlib.suppress(OSError):
-                host.unmap(address, size)
+                mman.unmap(address, size)
 
     # ------------------------------------------------------------ this node's clients
 

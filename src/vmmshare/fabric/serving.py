@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from .. import constants as C
-from ..backends import host
+from ..backends import mman
 from ..broker.ledger import Client, Ledger, LedgerError
 from ..broker.records import KIND_HOST, ChargedMemory
 from ..config import Config
@@ -196,11 +196,11 @@ class Serving:
         if served is None:
             if self.engine is None:
                 self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
-            address = host.map_file(fd, memory.size)
+            address = mman.map_file(fd, memory.size)
             try:
                 self.engine.register(address, memory.size)
             except BaseException:
-                host.unmap(address, memory.size)
+                mman.unmap(address, memory.size)
                 raise
             served = self.served[memory] = Served(address, memory.size)
             log.debug("fabric: serving %d bytes at %#x", memory.size, address)
@@ -215,4 +215,4 @@ class Serving:
             self.unmaps.append((time.monotonic() + self.timeout, served.address, served.size))
         else:
             with contextlib.suppress(OSError):
-                host.unmap(served.address, served.size)
+                mman.unmap(served.address, served.size)

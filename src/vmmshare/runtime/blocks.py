@@ -72,12 +72,7 @@ class Blocks:
         allocation is dropped."""
         vmm = self.rt.memory
         try:
-            ptr = vmm.reserve(alloc.size, 0, 0, alloc.backend is self.rt.device_backend, alloc.owner)
-            try:
-                vmm.map_alloc(ptr, alloc.size, alloc, C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE)
-            except BaseException:
-                vmm.release(ptr, alloc.owner)
-                raise
+            ptr = vmm.map_new(alloc, C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE, owner=alloc.owner)
         except BaseException:
             vmm.drop(alloc)
             raise
@@ -102,7 +97,6 @@ class Blocks:
                 self.rt.ipc.forget_block(block.alloc)
             vmm = self.rt.memory
             try:
-                vmm.unmap(ptr, owner)
-                vmm.release(ptr, owner)
+                vmm.unmap_release(ptr, owner)
             finally:
                 vmm.drop(block.alloc)

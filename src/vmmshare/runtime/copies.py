@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import constants as C
-from ..backends import host
+from ..backends import mman
 from ..backends.base import MemoryKind
 from ..backends.remote import BOUNCE, NO_CPU_ACCESS
 from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError
@@ -37,7 +37,7 @@ class Copies:
         if not 1 <= size <= MAX_HOST_ALLOC:
             raise InvalidParamError(f"size={size} is out of range [1, {MAX_HOST_ALLOC}]")
         try:
-            ptr = host.map_anonymous(size)
+            ptr = mman.map_anonymous(size)
         except OSError as exc:
             raise MemoryAllocationError(f"cannot allocate {size} bytes of host memory: {exc.strerror}") from None
         with self.rt.lock:
@@ -50,7 +50,7 @@ class Copies:
             if size is None:
                 raise InvalidParamError(f"{ptr:#x} is not memory from malloc_host (or it was freed already)")
             self.host_blocks.remove(ptr)
-            host.unmap(ptr, size)
+            mman.unmap(ptr, size)
 
     def _classify(self, ptr: int, size: int, write: bool, what: str) -> MappingEntry | None:
         """Check `[ptr, ptr+size)` is accessible memory: its mapping when mapped here, None for other memory."""
@@ -138,7 +138,7 @@ class Copies:
 
     def _bounce_gpu(self, gpu: MappingEntry, far: MappingEntry, to_gpu: bool, dst: int, src: int, count: int) -> None:
         remote, backend, device = self.rt.remote, gpu.alloc.backend, gpu.alloc.device
-        bounce = host.map_anonymous(min(count, BOUNCE))
+        bounce = mman.map_anonymous(min(count, BOUNCE))
         try:
             for done in range(0, count, BOUNCE):
                 n = min(BOUNCE, count - done)
@@ -149,7 +149,7 @@ class Copies:
                     backend.copy(bounce, src + done, n, device)
                     remote.write(far.alloc.mem, dst - far.ptr + done, bounce, n)  # type: ignore[arg-type]
         finally:
-            host.unmap(bounce, min(count, BOUNCE))
+            mman.unmap(bounce, min(count, BOUNCE))
 
     def memset(self, ptr: int, max_count: int, value: int, count: int) -> None:
         if count > max_count:

@@ -11,7 +11,7 @@ from ..backends.base import Memory, MemoryKind
 from ..errors import FeatureNotSupportedError, InvalidParamError, NoPermissionError
 from ..handles import ShareableHandle, ShareType
 from ..node import Imported
-from ..props import Location, PhysicalProp
+from ..props import PhysicalProp, prop_of
 from .tables import Allocation
 
 if TYPE_CHECKING:
@@ -162,6 +162,6 @@ class Sharing:
 def _on_device(prop: PhysicalProp, device: int) -> PhysicalProp:
     """The exporter's properties, with device memory placed on the importer's `device`."""
     location = prop.location
-    if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
-        location = Location(location.type, device)
-    return PhysicalProp(prop.handle_type, prop.allocation_type, prop.mem_attr, location)
+    if location.type != C.ACL_MEM_LOCATION_TYPE_DEVICE or location.id == device:
+        return prop
+    return prop_of(prop.handle_type, prop.allocation_type, prop.mem_attr, location.type, device)

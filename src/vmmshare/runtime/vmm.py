@@ -7,7 +7,7 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
-from ..backends import host
+from ..backends import host, mman
 from ..backends.base import Backend, Memory, MemoryKind
 from ..errors import (
     AclError,
@@ -24,7 +24,7 @@ from .tables import Allocation, MappingEntry, Reservation
 if TYPE_CHECKING:
     from . import Runtime
 
-ARENA_SIZE = host.ARENA_END - host.ARENA_START
+ARENA_SIZE = mman.ARENA_END - mman.ARENA_START
 
 
 class Vmm:
@@ -256,6 +256,52 @@ class Vmm:
                 raise MemoryAllocationError(f"cannot map {size} bytes at {ptr:#x}: {exc.strerror}") from None
             self.mappings.add(ptr, size, MappingEntry(ptr, size, alloc, {}, access))
             alloc.maps += 1
+
+    def map_new(self, alloc: Allocation, access: int, prepopulate: bool | None = None, owner: str = "") -> int:
+        """Reserve a range of the allocation's size and map it there (in one system call for host memory): what
+        the Pythonic `map()`, aclrtMalloc blocks and IPC imports do, without a range of their own to reuse."""
+        size = alloc.size
+        if alloc.backend.kind is MemoryKind.REMOTE:  # its range is a host reservation the CPU cannot touch
+            ptr = self.reserve(size, 0, 0, on_device=False, owner=owner)
+            try:
+                self.map_alloc(ptr, size, alloc, access, prepopulate)
+            except BaseException:
+                self.release(ptr, owner)
+                raise
+            return ptr
+        align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else C.MIN_GRANULARITY
+        populate = self.rt.config.prepopulate if prepopulate is None else prepopulate
+        with self.rt.lock:
+            if alloc.refs == 0 and alloc.maps == 0:
+                raise InvalidParamError("this allocation was freed")
+            try:
+                ptr = alloc.backend.reserve_mapped(size, align, alloc.mem, access, populate)
+            except OSError as exc:
+                raise MemoryAllocationError(f"cannot reserve and map {size} bytes: {exc.strerror}") from None
+            self.reservations.add(ptr, size, Reservation(ptr, size, alloc.backend, owner))
+            self.mappings.add(ptr, size, MappingEntry(ptr, size, alloc, {}, access))
+            alloc.maps += 1
+        return ptr
+
+    def unmap_release(self, ptr: int, owner: str = "") -> None:
+        """Unmap a mapping that fills its own reservation and release the range (`map_new`'s undoing)."""
+        with self.rt.lock:
+            m, r = self.mappings.exact(ptr), self.reservations.exact(ptr)
+            if m is None or r is None or m.size != r.size or m.alloc.backend is not r.backend or r.owner != owner:
+                self.unmap(ptr, owner)  # not one of map_new's: the two steps say what is wrong
+                self.release(ptr, owner)
+                return
+            if m.alloc.owner != owner:
+                raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)"
+                                        + _owned_by(m.alloc.owner))
+            try:
+                r.backend.release_mapped(ptr, r.size)
+            except OSError as exc:
+                raise InternalError(f"cannot unmap {ptr:#x}: {exc.strerror}") from None
+            self.mappings.remove(ptr)
+            self.reservations.remove(ptr)
+            m.alloc.maps -= 1
+            self.maybe_destroy(m.alloc)
 
     def mapping_at(self, ptr: int) -> MappingEntry:
         hit = self.mappings.at(ptr)

@@ -2,7 +2,8 @@
 """Mutation run over the broker ledger's checks: each check is deleted (or inverted) in turn, and the tests of the
 sharing rules must fail on every such mutant.
 
-For each mutant the source of its module (``vmmshare/broker/ledger.py``, or ``listing.py`` / ``usage.py`` beside it)
+For each mutant the source of its module (``vmmshare/broker/ledger.py``, or ``trust.py`` / ``listing.py`` / ``usage.py``
+beside it)
 is rewritten in place (the test brokers are separate processes that import it), the test files run with
 ``pytest -x``, and the source is put back, also when the run is interrupted. A mutant is *killed* when some test
 fails; the first failing test is reported.
@@ -32,6 +33,11 @@ BROKER = ROOT / "src" / "vmmshare" / "broker"
 FILES = ["tests/test_ledger.py", "tests/test_ledger_limits.py", "tests/test_broker_robustness.py",
          "tests/test_sharing_rules.py"]
 
+_EXPORTER_ONLY = (  # the exporter-only check of a trustlist handler, up to the line after it
+    "        if share.exporter is not client:\n            raise LedgerError(\n"
+    "                C.ACL_ERROR_RT_NO_PERMISSION,\n                f\"only the exporting process (pid "
+    "{share.exporter.pid}) may set the trustlist of {m.shareable:#x}\",\n            )\n"
+)
 # (name, what the check is, the source text, what the mutant has instead[, the module if not ledger.py]); each
 # text occurs once in its module
 MUTANTS: list[tuple[str, ...]] = [
@@ -44,8 +50,8 @@ MUTANTS: list[tuple[str, ...]] = [
     ("hold_owner", "a hold used by a client it is not of (107017)",
      "if found is None or found.client is not client:", "if found is None:"),
     ("release_own", "a release of a hold that is not the client's (107017)",
-     "        self._own(client, m.hold)\n        self._release(client, m.hold)",
-     "        self._release(client, m.hold)"),
+     "        self._own(client, hold)\n        self._release(client, hold)",
+     "        self._release(client, hold)"),
     ("export_once", "rule 9: a second export of one allocation (107000)",
      "if memory.share is not None:", "if False:"),
     ("export_flags", "rule 10: export flags other than 0 and 1 (107000)",
@@ -75,22 +81,27 @@ MUTANTS: list[tuple[str, ...]] = [
     ("share_type_at_import", "an import (or trustlist) of another share type than exported (107000)",
      "if share.share_type != share_type:", "if False:"),
     ("trustlist_exporter_only", "rule 12: the trustlist set by another client (207006)",
-     "if share.exporter is not client:", "if False:"),
+     _EXPORTER_ONLY + "        before", "        before"),
     ("pid_range", "rule 12: pids that are not positive 32-bit ints (107000)",
-     "if not _valid_pids(pids):\n            raise", "if False:\n            raise"),
+     "if not valid_pids(pids):\n        raise", "if False:\n        raise", "trust.py"),
     ("trustlist_max", "rule 12: more than 4096 pids (107000)",
-     "if len(trust) + new > MAX_TRUSTLIST:", "if False:"),
+     "if len(trust) + new > MAX_TRUSTLIST:", "if False:", "trust.py"),
     ("fabric_secret", "a FABRIC import without the handle's secret (107017)",
-     "if m.share_type == FABRIC and not hmac.compare_digest(m.secret, share.secret):", "if False:"),
+     "if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):", "if False:"),
     ("self_import", "rule 13: the exporting process importing its own handle (107000)",
-     "if client.pid == share.exporter.pid:", "if False:"),
+     "if client.server is None and client.pid == share.exporter.pid:", "if False:"),
     ("pid_validation", "rule 11: an export with pid validation imported by anyone (flag inverted)",
      "if not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:",
      "if share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:"),
     ("trustlist_member", "rule 11: an importer not on the trustlist (207006)",
-     "if client.pid not in share.trust:", "if False:"),
+     "    raise LedgerError(\n        C.ACL_ERROR_RT_NO_PERMISSION,\n        f\"process",
+     "    return\n    raise LedgerError(\n        C.ACL_ERROR_RT_NO_PERMISSION,\n        f\"process", "trust.py"),
     ("pid_reuse", "rule 12: a trustlisted pid reused by another process (207006)",
-     "if not same_process(share.trust[client.pid], client.identity):", "if False:"),
+     "if not same_process(share.trust[client.pid], client.identity):", "if False:", "trust.py"),
+    ("remote_trust_member", "rule 11 across servers: a remote importer not on the trustlist (207006)",
+     "if client.pid in share.trust or (client.server, client.pid) in share.remote_trust:", "if True:", "trust.py"),
+    ("remote_trust_exporter_only", "rule 12 across servers: pids of another server trusted by a non-exporter",
+     _EXPORTER_ONLY + "        if not trustlists", "        if not trustlists"),
     ("reply_as_request", "a reply type sent as a request (507022)",
      "if serve is None:", "if False:"),
     ("stray_fd", "an fd on a request that takes none is closed",
@@ -109,9 +120,9 @@ MUTANTS: list[tuple[str, ...]] = [
     ("sender", "a request sent by another process than the connection's (207006)",
      "if sender is not None and sender != client.pid:\n            return", "if False:\n            return"),
     ("fail_closed", "a pid lookup that failed refuses the trustlist (207005)",
-     "if failed:\n            pid = min(failed)", "if False:\n            pid = min(failed)"),
+     "if failed:\n        pid = min(failed)", "if False:\n        pid = min(failed)", "trust.py"),
     ("never_unbind", "a re-added pid is never bound to nobody",
-     "if who != NOBODY or pid not in trust:", "if True:"),
+     "if who != NOBODY or pid not in trust:", "if True:", "trust.py"),
     ("quota_connections", "a user's connections past VMMSHARE_QUOTA_CONNECTIONS (207005)",
      "if tally.connections >= self.quotas.connections:", "if False:", "usage.py"),
     ("quota_exports", "a user's exports past VMMSHARE_QUOTA_EXPORTS (207005)",

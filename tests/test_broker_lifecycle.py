@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -363,6 +364,26 @@ def test_auto_start_one_broker_for_many_clients_then_idle_exit(procs: Procs, tmp
     wait_exit(broker_pid, 20)  # VMMSHARE_BROKER_IDLE=1: it should leave about a second after the last client
     assert gone(broker_pid), "the auto-started broker did not exit once idle with nothing held"
     assert not sock.exists(), "the idle broker left its socket behind"
+
+
+@pytest.mark.parametrize("gone_what", ["folder", "socket"])
+def test_an_idle_broker_whose_socket_is_gone_exits(procs: Procs, tmp_path: Path, gone_what: str) -> None:
+    """An auto-started broker whose socket (or its whole folder: a test session's temporary folder, cleaned up) was
+    removed cannot be reached by anyone new: once idle it leaves, rather than waiting for a start lock it cannot
+    make there."""
+    folder = tmp_path / "auto"
+    sock = folder / "broker.sock"
+    env = clean_env(VMMSHARE_SOCKET=str(sock), VMMSHARE_BROKER_IDLE="0.5")
+    actor = procs.actor(env)
+    assert ok(actor, "rt.device_get_bare_tgid") == actor.pid  # starts the broker
+    (broker_pid,) = brokers_serving(sock)
+    if gone_what == "folder":
+        shutil.rmtree(folder)
+    else:
+        sock.unlink()
+    actor.close()
+    wait_exit(broker_pid, 20)
+    assert gone(broker_pid), f"the idle broker stayed after its {gone_what} was removed"
 
 
 # ---------------------------------------------------------------- (e) permissions

@@ -18,9 +18,9 @@ import pytest
 
 from vmmshare import protocol as P
 from vmmshare.broker.identity import Identity
-from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, Client, Ledger
+from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, Client, Ledger, LedgerError
 from vmmshare.config import Quotas
-from vmmshare.handles import decode_fabric
+from vmmshare.handles import Endpoint, decode_fabric
 
 MiB2 = 2 << 20
 CAPACITY = 64 << 20
@@ -495,3 +495,85 @@ def test_listing_hides_handle_values_from_other_users_and_caps_importers(books: 
     assert len(row["importers"]) == LIST_IMPORTERS and row["importer_count"] == LIST_IMPORTERS + 5
     assert _pages(books, books.client(99_998, uid=0))[0]["exports"][0]["handle"] == f"{value:#018x}"
     assert _pages(books, books.client(99_997, uid=1000))[0]["exports"][0]["handle"] == f"{value:#018x}"
+
+
+# ---------------------------------------------------------------- rules 11-13 and 17 for importers of other servers
+
+OTHER = 0xB0B  # another server's id
+ENDPOINT = Endpoint(4, "10.77.0.1", 17017)
+
+
+def fabric_books() -> Books:
+    """Books of a node with the cross-server transport on (its FABRIC handles carry its endpoint)."""
+    books = Books()
+    books.ledger.endpoint = ENDPOINT
+    return books
+
+
+def remote(books: Books, pid: int, server: int = OTHER) -> Client:
+    """An importer of another server, as its own broker names it to this one."""
+    return books.ledger.connect(pid, 1000, (None, None), server=server)
+
+
+def admit_code(books: Books, client: Client, shareable: int, secret: bytes) -> int:
+    try:
+        books.ledger.admit(client, shareable, FABRIC, secret)
+    except LedgerError as exc:  # the code the remote importer's broker passes on
+        return exc.code
+    return 0
+
+
+@pytest.mark.parametrize("v2_pids, pairs, importer_pid, importer_server, code", [
+    ((), (), 77, OTHER, NO_PERMISSION),  # on no list
+    ((77,), (), 77, OTHER, 0),  # a V2 trustlist pid admits that pid from any server (its broker vouches for it)
+    ((), ((OTHER, 77),), 77, OTHER, 0),  # a (server, pid) pair admits that server's pid
+    ((), ((OTHER, 77),), 77, 0xC0C, NO_PERMISSION),  # ... and only that server's
+    ((), ((OTHER, 77),), 78, OTHER, NO_PERMISSION),
+])
+def test_rule_11_importers_of_other_servers_are_admitted_by_the_trustlist(
+    v2_pids: tuple[int, ...], pairs: tuple[tuple[int, int], ...], importer_pid: int, importer_server: int, code: int,
+) -> None:
+    books = fabric_books()
+    exporter = books.client(10)
+    _, value, secret, _ = books.export(exporter, FABRIC, pids=v2_pids)
+    for server, pid in pairs:
+        assert books.code(exporter, P.SetRemotePids(value, FABRIC, server, (pid,))) == 0
+    assert admit_code(books, remote(books, importer_pid, importer_server), value, secret) == code
+
+
+def test_rule_12_only_the_exporter_trusts_other_servers_processes() -> None:
+    books = fabric_books()
+    exporter, other = books.client(10), books.client(11)
+    _, value, _, _ = books.export(exporter, FABRIC)
+    assert books.code(other, P.SetRemotePids(value, FABRIC, OTHER, (77,))) == NO_PERMISSION
+    assert books.code(exporter, P.SetRemotePids(value, FABRIC, OTHER, (0,))) == PARAM
+    assert books.code(exporter, P.SetRemotePids(value, FABRIC, OTHER, (77,))) == 0
+
+
+def test_rule_17_other_servers_processes_need_the_transport(books: Books) -> None:
+    exporter = books.client(10)
+    _, value, _, _ = books.export(exporter, FABRIC)
+    assert books.code(exporter, P.SetRemotePids(value, FABRIC, OTHER, (77,))) == 207000
+
+
+def test_rule_13_a_remote_importer_with_the_exporters_pid_is_another_process() -> None:
+    """Pids are per server: pid 10 of another server is not the exporting process, pid 10 here."""
+    books = fabric_books()
+    exporter = books.client(10)
+    _, value, secret, _ = books.export(exporter, FABRIC, flags=NO_PID_CHECK)
+    assert admit_code(books, remote(books, 10), value, secret) == 0
+    assert books.imports(books.client(12), value, FABRIC, secret) == 0
+    assert admit_code(books, remote(books, 11), value, bytes(32)) == BAD_HANDLE  # rule 16: the secret
+
+
+def test_rule_14_a_remote_hold_outlives_the_export_and_releases_like_a_local_one() -> None:
+    books = fabric_books()
+    exporter = books.client(10)
+    _, value, secret, fd = books.export(exporter, FABRIC, flags=NO_PID_CHECK)
+    importer = remote(books, 77)
+    hold, _ = books.ledger.admit(importer, value, FABRIC, secret)
+    books.ledger.disconnect(exporter)  # the exporter dies: revoked, its fd let go
+    assert fd in books.closed and books.free() == CAPACITY - MiB2  # the remote importer still holds the memory
+    assert admit_code(books, remote(books, 78), value, secret) == BAD_HANDLE
+    books.ledger.release(importer, hold)
+    assert books.free() == CAPACITY

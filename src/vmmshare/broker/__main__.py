@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logging.basicConfig(level=level, format=fmt)
     try:
-        from .server import run  # reads VMMSHARE_BROKER_SPIN_US
+        from .daemon import run  # reads VMMSHARE_BROKER_SPIN_US
     except config.ConfigError as exc:
         logging.getLogger("vmmshare.broker").error("bad configuration: %s", exc)
         return 2

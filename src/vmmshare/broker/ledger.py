@@ -26,9 +26,10 @@ from .. import constants as C
 from .. import protocol as P
 from ..config import Quotas
 from ..handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, Endpoint, FabricHandle, default_bytes
-from .identity import Identity, same_process
+from . import trust as trustlists
+from .identity import Identity
 from .listing import LIST_IMPORTERS, LIST_PAGE, LIST_TRUST, listing_page
-from .records import KIND_GPU, KIND_HOST, NOBODY, ChargedMemory, Client, Hold, Lookups, Share
+from .records import KIND_GPU, KIND_HOST, ChargedMemory, Client, Hold, Lookups, Share
 from .usage import LedgerError, Usage
 
 __all__ = ["LIST_IMPORTERS", "LIST_PAGE", "LIST_TRUST", "Client", "Ledger", "LedgerError", "Lookups"]
@@ -40,7 +41,6 @@ SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # an e
 WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10  # F_SEAL_FUTURE_WRITE: importers map the memory read-write
 
 Answer = tuple[P.Message, int]  # a reply and the fd to send with it (-1: none; the ledger still owns it)
-MAX_PID = 0x7FFFFFFF
 NO_ENDPOINT = Endpoint()  # a node without the cross-server transport
 
 
@@ -121,7 +121,7 @@ class Ledger:
     def pids_to_bind(self, client: Client, request: P.Message) -> set[int]:
         """The pids `request` would look up (each once): the server spreads a long list over several turns of its
         loop and hands the results to `handle` as `found`."""
-        if not isinstance(request, (P.Export, P.SetPids)) or not _valid_pids(request.pids):
+        if not isinstance(request, (P.Export, P.SetPids)) or not trustlists.valid_pids(request.pids):
             return set()  # nothing to look up, or a request that is refused before any lookup
         if isinstance(request, P.SetPids):
             share = self.exports.get(request.shareable)
@@ -133,13 +133,7 @@ class Ledger:
 
     def look_up(self, pids: Iterable[int], into: Lookups | None = None) -> Lookups:
         """Who has each pid now, or the error that kept it from being known (added to `into`)."""
-        found = into if into is not None else Lookups()
-        for pid in pids:
-            try:
-                found.ids[pid] = self.identify(pid)
-            except OSError as exc:
-                found.failed[pid] = exc
-        return found
+        return trustlists.look_up(self.identify, pids, into)
 
     # ------------------------------------------------------------ capacity
 
@@ -249,7 +243,7 @@ class Ledger:
         if memory.kind == KIND_HOST:
             self._check_memfd(fd, m.size)
         self.usage.check_export(client.uid)
-        trust = self._bind(client, m.pids, {}, found)
+        trust = trustlists.bind(self.identify, self.usage, client, m.pids, {}, found)
         handle = 0
         while handle == 0 or handle in self.exports:
             handle = int.from_bytes(self.random_bytes(8), "little")
@@ -321,7 +315,7 @@ class Ledger:
                 f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
             )
         before = len(share.trust)
-        share.trust = self._bind(client, m.pids, share.trust, found)
+        share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found)
         self.usage.add_trust(client.uid, len(share.trust) - before)
         return P.Ok(), -1
 
@@ -337,7 +331,7 @@ class Ledger:
                 C.ACL_ERROR_RT_NO_PERMISSION,
                 f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
             )
-        if not _valid_pids(m.pids):
+        if not trustlists.valid_pids(m.pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
         new = {(m.server, p) for p in m.pids} - share.remote_trust
         if len(share.trust) + len(share.remote_trust) + len(new) > MAX_TRUSTLIST:
@@ -346,44 +340,6 @@ class Ledger:
         share.remote_trust |= new
         self.usage.add_trust(client.uid, len(new))
         return P.Ok(), -1
-
-    def _bind(self, client: Client, pids: tuple[int, ...], trust: dict[int, Identity],
-              found: Lookups | None) -> dict[int, Identity]:
-        """`trust` plus `pids`, each bound to the process that has it now (pid reuse); each pid is looked up once.
-
-        An entry keeps its binding while its process lives (re-adding it changes nothing), and is never made unbound
-        again: re-adding the pid of a process that exited binds it only to a process that has the pid now. Any
-        failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident."""
-        if not _valid_pids(pids):
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-        wanted = set(pids)
-        new = len(wanted.difference(trust))
-        if len(trust) + new > MAX_TRUSTLIST:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
-        self.usage.check_trust(client.uid, new)
-        got = found if found is not None else Lookups()
-        missing = wanted.difference(got.ids, got.failed)
-        if missing:
-            self.look_up(missing, got)
-        failed = wanted.intersection(got.failed)
-        if failed:
-            pid = min(failed)
-            why = got.failed[pid]
-            raise LedgerError(
-                C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
-                f"could not tell which process has pid {pid} ({why.strerror or why}), so it cannot be trusted "
-                "safely; the trustlist is unchanged: try again",
-            )
-        ids = got.ids
-        result = dict(trust)
-        if not trust:
-            result.update({pid: ids[pid] for pid in wanted})
-            return result
-        for pid in wanted:
-            who = ids[pid]
-            if who != NOBODY or pid not in trust:  # the process that has the pid now; never unbind an entry
-                result[pid] = who
-        return result
 
     # ------------------------------------------------------------ imports
 
@@ -400,33 +356,13 @@ class Ledger:
         if client.server is None and client.pid == share.exporter.pid:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
         if not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
-            self._trusted(client, share)
+            trustlists.admitted(client, share)
         memory = share.memory
         hold = self._new_hold(client, memory)
         memory.holders += 1
         share.importers[hold] = client
-        log.debug("pid %d%s imported %#x", client.pid, _of_server(client), shareable)
+        log.debug("pid %d%s imported %#x", client.pid, trustlists.of_server(client), shareable)
         return hold, share
-
-    def _trusted(self, client: Client, share: Share) -> None:
-        """Rule 11: `client` is on the trustlist. A remote importer is admitted by a pid of the V2 trustlist (its pid
-        as its own broker reports it: this node cannot bind another server's pid to a process) or by its
-        (server id, pid) pair; a local one by its pid, bound to the process that had it when it was listed."""
-        if client.server is not None:
-            if client.pid in share.trust or (client.server, client.pid) in share.remote_trust:
-                return
-        elif client.pid in share.trust:
-            if not same_process(share.trust[client.pid], client.identity):
-                raise LedgerError(
-                    C.ACL_ERROR_RT_NO_PERMISSION,
-                    f"pid {client.pid} was trustlisted for another process that had the same pid (pid reuse)",
-                )
-            return
-        raise LedgerError(
-            C.ACL_ERROR_RT_NO_PERMISSION,
-            f"process {client.pid}{_of_server(client)} is not on the trustlist of {share.handle:#x}: the exporter "
-            "must add it with mem_set_pid_to_shareable_handle(_v2)",
-        )
 
     def adopt_remote(self, client: Client, size: int, gone: Callable[[], None]) -> int:
         """A hold of `client` on memory that another server holds for it (a remote import): not charged to this
@@ -445,15 +381,6 @@ class Ledger:
         """One page of `vmmshare ls` as JSON (listing.py); the viewer's own connection is not counted."""
         others = len(self.clients) - (viewer in self.clients)
         return listing_page(self, offset, viewer, others)
-
-
-def _valid_pids(pids: tuple[int, ...]) -> bool:
-    """Whether every pid is a positive 32-bit int (min and max: a trustlist can hold 4,096)."""
-    return not pids or (min(pids) > 0 and max(pids) <= MAX_PID)
-
-
-def _of_server(client: Client) -> str:
-    return "" if client.server is None else f" of server {client.server:#x}"
 
 
 def _not_the_owner(client: Client, sender: int) -> str:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import resource
 import selectors
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -24,17 +22,18 @@ from pathlib import Path
 
 from .. import constants as C
 from .. import protocol as P
-from ..config import Config, ConfigError, Quotas, check_socket_path, quotas, spin_seconds
-from ..fabric.agent import Agent, FabricSetupError, endpoint_of
+from ..config import Config, Quotas, spin_seconds
+from ..fabric.agent import Agent, endpoint_of
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system, wire
-from .folder import FolderError, make_serving_folder, open_private
 from .identity import PIDFS, identity_of_pid, identity_of_pidfd
 from .jobs import Job, Jobs
 from .ledger import Client, Ledger, LedgerError
 from .ratelog import RateLimitedLog
+from .socketfile import bind_socket, retire_socket
 
 log = logging.getLogger("vmmshare.broker")
+WAKE = object()  # selector data of the socket a signal writes to (daemon.py): it wakes the loop
 SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
 LOOKUPS_PER_TURN = 256  # pid lookups (trustlist bindings) made at once per turn of the loop, by all clients
 TRIM_AFTER = 16384  # trustlist entries released by clients that make the broker hand memory back
@@ -55,10 +54,6 @@ class _Exit:
 
     def __init__(self, conn: Conn) -> None:
         self.conn = conn
-
-
-class InUse(RuntimeError):
-    """Another broker answers on the path already."""
 
 
 class Broker:
@@ -91,33 +86,10 @@ class Broker:
     # ------------------------------------------------------------ socket set-up
 
     def bind(self) -> None:
-        """Create the socket folder and socket with the SPEC §5 permissions, replacing a dead socket."""
-        check_socket_path(self.path, "--socket")
-        folder = self.path.parent
-        tmp = folder / f".b{os.getpid():x}"
-        check_socket_path(tmp, "--socket (its folder, for the broker's temporary name)")
-        make_serving_folder(folder, self.multi_user)
-        if system.answers(self.path):
-            raise InUse(f"a broker already serves {self.path}")
+        """Create the socket folder and socket with the SPEC §5 permissions (daemon.py), then the fabric side."""
+        self.listener, self.inode = bind_socket(self.path, self.multi_user)
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
         self.fabric.start()
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            sock.bind(str(tmp))
-            os.chmod(tmp, 0o666 if self.multi_user else 0o600)
-            wire.pass_credentials(sock)  # accepted sockets inherit it
-            sock.listen(512)
-            os.replace(tmp, self.path)
-        except BaseException:
-            sock.close()
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        sock.setblocking(False)
-        self.listener = sock
-        self.inode = self.path.stat().st_ino
-        self.sel.register(sock, selectors.EVENT_READ, None)
         log.info("broker %d serving %s (devices=%d, capacity=%d bytes each%s)", os.getpid(), self.path,
                  self.config.devices, self.config.device_memory, ", multi-user" if self.multi_user else "")
 
@@ -159,7 +131,7 @@ class Broker:
 
     def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
         try:
-            if key.data is _WAKE:
+            if key.data is WAKE:
                 system.drain(key.fileobj)  # type: ignore[arg-type]
             elif key.data is None:
                 self._accept()
@@ -186,43 +158,17 @@ class Broker:
         return []
 
     def _retire(self) -> bool:
-        """Leave after an idle spell, under the start lock so no client is mid-way through starting one.
-
-        The socket is first renamed away, so no new client can reach it; a client that connected just
-        before is noticed in the accept queue, and then the broker stays.
-        """
+        """Leave after an idle spell, unless a client is on its way in (daemon.retire_socket)."""
         assert self.listener is not None
-        try:
-            lock = open_private(self.path.parent / "broker.lock", os.O_RDWR)
-        except FolderError as exc:
-            self.warn.log(logging.WARNING, "lock", "staying: %s", exc)
+        leave, why = retire_socket(self.path, self.inode, self.listener)
+        if not leave:
+            if why:
+                self.warn.log(logging.WARNING, "lock", "staying: %s", why)
             self.idle_since = time.monotonic()
             return False
-        try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self.idle_since = time.monotonic()
-                return False
-            aside = self.path.with_name(f".retiring.{os.getpid()}")
-            try:
-                if self.path.stat().st_ino != self.inode:
-                    raise FileNotFoundError  # someone replaced our socket: just leave
-                os.rename(self.path, aside)
-            except FileNotFoundError:
-                pass
-            if wire.wait_readable(self.listener.fileno(), 0):  # a client got in before the rename: stay
-                with contextlib.suppress(OSError):
-                    os.rename(aside, self.path)
-                self.idle_since = time.monotonic()
-                return False
-            log.info("broker %d idle for %.0f s with nothing held: exiting", os.getpid(), self.idle)
-            with contextlib.suppress(OSError):
-                aside.unlink()
-            self.close()
-            return True
-        finally:
-            os.close(lock)
+        log.info("broker %d idle for %.0f s with nothing held: exiting%s", os.getpid(), self.idle, why)
+        self.close()
+        return True
 
     def close(self) -> None:
         self.fabric.close()
@@ -431,49 +377,3 @@ class Broker:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(pidfd)
             os.close(pidfd)
-
-
-_WAKE = object()
-
-
-def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1,
-        auto: bool = False) -> int:
-    """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle. An auto-started
-    broker (`auto`) lingers VMMSHARE_BROKER_IDLE seconds unless `idle` says otherwise.
-
-    Exit status: 0 stopped, 1 could not serve, 2 bad configuration, 3 another broker serves the path."""
-    try:
-        config = Config.from_env()
-        limits = quotas()
-        if path is not None:
-            check_socket_path(path, "--socket")
-    except ConfigError as exc:
-        log.error("bad configuration: %s", exc)
-        return 2
-    if auto and idle is None:
-        idle = config.broker_idle
-    broker = Broker(path or config.socket_path, config, idle, multi_user, limits)
-    wake_r, wake_w = socket.socketpair()
-    wake_r.setblocking(False)
-    wake_w.setblocking(False)
-    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)  # a signal wakes the event loop
-    broker.sel.register(wake_r, selectors.EVENT_READ, _WAKE)
-    signal.signal(signal.SIGTERM, broker.stop)
-    signal.signal(signal.SIGINT, broker.stop)
-    try:
-        broker.bind()
-    except ConfigError as exc:
-        log.error("bad configuration: %s", exc)
-        return 2
-    except FabricSetupError as exc:
-        log.error("cannot serve %s: %s", broker.path, exc)
-        broker.close()
-        return 2
-    except InUse as exc:
-        log.error("cannot serve %s: %s", broker.path, exc)
-        return 3
-    except OSError as exc:
-        log.error("cannot serve %s: %s", broker.path, exc)
-        return 3 if exc.errno == errno.EADDRINUSE else 1
-    broker.serve(ready_fd)
-    return 0

@@ -1,0 +1,97 @@
+"""Trustlists, without I/O: binding listed pids to the processes that have them (pid reuse), and who may import.
+
+A local pid is bound to the identity of the process that had it when it was listed (`identify`, handed in by the
+server); another server's process is admitted by its pid as its own broker reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .. import constants as C
+from ..handles import MAX_TRUSTLIST
+from .identity import Identity, same_process
+from .records import NOBODY, Client, Lookups, Share
+from .usage import LedgerError, Usage
+
+MAX_PID = 0x7FFFFFFF
+
+
+def valid_pids(pids: tuple[int, ...]) -> bool:
+    """Whether every pid is a positive 32-bit int (min and max: a trustlist can hold 4,096)."""
+    return not pids or (min(pids) > 0 and max(pids) <= MAX_PID)
+
+
+def of_server(client: Client) -> str:
+    return "" if client.server is None else f" of server {client.server:#x}"
+
+
+def look_up(identify: Callable[[int], Identity], pids: Iterable[int], into: Lookups | None = None) -> Lookups:
+    """Who has each pid now, or the error that kept it from being known (added to `into`)."""
+    found = into if into is not None else Lookups()
+    for pid in pids:
+        try:
+            found.ids[pid] = identify(pid)
+        except OSError as exc:
+            found.failed[pid] = exc
+    return found
+
+
+def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids: tuple[int, ...],
+         trust: dict[int, Identity], found: Lookups | None) -> dict[int, Identity]:
+    """`trust` plus `pids`, each bound to the process that has it now (pid reuse); each pid is looked up once.
+
+    An entry keeps its binding while its process lives (re-adding it changes nothing), and is never made unbound
+    again: re-adding the pid of a process that exited binds it only to a process that has the pid now. Any
+    failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident."""
+    if not valid_pids(pids):
+        raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
+    wanted = set(pids)
+    new = len(wanted.difference(trust))
+    if len(trust) + new > MAX_TRUSTLIST:
+        raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+    usage.check_trust(client.uid, new)
+    got = found if found is not None else Lookups()
+    missing = wanted.difference(got.ids, got.failed)
+    if missing:
+        look_up(identify, missing, got)
+    failed = wanted.intersection(got.failed)
+    if failed:
+        pid = min(failed)
+        why = got.failed[pid]
+        raise LedgerError(
+            C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
+            f"could not tell which process has pid {pid} ({why.strerror or why}), so it cannot be trusted "
+            "safely; the trustlist is unchanged: try again",
+        )
+    ids = got.ids
+    result = dict(trust)
+    if not trust:
+        result.update({pid: ids[pid] for pid in wanted})
+        return result
+    for pid in wanted:
+        who = ids[pid]
+        if who != NOBODY or pid not in trust:  # the process that has the pid now; never unbind an entry
+            result[pid] = who
+    return result
+
+
+def admitted(client: Client, share: Share) -> None:
+    """Rule 11: `client` is on the trustlist (else 207006). A remote importer is admitted by a pid of the V2
+    trustlist (its pid as its own broker reports it: this node cannot bind another server's pid to a process) or by
+    its (server id, pid) pair; a local one by its pid, bound to the process that had it when it was listed."""
+    if client.server is not None:
+        if client.pid in share.trust or (client.server, client.pid) in share.remote_trust:
+            return
+    elif client.pid in share.trust:
+        if not same_process(share.trust[client.pid], client.identity):
+            raise LedgerError(
+                C.ACL_ERROR_RT_NO_PERMISSION,
+                f"pid {client.pid} was trustlisted for another process that had the same pid (pid reuse)",
+            )
+        return
+    raise LedgerError(
+        C.ACL_ERROR_RT_NO_PERMISSION,
+        f"process {client.pid}{of_server(client)} is not on the trustlist of {share.handle:#x}: the exporter "
+        "must add it with mem_set_pid_to_shareable_handle(_v2)",
+    )

@@ -18,17 +18,21 @@ from test_ledger import (
     BAD_HANDLE,
     CAPACITY,
     DEFAULT,
+    FABRIC,
     NO_MEMORY,
     NO_PERMISSION,
     NO_PID_CHECK,
+    OTHER,
     PARAM,
     Books,
     MiB2,
+    fabric_books,
 )
 from vmmshare import protocol as P
 from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, MAX_GPUS, Lookups
 from vmmshare.broker.usage import FDS_PER_CONNECTION
 from vmmshare.config import Quotas
+from vmmshare.handles import MAX_TRUSTLIST
 
 
 @pytest.fixture
@@ -241,6 +245,20 @@ def test_quota_trustlist_entries_per_user() -> None:
     assert books.code(a, P.Release(hold)) == 0, "a revoked export gives its entries back"
     assert books.code(a, P.SetPids(second, DEFAULT, tuple(range(5000, 8000)))) == 0
     assert books.ledger.usage.users[1000].trust == 4000
+
+
+def test_one_trustlist_holds_at_most_4096_pids_of_this_and_other_servers_together() -> None:
+    """The cap counts the pids of this server and the (server, pid) pairs of others on the same export: neither
+    kind of entry slips past it after the other filled the list."""
+    books = fabric_books()
+    exporter = books.client(10)
+    _, value, _, _ = books.export(exporter, FABRIC)
+    assert books.code(exporter, P.SetRemotePids(value, FABRIC, OTHER, tuple(range(1, 2049)))) == 0
+    assert books.code(exporter, P.SetPids(value, FABRIC, tuple(range(1, 2050)))) == PARAM
+    assert books.code(exporter, P.SetPids(value, FABRIC, tuple(range(1, 2049)))) == 0
+    assert books.code(exporter, P.SetRemotePids(value, FABRIC, OTHER + 1, (1,))) == PARAM
+    share = books.ledger.exports[value]
+    assert len(share.trust) + len(share.remote_trust) == MAX_TRUSTLIST == 4096
 
 
 def test_quota_memory_per_user_and_device() -> None:

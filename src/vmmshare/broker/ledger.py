@@ -315,7 +315,8 @@ class Ledger:
                 f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
             )
         before = len(share.trust)
-        share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found)
+        share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found,
+                                     len(share.remote_trust))
         self.usage.add_trust(client.uid, len(share.trust) - before)
         return P.Ok(), -1
 

@@ -38,17 +38,18 @@ def look_up(identify: Callable[[int], Identity], pids: Iterable[int], into: Look
 
 
 def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids: tuple[int, ...],
-         trust: dict[int, Identity], found: Lookups | None) -> dict[int, Identity]:
+         trust: dict[int, Identity], found: Lookups | None, others: int = 0) -> dict[int, Identity]:
     """`trust` plus `pids`, each bound to the process that has it now (pid reuse); each pid is looked up once.
 
     An entry keeps its binding while its process lives (re-adding it changes nothing), and is never made unbound
     again: re-adding the pid of a process that exited binds it only to a process that has the pid now. Any
-    failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident."""
+    failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident.
+    `others`: entries of other servers' processes on the same export, which count toward the same limit."""
     if not valid_pids(pids):
         raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
     wanted = set(pids)
     new = len(wanted.difference(trust))
-    if len(trust) + new > MAX_TRUSTLIST:
+    if len(trust) + others + new > MAX_TRUSTLIST:
         raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
     usage.check_trust(client.uid, new)
     got = found if found is not None else Lookups()

@@ -28,7 +28,7 @@ from pathlib import Path
 from .. import constants as C
 from .. import protocol as P
 from ..backends import mman
-from ..broker.ledger import Client, Ledger
+from ..broker.ledger import Client, Ledger, LedgerError
 from ..broker.records import ChargedMemory
 from ..config import Config
 from ..errors import AclError
@@ -191,7 +191,10 @@ class Agent(Serving):
             if when <= now:
                 del self.reconnect_at[endpoint]
                 if self.held.get(endpoint):
-                    self._link(endpoint, quiet=True)
+                    try:
+                        self._link(endpoint, quiet=True)
+                    except OSError as exc:  # no route now: tried again later, until the exporter's lease ends
+                        log.info("fabric: cannot reconnect to %s:%d: %s", *endpoint, exc.strerror or exc)
         for hold, rh in list(self.remote_holds.items()):
             if rh.link is None and rh.expires <= now:
                 log.info("fabric: remote hold of pid %d of server %#x not adopted within its lease: released",
@@ -261,7 +264,11 @@ class Agent(Serving):
         if client not in self.ledger.clients:  # it left while we waited
             self._release_remote(endpoint, reply.hold)
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, "the importer left")
-        hold = self.ledger.adopt_remote(client, reply.size, lambda: self._release_remote(endpoint, reply.hold))
+        try:
+            hold = self.ledger.adopt_remote(client, reply.size, lambda: self._release_remote(endpoint, reply.hold))
+        except LedgerError as exc:  # e.g. the user's quota of holds: the exporter's hold goes at once
+            self._release_remote(endpoint, reply.hold)
+            return P.Error(exc.code, exc.message)
         return P.RemoteImported(hold, reply.size, reply.memory_kind, reply.handle_type, reply.allocation_type,
                                 reply.mem_attr, reply.location_type, reply.location_id, reply.address, reply.segment)
 

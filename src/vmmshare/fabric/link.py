@@ -98,7 +98,10 @@ class Link:
         if len(self.unsent) > MAX_UNSENT:
             self.close("it does not read what it is sent")
             return
-        self._flush()
+        try:
+            self._flush()
+        except OSError as exc:  # the peer reset the connection: whatever waits on it fails, nothing raises
+            self.close(exc.strerror or str(exc))
 
     # ------------------------------------------------------------ the event loop's side
 

@@ -113,14 +113,18 @@ class Serving:
 
     def _request(self, link: Link, req: int, m: F.PeerMessage) -> None:
         assert link.peer_id is not None
-        if isinstance(m, F.Import):
-            reply = self._import_for(link, link.peer_id, m)
-        elif isinstance(m, F.Release):
-            reply = self._release_for(link.peer_id, m.hold)
-        elif isinstance(m, F.Adopt):
-            reply = self._adopt_for(link, link.peer_id, m.hold)
-        else:  # a heartbeat
-            reply = F.Ok()
+        reply: F.PeerMessage
+        try:
+            if isinstance(m, F.Import):
+                reply = self._import_for(link, link.peer_id, m)
+            elif isinstance(m, F.Release):
+                reply = self._release_for(link.peer_id, m.hold)
+            elif isinstance(m, F.Adopt):
+                reply = self._adopt_for(link, link.peer_id, m.hold)
+            else:  # a heartbeat
+                reply = F.Ok()
+        except LedgerError as exc:  # e.g. a pid the ledger refuses: the peer gets the refusal, the link stays
+            reply = F.Error(exc.code, exc.message)
         link.send(reply, req)
 
     def _import_for(self, link: Link, server: int, m: F.Import) -> F.PeerMessage:

@@ -170,11 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no such mutant; known: {', '.join(m[0] for m in MUTANTS)}")
     modules = {m[4] if len(m) > 4 else "ledger.py" for m in MUTANTS}
     originals = {name: (BROKER / name).read_text() for name in modules}
-    for mutant in MUTANTS:
-        name, text, module = mutant[0], mutant[2], mutant[4] if len(mutant) > 4 else "ledger.py"
-        if originals[module].count(text) != 1:
-            print(f"{name}: its source text occurs {originals[module].count(text)} times in {module}",
-                  file=sys.stderr)
+    for m in MUTANTS:
+        where = m[4] if len(m) > 4 else "ledger.py"
+        if originals[where].count(m[2]) != 1:
+            print(f"{m[0]}: its source text occurs {originals[where].count(m[2])} times in {where}", file=sys.stderr)
             return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # restore the source on SIGTERM too
     results: list[dict[str, Any]] = []
@@ -183,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         if baseline:
             print(f"the unmutated ledger fails {baseline}: fix that first", file=sys.stderr)
             return 2
-        for name, check, text, mutant, *where in chosen:
-            module = BROKER / (where[0] if where else "ledger.py")
+        for entry in chosen:
+            name, check, text, mutant = entry[:4]
+            module = BROKER / (entry[4] if len(entry) > 4 else "ledger.py")
             module.write_text(originals[module.name].replace(text, mutant))
             caught: dict[str, str] = {}
             groups = [[f] for f in FILES] if args.each_file else [FILES]

@@ -1,11 +1,17 @@
-"""The broker's fabric agent on its own, with links on socket pairs: what a peer that goes away, lies or asks for
-what the ledger refuses does to the agent's books (nothing may raise into the broker's loop, nothing may stay held).
+"""The broker's fabric agent on its own, with links on socket pairs: what a peer that goes away, restarts, lies or
+asks for what the ledger refuses does to the agent's books (nothing may raise into the broker's loop, nothing may stay
+held, nobody's hold may be released by another). Two agents (an importing and an exporting node) talk through
+socket pairs with the real key handshake; the exporting one has a stand-in for the transfer engine.
 
 The same agent between real brokers in network namespaces is in test_fabric_sharing.py and test_fabric_faults.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import fcntl
+import os
+import secrets
 import selectors
 import socket
 from collections.abc import Callable, Iterator
@@ -14,12 +20,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from vmmshare import protocol as P
-from vmmshare.broker.ledger import Ledger
+from vmmshare.broker.ledger import SIZE_SEALS, Client, Ledger
 from vmmshare.config import Config, Quotas
 from vmmshare.fabric import agent as agent_module
 from vmmshare.fabric import peer_protocol as F
 from vmmshare.fabric.agent import Agent
 from vmmshare.fabric.link import Link, State
+from vmmshare.fabric.serving import LEASE_FACTOR, MAX_LINKS
+from vmmshare.handles import Endpoint, FabricHandle
 
 EP = ("10.0.0.2", 17017)
 MiB2 = 2 << 20
@@ -146,3 +154,192 @@ def test_a_heartbeat_to_a_reset_peer_closes_the_link_quietly(node: Node) -> None
     far.close()
     node.agent.tick()
     assert link.state is State.CLOSED and EP not in node.agent.links and EP in node.agent.reconnect_at
+
+
+# ---------------------------------------------------------------- two nodes: an importer (server 1), an exporter (2)
+
+EP_A = ("10.0.0.1", 17017)
+FABRIC = 2
+
+
+class StandInEngine:
+    """What the exporting agent asks of its transfer engine: serve and stop serving a range."""
+
+    segment = "10.0.0.2:15000"
+
+    def __init__(self) -> None:
+        self.served: set[int] = set()
+
+    def register(self, address: int, size: int) -> None:
+        self.served.add(address)
+
+    def unregister(self, address: int) -> None:
+        self.served.discard(address)
+
+    def close(self) -> None:
+        pass
+
+
+def fabric_agent(server_id: int, ep: tuple[str, int]) -> Agent:
+    config = dataclasses.replace(Config.from_env(), server_id=server_id, fabric="tcp", fabric_addr=ep[0],
+                                 fabric_port=ep[1], fabric_timeout=1.0)
+    ledger = Ledger(1, 1 << 30, identify=lambda pid: (None, None), close_fd=os.close,
+                    memfd_info=lambda fd: (os.fstat(fd).st_size, SIZE_SEALS), endpoint=Endpoint(4, *ep))
+    agent = Agent(config, ledger, selectors.DefaultSelector())
+    agent.key = KEY
+    return agent
+
+
+class Cluster:
+    """Importer `a` dials exporter `b` through socket pairs; `restart_b` replaces b by a new broker run."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.a = fabric_agent(1, EP_A)
+        self.b = self._exporter()
+        monkeypatch.setattr(agent_module, "dial", self._dial)
+
+    def _exporter(self) -> Agent:
+        b = fabric_agent(2, EP)
+        b.engine = StandInEngine()  # type: ignore[assignment]
+        return b
+
+    def _dial(self, address: str, port: int) -> socket.socket:
+        near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        near.setblocking(False)
+        far.setblocking(False)
+        b = self.b
+        b.accepted.add(Link(far, b.sel, KEY, b.server_id, b.timeout, False, EP_A, on_ready=b._inbound_ready,
+                            on_request=b._request, on_closed=b._inbound_closed))
+        return near
+
+    def pump(self) -> None:
+        """Run both loops until neither has anything to read or write."""
+        for _ in range(100):
+            ready = [(key, mask) for sel in (self.a.sel, self.b.sel) for key, mask in sel.select(0)]
+            if not ready:
+                return
+            for key, mask in ready:
+                key.data(mask)
+        raise AssertionError("the two agents never went quiet")
+
+    def export(self) -> bytes:
+        """A FABRIC export on b that any pid may import: the handle's 128 bytes."""
+        ledger = self.b.ledger
+        owner = ledger.connect(4321, 1000, (1, 1))
+        token = ledger.handle(owner, P.Charge(0, MiB2))[0]
+        assert isinstance(token, P.Token)
+        fd = os.memfd_create("exported", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        os.ftruncate(fd, MiB2)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+        reply = ledger.handle(owner, P.Export(token.hold, MiB2, 1, FABRIC, 2, 0, 0, 0, 0, 1, 0, ()), fd)[0]
+        assert isinstance(reply, P.Exported), reply
+        return reply.shareable
+
+    def import_(self, client: Client, handle: bytes) -> P.Message:
+        got: list[P.Message] = []
+        now = self.a.local(client, P.RemoteImport(handle), got.append)
+        self.pump()
+        return now if now is not None else got[0]
+
+    def restart_b(self) -> None:
+        """b's broker dies (its links close) and a new run starts at the same endpoint."""
+        for link in list(self.b.accepted):
+            link.close("the broker was killed")
+        self.pump()
+        self.b.close()
+        self.b = self._exporter()
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    c = Cluster(monkeypatch)
+    yield c
+    c.close()
+
+
+def test_a_hold_of_an_exporter_that_restarted_never_releases_another_importers_hold(cluster: Cluster) -> None:
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)
+    cluster.restart_b()  # x's import died with the old run
+    y = cluster.a.ledger.connect(2222, 1000, (2, 2))
+    assert isinstance(cluster.import_(y, cluster.export()), P.RemoteImported)  # reconnects: Adopt of x's hold too
+    assert len(cluster.b.remote_holds) == 1
+    cluster.a.ledger.disconnect(x)  # x leaves: its Release names a hold of the old run
+    cluster.pump()
+    assert len(cluster.b.remote_holds) == 1 and len(cluster.b.served) == 1, "y's memory is still served"
+    cluster.a.ledger.disconnect(y)
+    cluster.pump()
+    assert not cluster.b.remote_holds and not cluster.b.served and not cluster.a.held
+
+
+def test_a_hold_the_exporter_refuses_to_adopt_is_no_longer_kept(cluster: Cluster) -> None:
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)
+    cluster.restart_b()
+    assert cluster.a.held.get(EP) and EP in cluster.a.reconnect_at
+    cluster.a.reconnect_at[EP] = 0.0  # due now
+    cluster.a.tick()
+    cluster.pump()  # the new run answers the Adopt: that hold is gone
+    assert not cluster.a.held, "no heartbeats, re-adoptions or reconnections for a hold that is gone"
+    wait = cluster.a.wait_time()
+    assert wait is None or wait > cluster.a.timeout  # nothing to keep up
+
+
+def test_reconnections_stop_when_the_exporters_lease_has_ended(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    dials: list[tuple[str, int]] = []
+
+    def unreachable(address: str, port: int) -> socket.socket:
+        dials.append((address, port))
+        raise OSError(errno.ENETUNREACH, "Network is unreachable")
+
+    monkeypatch.setattr(agent_module, "dial", unreachable)
+    a = node.agent
+    client = node.ledger.connect(1111, 1000, (1, 1))
+    a.held[EP] = {7}
+    node.ledger.adopt_remote(client, MiB2, release_of(node, 7))
+    link, far = node.link(outbound=True)
+    far.close()
+    link.close("the exporter's node went away")
+    a.reconnect_at[EP] = 0.0
+    a.tick()  # within the lease: tried, and tried again later
+    assert dials == [EP] and EP in a.reconnect_at and a.held[EP] == {7}
+    a.lost_at[EP] -= LEASE_FACTOR * a.timeout  # the exporter's lease of the hold has ended by now
+    a.reconnect_at[EP] = 0.0
+    a.tick()
+    assert dials == [EP] and EP not in a.reconnect_at and not a.held
+    node.ledger.disconnect(client)  # freeing the lost import later is local only
+    assert client not in node.ledger.clients
+
+
+def test_one_client_cannot_make_the_broker_dial_without_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    peers: list[socket.socket] = []
+
+    def silent_peer(address: str, port: int) -> socket.socket:  # connects, never proves the key
+        near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        near.setblocking(False)
+        peers.append(far)
+        return near
+
+    monkeypatch.setattr(agent_module, "dial", silent_peer)
+    a = fabric_agent(1, EP_A)
+    try:
+        client = a.ledger.connect(1111, 1000, (1, 1))
+        answers: list[P.Message] = []
+        for i in range(MAX_LINKS + 5):
+            handle = FabricHandle(2 + i, 0, 0x1234, MiB2, secrets.token_bytes(32), 0,
+                                  Endpoint(4, f"10.1.{i // 250}.{1 + i % 250}", 17017)).pack()
+            now = a.local(client, P.RemoteImport(handle), answers.append)
+            if now is not None:
+                answers.append(now)
+        assert len(a.links) == MAX_LINKS
+        assert len(answers) == 5 and all(isinstance(m, P.Error) and m.code == RESOURCE for m in answers)
+        a.close()  # every import waiting on a link fails with 507022
+        assert len(answers) == MAX_LINKS + 5 and not a.links
+    finally:
+        a.close()
+        for far in peers:
+            far.close()

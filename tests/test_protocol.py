@@ -319,6 +319,10 @@ ENCODE_REFUSED = [
     ("exported_129_bytes", Msg.EXPORTED, (), bytes(129)),
     ("pid_negative", Msg.PID, (-5,), b""),
     ("mem_negative_free", Msg.MEM, (-1, 0), b""),
+    ("error_text_none", Msg.ERROR, (107000,), None),
+    ("error_text_int", Msg.ERROR, (107000,), 5),  # not five NULs
+    ("error_text_negative", Msg.ERROR, (107000,), -1),
+    ("listing_page_none", Msg.LISTING, (), None),
 ]
 
 

@@ -79,6 +79,35 @@ def test_mapping_refuses_to_close_under_live_views() -> None:
         assert mapping.closed
 
 
+def test_a_mapping_unmapped_through_acl_still_gives_its_range_back() -> None:
+    """map() reserves and maps in one step; unmap_mem of its pointer leaves the range, which close() releases."""
+    from vmmshare import acl
+
+    before = counts()
+    mem = vmmshare.Device(0).allocate(2 * MiB)
+    mapping = mem.map()
+    assert acl.rt.unmap_mem(mapping.ptr) == 0
+    mapping.close()
+    mem.close()
+    assert counts() == before
+
+
+def test_map_is_refused_past_the_address_arena_as_reserve_is() -> None:
+    """A host allocation larger than the arena (sparse: it commits nothing) maps nowhere, with reserve's code."""
+    from vmmshare import acl
+    from vmmshare.backends import mman
+
+    size = mman.ARENA_END - mman.ARENA_START + 2 * MiB
+    mem = vmmshare.Device(0).allocate(size, location="host")
+    try:
+        assert acl.rt.reserve_mem_address(size, 0, 0, 0)[1] == C.ACL_ERROR_RT_PARAM_INVALID
+        with pytest.raises(vmmshare.AclError) as err:
+            mem.map(access="none")
+        assert err.value.code == C.ACL_ERROR_RT_PARAM_INVALID and "at most" in str(err.value)
+    finally:
+        mem.close()
+
+
 def test_numpy_view_is_zero_copy_and_two_mappings_share_bytes() -> None:
     with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as first, mem.map() as second:
         a = first.numpy(np.float32, (512, 1024))

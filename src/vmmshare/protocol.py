@@ -224,7 +224,12 @@ def _encode_tail(layout: Layout, tail: Any) -> bytes:
         except (struct.error, TypeError) as exc:
             raise ProtocolError(f"{layout.type.name} tail: {exc}") from None
     elif layout.tail is Tail.TEXT:
-        text = tail if isinstance(tail, str) else bytes(tail).decode("utf-8", "replace")
+        if isinstance(tail, str):
+            text = tail
+        elif isinstance(tail, (bytes, bytearray, memoryview)):
+            text = bytes(tail).decode("utf-8", "replace")
+        else:
+            raise ProtocolError(f"{layout.type.name} text must be str or bytes, not {type(tail).__name__}")
         extra = text.encode("utf-8", "replace")
         if len(extra) > layout.max_tail:  # cut on a character boundary, so the peer can decode it
             extra = extra[: layout.max_tail].decode("utf-8", "ignore").encode("utf-8")

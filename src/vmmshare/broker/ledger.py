@@ -64,7 +64,9 @@ class Ledger:
         self.random_bytes = random_bytes
         self.usage = Usage(quotas or Quotas(), capacity, fd_budget)
         self.endpoint = endpoint  # where other servers reach this node (FABRIC handles carry it)
-        self._hold_ids = itertools.count(1)
+        # hold ids count up from a random start of each broker run: another server's broker that still names a
+        # hold of an earlier run (the exporting broker restarted) never hits a hold of this one
+        self._hold_ids = itertools.count((int.from_bytes(random_bytes(4), "little") >> 1 << 32) + 1)
         self._serve: dict[type[P.Message], Callable[[Client, Any, int, Lookups | None], Answer]] = {
             P.Charge: self._charge, P.ChargeGpu: self._charge_gpu, P.Release: self._release_request,
             P.MemInfo: self._mem_info, P.Export: self._export, P.Revoke: self._revoke_request,

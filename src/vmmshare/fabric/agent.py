@@ -36,7 +36,7 @@ from ..handles import Endpoint, decode_fabric
 from . import peer_protocol as F
 from .engine import Engine, missing
 from .link import Link, State, dial
-from .serving import RemoteHold, Served, Serving
+from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving
 
 log = logging.getLogger("vmmshare.fabric")
 HEARTBEAT_FACTOR = 0.5  # a link with remote holds sends a heartbeat after this many fabric timeouts of quiet
@@ -101,6 +101,7 @@ class Agent(Serving):
         self.links: dict[Endpoint_, Link] = {}
         self.held: dict[Endpoint_, set[int]] = {}  # remote holds this node's clients have, by exporting broker
         self.reconnect_at: dict[Endpoint_, float] = {}
+        self.lost_at: dict[Endpoint_, float] = {}  # when the link to an exporter with our remote holds went down
         # exporting side
         self.accepted: set[Link] = set()
         self.remote_clients: dict[tuple[int, int, int, int], Client] = {}  # (server, pid, uid, tag) -> record
@@ -190,7 +191,9 @@ class Agent(Serving):
         for endpoint, when in list(self.reconnect_at.items()):
             if when <= now:
                 del self.reconnect_at[endpoint]
-                if self.held.get(endpoint):
+                if self.held.get(endpoint) and now - self.lost_at.get(endpoint, now) >= LEASE_FACTOR * self.timeout:
+                    self._lose(endpoint, "its lease ended before the link came back")
+                elif self.held.get(endpoint):
                     try:
                         self._link(endpoint, quiet=True)
                     except OSError as exc:  # no route now: tried again later, until the exporter's lease ends
@@ -236,6 +239,10 @@ class Agent(Serving):
             return P.Error(C.ACL_ERROR_RT_PARAM_INVALID, (
                 f"this FABRIC handle was exported on this node (server id {handle.server_id:#x} in the handle, "
                 f"{self.server_id:#x} here): import it in a process whose VMMSHARE_SERVER_ID matches its broker's"))
+        if endpoint not in self.links and len(self.links) >= MAX_LINKS:
+            return P.Error(C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, (
+                f"this broker has links to {len(self.links)} other servers' brokers, its limit: the import from "
+                f"{ep.address}:{ep.port} is refused (release imports of other servers first)"))
         try:
             link = self._link(endpoint)
         except OSError as exc:
@@ -275,10 +282,26 @@ class Agent(Serving):
     def _release_remote(self, endpoint: Endpoint_, hold: int) -> None:
         """This node's client is done with a remote hold: tell the exporting broker (if the link is down, the hold
         is not adopted again and the exporter releases it when its lease ends)."""
-        self.held.get(endpoint, set()).discard(hold)
+        self._forget(endpoint, hold)
         link = self.links.get(endpoint)
         if link is not None:
             link.request(F.Release(hold), _ignore)
+
+    def _forget(self, endpoint: Endpoint_, hold: int) -> None:
+        held = self.held.get(endpoint)
+        if held is not None:
+            held.discard(hold)
+            if not held:
+                del self.held[endpoint]
+                self.lost_at.pop(endpoint, None)
+
+    def _lose(self, endpoint: Endpoint_, why: str) -> None:
+        """Stop keeping the remote holds at an exporter (its broker released them): no more heartbeats or
+        reconnections for them; copies of that memory fail, and freeing it is local only."""
+        holds = self.held.pop(endpoint, set())
+        self.lost_at.pop(endpoint, None)
+        self.reconnect_at.pop(endpoint, None)
+        log.warning("fabric: %d remote import(s) of memory served at %s:%d are lost: %s", len(holds), *endpoint, why)
 
     def _link(self, endpoint: Endpoint_, quiet: bool = False) -> Link:
         link = self.links.get(endpoint)
@@ -297,13 +320,23 @@ class Agent(Serving):
 
     def _outbound_ready(self, link: Link) -> None:
         """A new link to an exporting broker: adopt there the remote holds made on the link before it."""
+        self.lost_at.pop(link.endpoint, None)
         for hold in sorted(self.held.get(link.endpoint, ())):
-            link.request(F.Adopt(hold), _adopted(link, hold))
+            link.request(F.Adopt(hold), self._adopted(link, hold))
+
+    def _adopted(self, link: Link, hold: int) -> Callable[[F.PeerMessage], None]:
+        def done(reply: F.PeerMessage) -> None:
+            if isinstance(reply, F.Error) and reply.code != C.ACL_ERROR_RT_IPC_ERROR:  # refused, not a link failure
+                log.warning("fabric: %s could not keep remote hold %#x: %s", link.name, hold, reply.message)
+                self._forget(link.endpoint, hold)
+
+        return done
 
     def _outbound_closed(self, link: Link) -> None:
         if self.links.get(link.endpoint) is link:
             del self.links[link.endpoint]
         if self.held.get(link.endpoint):
+            self.lost_at.setdefault(link.endpoint, time.monotonic())
             self._retry_later(link.endpoint)
 
     def _retry_later(self, endpoint: Endpoint_) -> None:
@@ -312,14 +345,6 @@ class Agent(Serving):
 def _ignore(reply: F.PeerMessage) -> None:
     if isinstance(reply, F.Error):
         log.debug("fabric: %s", reply.message)
-
-
-def _adopted(link: Link, hold: int) -> Callable[[F.PeerMessage], None]:
-    def done(reply: F.PeerMessage) -> None:
-        if isinstance(reply, F.Error):
-            log.warning("fabric: %s could not keep remote hold %#x: %s", link.name, hold, reply.message)
-
-    return done
 
 
 def _no_requests(link: Link, req: int, m: F.PeerMessage) -> None:

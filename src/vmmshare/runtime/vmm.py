@@ -188,9 +188,7 @@ class Vmm:
         if alignment != 0:
             raise InvalidParamError(f"alignment={alignment} is out of range [0, 0]")
         g = C.MIN_GRANULARITY
-        if size == 0 or size % g or size > ARENA_SIZE:
-            raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB), "
-                                    f"at most {ARENA_SIZE}")
+        _check_range_size(size)
         if expect_ptr % g:
             raise InvalidParamError(f"expectPtr {expect_ptr:#x} must be aligned to {g} ({g >> 20} MiB)")
         align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else g
@@ -269,6 +267,7 @@ class Vmm:
                 self.release(ptr, owner)
                 raise
             return ptr
+        _check_range_size(size)
         align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else C.MIN_GRANULARITY
         populate = self.rt.config.prepopulate if prepopulate is None else prepopulate
         with self.rt.lock:
@@ -288,8 +287,9 @@ class Vmm:
         with self.rt.lock:
             m, r = self.mappings.exact(ptr), self.reservations.exact(ptr)
             if m is None or r is None or m.size != r.size or m.alloc.backend is not r.backend or r.owner != owner:
-                self.unmap(ptr, owner)  # not one of map_new's: the two steps say what is wrong
-                self.release(ptr, owner)
+                if m is not None:  # not one of map_new's: the two steps say what is wrong
+                    self.unmap(ptr, owner)
+                self.release(ptr, owner)  # (unmapped already, e.g. by acl.rt.unmap_mem: the range still goes)
                 return
             if m.alloc.owner != owner:
                 raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)"
@@ -376,3 +376,10 @@ def _owned_by(owner: str) -> str:
     if owner == "ipc":
         return " (it is imported IPC memory: release it with acl.rt.ipc_mem_close)"
     return ""
+
+
+def _check_range_size(size: int) -> None:
+    """A reservation's size: whole granules, within the arena (reserve_mem_address and map_new alike)."""
+    g = C.MIN_GRANULARITY
+    if size == 0 or size % g or size > ARENA_SIZE:
+        raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB), at most {ARENA_SIZE}")

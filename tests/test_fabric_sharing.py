@@ -210,6 +210,22 @@ def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(fabric: TestCl
     eventually(lambda: served_nothing(fabric), "remote holds left behind")
 
 
+def test_an_ipc_entry_of_another_server_admits_that_servers_pid_only(fabric: TestCluster) -> None:
+    """ipc_mem_import_pid_inter_server: {sdid, pids} admits those pids of server sdid, not the same pid numbers on
+    the exporter's own server."""
+    a, local = fabric.actor(1), fabric.actor(1)
+    ptr = ok(a, "rt.malloc", 4096, 0)
+    key = ok(a, "rt.ipc_mem_get_export_key", ptr, 4096, 65, 0)
+    ok(a, "rt.ipc_mem_import_pid_inter_server", key, [{"sdid": fabric.server_id(2), "pid": [local.pid]}])
+    fails(local, NO_PERMISSION, "rt.ipc_mem_import_by_key", key, 0)
+    ok(a, "rt.ipc_mem_import_pid_inter_server", key, [{"sdid": fabric.server_id(1), "pid": [local.pid]}])
+    q = ok(local, "rt.ipc_mem_import_by_key", key, 0)
+    ok(local, "rt.ipc_mem_close", key)
+    assert q
+    ok(a, "rt.ipc_mem_close", key)
+    ok(a, "rt.free", ptr)
+
+
 def test_rule_12_only_the_exporting_process_sets_the_trustlist(fabric: TestCluster) -> None:
     a, b, neighbour = fabric.actor(1), fabric.actor(2), fabric.actor(1)
     _, s, _ = export(a)

@@ -152,6 +152,7 @@ def test_the_exporters_close_revokes_the_key_and_importers_keep_their_memory(act
     q = ok(b, "rt.ipc_mem_import_by_key", key, 0)
     ok(a, "rt.ipc_mem_close", key)
     fails(c, BAD_HANDLE, "rt.ipc_mem_import_by_key", key, 0)
+    fails(b, BAD_HANDLE, "rt.ipc_mem_import_by_key", key, 0)  # importing again asks again: the key is revoked
     assert same_bytes(a, p, b, q), "the importer keeps the memory; the exporter still has it too"
     b.call("!write_bytes", q, b"after the close")
     assert a.call("!read", p, 15) == b"after the close"
@@ -174,6 +175,7 @@ def test_freeing_or_dying_revokes_and_importers_keep_their_memory(actor: MakeAct
     else:
         a.kill()
     fails(c, BAD_HANDLE, "rt.ipc_mem_import_by_key", key, 0)
+    fails(b, BAD_HANDLE, "rt.ipc_mem_import_by_key", key, 0)
     assert b.call("!sha256", q, SIZE) == digest
     ok(b, "rt.ipc_mem_close", key)
 

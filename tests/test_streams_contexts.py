@@ -29,6 +29,7 @@ from conftest import (
 from vmmshare._process import runtime
 
 SYNC_TIMEOUT = 507046  # ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+STREAM_CONTEXT = 107003  # ACL_ERROR_RT_STREAM_CONTEXT
 
 
 def in_thread(fn: Any) -> Any:
@@ -209,6 +210,29 @@ def test_get_device_and_run_mode(acl):
     assert in_thread(acl.rt.get_device) == (0, NO_CONTEXT)
     assert in_thread(lambda: (acl.rt.set_device(5), acl.rt.get_device(), acl.rt.reset_device(5))) == (0, (5, 0), 0)
     assert acl.rt.get_run_mode() == (acl.ACL_HOST, 0) == (1, 0)
+
+
+def test_a_stream_is_used_in_its_own_context(acl, host_buffers):
+    """Async copies and destroy_stream on a stream of another context than the current one: 107003, as the
+    runtime's stream/context check; synchronize_stream switches to the stream's context and works."""
+    rt = acl.rt
+    a, b = host_buffers
+    default = ok(rt.get_context())
+    s = ok(rt.create_stream())
+    other = ok(rt.create_context(0))  # current now
+    try:
+        assert "set_current_context" in expect_fail(STREAM_CONTEXT, rt.memcpy_async, b, G2M, a, 64, 0, s)
+        expect_fail(STREAM_CONTEXT, rt.memset_async, a, G2M, 1, 64, s)
+        expect_fail(STREAM_CONTEXT, rt.destroy_stream, s)
+        ok(rt.synchronize_stream(s))
+        ok(rt.set_context(default))
+        ok(rt.memset_async(a, G2M, 3, 64, s))
+        ok(rt.synchronize_stream(s))
+        assert read(a, 64) == b"\x03" * 64
+        ok(rt.destroy_stream(s))
+    finally:
+        ok(rt.set_context(default))
+        ok(rt.destroy_context(other))
 
 
 def test_contexts(acl):

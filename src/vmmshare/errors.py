@@ -49,6 +49,12 @@ class ContextNullError(AclError):
     code = C.ACL_ERROR_RT_CONTEXT_NULL
 
 
+class StreamContextError(AclError):
+    """A stream used while another context than its own is current (the runtime's RT_ERROR_STREAM_CONTEXT)."""
+
+    code = C.ACL_ERROR_RT_STREAM_CONTEXT
+
+
 class InvalidHandleError(AclError, KeyError):
     code = C.ACL_ERROR_RT_INVALID_HANDLE
 
@@ -84,6 +90,7 @@ _BY_CODE: dict[int, type[AclError]] = {
         InvalidMemoryTypeError,
         InvalidDeviceError,
         ContextNullError,
+        StreamContextError,
         InvalidHandleError,
         FeatureNotSupportedError,
         MemoryAllocationError,

@@ -173,7 +173,7 @@ class Copies:
         comes (memory unmapped meanwhile fails then, reported by synchronize_stream)."""
         if count > dest_max:
             raise InvalidParamError(f"count {count} is larger than destMax {dest_max}")
-        s = self.rt.devices.stream(stream)
+        s = self.rt.devices.stream_here(stream)
         with self.rt.lock:
             self._copy_sides(dst, src, count, kind)
         s.submit("memcpy_async", lambda: self.memcpy(dst, dest_max, src, count, kind))
@@ -182,7 +182,7 @@ class Copies:
         """Queue a fill on `stream` (checked now and when it runs, as `memcpy_async`)."""
         if count > max_count:
             raise InvalidParamError(f"count {count} is larger than maxCount {max_count}")
-        s = self.rt.devices.stream(stream)
+        s = self.rt.devices.stream_here(stream)
         with self.rt.lock:
             self._classify(ptr, count, True, "devPtr")
         s.submit("memset_async", lambda: self.memset(ptr, max_count, value, count))

@@ -17,6 +17,7 @@ from ..errors import (
     InvalidDeviceError,
     InvalidHandleError,
     InvalidParamError,
+    StreamContextError,
 )
 from .streams import Stream
 
@@ -147,10 +148,21 @@ class Devices:
             raise InvalidHandleError(f"stream {stream:#x} is not a live stream of this process")
         return found
 
+    def stream_here(self, stream: int) -> Stream:
+        """The live stream `stream`, which must belong to this thread's current context when it has one (as the
+        runtime checks for async copies and for destroying a stream: 107003 otherwise)."""
+        s = self.stream(stream)
+        current: Context | None = getattr(self._tls, "context", None)
+        if current is not None and s.context != current.handle:
+            raise StreamContextError(f"stream {stream:#x} belongs to context {s.context:#x}, but context "
+                                     f"{current.handle:#x} is current in this thread: set_current_context first")
+        return s
+
     def destroy_stream(self, stream: int, force: bool = False) -> None:
         """Destroy a stream once its queued tasks have run (`force`: dropping those not started)."""
         if stream == 0:
             raise InvalidParamError("the default stream (0) cannot be destroyed")
+        self.stream_here(stream)
         with self._lock:
             s = self._streams.pop(stream, None)
         if s is None:

@@ -7,11 +7,13 @@ importer's import maps the memory at a pointer of its own, and its close unmaps 
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import constants as C
 from ..errors import FeatureNotSupportedError, InvalidHandleError, InvalidParamError, NoPermissionError
 from ..handles import ShareableHandle, ShareType
 from .blocks import IPC, MALLOC
@@ -116,8 +118,9 @@ class Ipc:
         remote = [(sdid, pids) for sdid, pids in entries if sdid != self.rt.config.server_id]
         if remote:
             self.trust_remote(key, remote)
-        for _, pids in entries:
-            self.set_pids(text, pids)
+        for sdid, pids in entries:
+            if sdid == self.rt.config.server_id:  # an entry admits its server's pids only
+                self.set_pids(text, pids)
 
     def trust_remote(self, key: Key, entries: list[tuple[int, list[int]]]) -> None:
         """Trust processes of other servers on the key's export, as (server id, pid) pairs: each admits that pid of
@@ -137,7 +140,8 @@ class Ipc:
         key = self._local(parse_key(text))
         with self._lock:
             done = self.imports.get(key.value)
-            if done is not None:
+            if done is not None:  # the same pointer, if the broker still admits this process to the key
+                self._still_admitted(key)
                 done.count += 1
                 return done.ptr
             alloc = rt.sharing.import_alloc(ShareableHandle.default(key.value), device, IPC)
@@ -145,6 +149,14 @@ class Ipc:
             ptr = rt.blocks.map_new(alloc, alloc.size)
             self.imports[key.value] = Imported(ptr)
             return ptr
+
+    def _still_admitted(self, key: Key) -> None:
+        """Ask the broker again, as the runtime opens the key again on each import: a key its exporter closed or
+        freed fails with 107017, a trustlist that no longer admits this process with 207006."""
+        node = self.rt.node
+        got = node.import_handle(key.value, C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, b"")
+        os.close(got.fd)
+        self.rt.safe_node_call(node.release, got.node_ref)
 
     def set_attr(self, text: str, attr: int) -> None:
         self.attrs[parse_key(text).text] = attr

@@ -19,8 +19,10 @@ ACTOR = HERE / "actor.py"
 class BrokerProc:
     """A broker started for one test on its own socket; `env` points clients at it."""
 
-    def __init__(self, folder: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, folder: Path, *extra: str, env: dict[str, str] | None = None,
+                 prefix: tuple[str, ...] = ()) -> None:
         self.folder = folder
+        self.prefix = prefix  # a command the broker runs under (prlimit, setpriv ...)
         self.socket = folder / "broker.sock"
         self.env = dict(os.environ if env is None else env)
         self.env["VMMSHARE_SOCKET"] = str(self.socket)
@@ -30,8 +32,8 @@ class BrokerProc:
 
     def start(self) -> None:
         rfd, wfd = os.pipe()
-        cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(self.socket), "--ready-fd", str(wfd),
-               "--log-level", "WARNING", *self.extra]
+        cmd = [*self.prefix, sys.executable, "-m", "vmmshare.broker", "--socket", str(self.socket),
+               "--ready-fd", str(wfd), "--log-level", "WARNING", *self.extra]
         self.proc = subprocess.Popen(cmd, env=self.env, pass_fds=(wfd,), stdin=subprocess.DEVNULL)
         os.close(wfd)
         with os.fdopen(rfd, "rb") as r:

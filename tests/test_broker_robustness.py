@@ -513,6 +513,25 @@ def test_export_of_a_pipe_with_a_valid_token(broker: BrokerProc, baseline: int) 
     assert_healthy(broker, baseline)
 
 
+@pytest.mark.parametrize("mode", [os.O_RDONLY, os.O_WRONLY])
+def test_export_of_the_right_memfd_open_read_only_or_write_only(broker: BrokerProc, baseline: int, mode: int) -> None:
+    """The memory reopened through /proc without write (or read) access passes every seal check, but importers
+    map it read-write: refused with 107000, so no importer gets an fd it cannot map."""
+    with Raw(broker.socket) as c:
+        token = charge(c)
+        good = memfd_of(MiB2)
+        reopened = os.open(f"/proc/self/fd/{good}", mode | os.O_CLOEXEC)
+        try:
+            frame = c.ask(_export_frame(token), (reopened,))
+            assert frame is not None and isinstance(frame.message, P.Error), frame
+            assert frame.message.code == PARAM and "read-write" in frame.message.message
+            assert isinstance(c.ok(P.Export(*export_values(token)), fds=(good,)), P.Exported)
+        finally:
+            os.close(reopened)
+            os.close(good)
+    assert_healthy(broker, baseline)
+
+
 def test_export_must_be_of_the_memory_kind_charged(broker: BrokerProc, baseline: int) -> None:
     """The broker cannot look inside a GPU export's fd, so host memory must not pass as GPU memory (a pipe would then
     reach importers), nor GPU memory as host memory: the kind is the one the allocation was charged as."""

@@ -9,6 +9,7 @@ VMMSHARE_REQUIRE_ROOT_TESTS=1 (CI runs as root) and skip elsewhere.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import fcntl
 import gc
@@ -20,6 +21,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -600,6 +602,104 @@ def test_trustlist_flood_leaves_other_clients_served() -> None:
     result = flood.run(8, 2.0, SEED)
     assert result["violations"] == [], result
     assert result["flooded"]["latency"]["count"] > 0 and result["flood"]["answered"] >= 8
+
+
+def test_a_lingering_socket_handed_to_the_broker_does_not_stop_it(broker: c.LoggedBroker) -> None:
+    """T15. The last close of a TCP socket with SO_LINGER and unsent data waits up to the linger time. A client
+    attached such a socket to an export whose trustlist the broker looks up over several turns, and let go of its
+    own copy: the broker's close of it blocked its loop for an hour, for every client. The broker turns lingering
+    off and closes sockets on a thread of its own: others are served, and the export is refused as before."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stuck = socket.create_connection(listener.getsockname())
+    reader, _ = listener.accept()  # never reads: the window closes and data stays queued
+    stuck.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            stuck.send(b"x" * 65536)
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+    try:
+        with c.Raw(broker.socket) as attacker, c.Raw(broker.socket) as victim:
+            hold = attacker.ask(P.Charge(0, 2 << 20)).hold
+            pids = tuple(range(4_000_000, 4_000_000 + 4096))  # pids nobody has: looked up over several turns
+            export = P.Export(hold, 2 << 20, 0, c.DEFAULT, 0, 0, 0, 0, 0, 1, 0, pids)
+            attacker.req += 1
+            rawsock.send(attacker.sock, P.encode(export, attacker.req), (stuck.fileno(),))
+            stuck.close()  # the broker's copy is the last one now (the request waits for its lookups)
+            frame, _ = attacker.recv()
+            assert isinstance(frame.message, P.Error) and frame.message.code == 107000, frame
+            assert isinstance(victim.ask(P.MemInfo(0)), P.Mem), "the broker serves on"
+            assert isinstance(victim.ask(P.MemInfo(0)), P.Mem)
+    finally:
+        reader.close()
+        listener.close()
+
+
+def test_unread_replies_in_flight_cost_others_a_refusal_not_their_connection(tmp_path: Path) -> None:
+    """T16. Each import reply carries an fd, and fds sent but not yet received count against the sender's user:
+    past the broker's RLIMIT_NOFILE (for a broker without CAP_SYS_RESOURCE, e.g. a multi-user broker run as a
+    shared account) the kernel refuses every further fd it sends (ETOOMANYREFS). A client that leaves its replies
+    unread on many connections made the broker drop whichever client it answered next, with all it held. Now that
+    client's import is undone and refused with 207005; its connection and what it holds stay."""
+    require(bool(shutil.which("setpriv") and shutil.which("prlimit")), "needs setpriv and prlimit (util-linux)")
+    caps = "-sys_resource,-sys_admin"
+    b = BrokerProc(tmp_path / "run", env=c.clean_env(),
+                   prefix=("prlimit", "--nofile=256:256", "setpriv", "--bounding-set", caps, "--inh-caps", caps))
+    r, w = os.pipe()  # the handle, to this process
+    done_r, done_w = os.pipe()  # the end of the test, to the exporter
+    exporter = os.fork()
+    if exporter == 0:  # another process, so that this one may import (rule 13)
+        code = 1
+        try:
+            with c.Raw(b.socket) as own:
+                hold = own.ask(P.Charge(0, 2 << 20)).hold
+                fd = rawsock.sealed_memfd(2 << 20)
+                own.req += 1
+                rawsock.send(own.sock, P.encode(P.Export(hold, 2 << 20, 1, c.DEFAULT, 0, 0, 0, 0, 0, 1, 0, ()),
+                                                own.req), (fd,))
+                frame, _ = own.recv()
+                os.write(w, frame.message.shareable)
+                os.read(done_r, 1)  # until the test is done
+                code = 0
+        finally:
+            os._exit(code)
+    flooders: list[socket.socket] = []
+    try:
+        handle = int.from_bytes(os.read(r, 8), "little")
+        with c.Raw(b.socket) as victim:
+            mine = victim.ask(P.Charge(0, 2 << 20)).hold
+            refused = None
+            for _ in range(60):  # 11 unread replies queue on each connection (net.unix.max_dgram_qlen + 1)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.connect(str(b.socket))
+                s.setblocking(False)
+                flooders.append(s)
+                with contextlib.suppress(BlockingIOError, BrokenPipeError, ConnectionResetError):
+                    for i in range(20):
+                        s.send(P.encode(P.Import(handle, c.DEFAULT, bytes(32)), i + 1))
+                victim.ask(P.MemInfo(0))  # the broker has served the flood so far
+                reply = victim.ask(P.Import(handle, c.DEFAULT, bytes(32)))
+                if isinstance(reply, P.Error):
+                    refused = reply
+                    break
+                assert isinstance(reply, P.Imported), reply
+                assert isinstance(victim.ask(P.Release(reply.hold)), P.Ok)
+            assert refused is not None and refused.code == 207005, refused
+            assert "in flight" in refused.message
+            assert isinstance(victim.ask(P.Release(mine)), P.Ok), "the victim's connection and holds stay"
+            for s in flooders:
+                s.close()
+            flooders.clear()
+            c.barrier(b.socket)
+            reply = victim.ask(P.Import(handle, c.DEFAULT, bytes(32)))
+            assert isinstance(reply, P.Imported), reply
+    finally:
+        for s in flooders:
+            s.close()
+        os.write(done_w, b"x")
+        os.waitpid(exporter, 0)
+        for fd in (r, w, done_r, done_w):
+            os.close(fd)
+        b.kill()
 
 
 def test_trustlist_of_4096_pids_spread_over_turns_is_bound_whole(broker: c.LoggedBroker,

@@ -5,8 +5,8 @@ in between (docs/security.md, T9). The connection of a deferred request is not r
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -35,8 +35,8 @@ class Job(Generic[T]):
 class Jobs(Generic[T]):
     """The deferred requests, looked up round-robin."""
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
+    def __init__(self, ledger: Ledger, close_fd: Callable[[int], None]) -> None:
+        self.ledger, self.close_fd = ledger, close_fd
         self.pending: list[Job[T]] = []
         self._next = 0
 
@@ -50,7 +50,7 @@ class Jobs(Generic[T]):
         """Forget a job whose client left, closing the fd it holds."""
         self.pending.remove(job)
         if job.fd >= 0:
-            os.close(job.fd)
+            self.close_fd(job.fd)
 
     def step(self) -> list[Job[T]]:
         """Look up pids for at most JOB_SECONDS; the jobs now complete (no longer pending), ready to be served."""

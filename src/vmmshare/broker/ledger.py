@@ -241,7 +241,8 @@ class Ledger:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {m.flags} or share type {m.share_type}, "
                               f"or memory kind {m.memory_kind} for an allocation charged as kind {memory.kind}")
         if fd < 0 or m.size != memory.size:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
+            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory (a "
+                                                            "memfd of its size, open read-write)")
         if memory.kind == KIND_HOST:
             self._check_memfd(fd, m.size)
         self.usage.check_export(client.uid)
@@ -266,7 +267,8 @@ class Ledger:
         file that shrinks under a mapping kills them with SIGBUS."""
         info = self.memfd_info(fd)
         if info is None or info[0] != size:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory")
+            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory (a "
+                                                            "memfd of its size, open read-write)")
         seals = info[1]
         if seals < 0 or seals & SIZE_SEALS != SIZE_SEALS or seals & WRITE_SEALS:
             raise LedgerError(

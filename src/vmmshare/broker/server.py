@@ -26,6 +26,7 @@ from ..config import Config, Quotas, spin_seconds
 from ..fabric.agent import Agent, endpoint_of
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system, wire
+from .closer import Closer
 from .identity import PIDFS, identity_of_pid, identity_of_pidfd
 from .jobs import Job, Jobs
 from .ledger import Client, Ledger, LedgerError
@@ -66,11 +67,12 @@ class Broker:
         self.config = config
         self.idle = idle
         self.multi_user = multi_user
-        self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=os.close,
+        self.closer = Closer()  # lets go of client fds; a lingering socket cannot block the loop (closer.py)
+        self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=self.closer.close,
                              memfd_info=system.memfd_info, broker_pid=os.getpid(), quotas=limits,
                              fd_budget=system.fd_budget(), endpoint=endpoint_of(config))
         self.conns: dict[int, Conn] = {}
-        self.jobs: Jobs[Conn] = Jobs(self.ledger)
+        self.jobs: Jobs[Conn] = Jobs(self.ledger, self.closer.close)
         self.released = 0  # trustlist entries let go since the heap was last trimmed
         self.budget = LOOKUPS_PER_TURN
         self.listener: socket.socket | None = None
@@ -315,14 +317,31 @@ class Broker:
             reply = encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data))
             reply_fds = ()
         finally:
-            wire.close_fds(fds)
+            self.closer.close_all(fds)
         self._send(conn, reply, reply_fds)
 
     def _send(self, conn: Conn, reply: bytes, fds: tuple[int, ...]) -> None:
         try:
             wire.send_packet(conn.sock, reply, fds)
-        except OSError:
-            self._drop(conn)
+        except OSError as exc:
+            if exc.errno == errno.ETOOMANYREFS and fds:
+                self._no_fd_to_pass(conn, reply)
+            else:
+                self._drop(conn)
+
+    def _no_fd_to_pass(self, conn: Conn, reply: bytes) -> None:
+        """The kernel refused to pass another fd: more are in flight (sent, not yet received) than the broker's
+        user may have open. That is no fault of this client: its import is undone and it gets 207005."""
+        req = peek_request_id(reply)
+        with contextlib.suppress(ProtocolError, LedgerError):
+            answered = decode(reply, 1).message
+            if isinstance(answered, P.Imported):
+                self.ledger.release(conn.client, answered.hold)
+        self.warn.log(logging.WARNING, "inflight", "cannot pass an fd to pid %d: too many fds in flight (clients "
+                      "that do not read their replies); run a multi-user broker as root", conn.client.pid)
+        self._send(conn, encode(P.Error(C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, (
+            "the broker cannot pass another fd now: too many of its replies are in flight, unread (the kernel's "
+            "limit for the broker's user); try again")), req), ())
 
     def _answer_later(self, conn: Conn, req: int, message: P.Message) -> None:
         """A reply the fabric agent had to wait for, to a client still connected."""

@@ -22,9 +22,9 @@ _LIBC = ctypes.CDLL(None)
 
 def memfd_info(fd: int) -> tuple[int, int] | None:
     """(size, seals) of the regular file at `fd` (seals -1: a file that takes no seals, so not a memfd); None for
-    anything else (a pipe, a socket)."""
+    anything else (a pipe, a socket), and for a file not open read-write (importers map it read-write)."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         return None
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)

@@ -351,3 +351,30 @@ def vmm(acl):
     v = Vmm(acl)
     yield v
     v.cleanup()
+
+
+@pytest.fixture
+def fabric() -> Any:
+    """A two-server test cluster (fabric_cluster.py) for one test; its brokers' logs are printed when it fails."""
+    from fabric_cluster import TestCluster
+
+    c = TestCluster(2)
+    try:
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def as_nobody() -> list[str]:
+    """The command prefix that runs a process as another user (`nobody`), or a skip saying why there is none."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stress"))
+    import identity
+
+    prefix, why = identity.other_user()
+    require(prefix is not None, why)
+    assert prefix is not None
+    return prefix

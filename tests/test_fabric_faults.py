@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import signal
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,18 +17,6 @@ from test_fabric_sharing import FABRIC, IPC, M2, export, fails, import_map, ok, 
 require(not cluster_problem(), cluster_problem())
 
 IMP = "rt.mem_import_from_shareable_handle_v2"
-
-
-@pytest.fixture
-def fabric() -> Iterator[TestCluster]:
-    c = TestCluster(2)
-    try:
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.close()
 
 
 def test_a_killed_exporting_broker_is_a_clear_error_and_frees_cleanly(fabric: TestCluster) -> None:

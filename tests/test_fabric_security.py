@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,18 +44,6 @@ def closed(s):
     except ConnectionResetError:
         return True
 """
-
-
-@pytest.fixture
-def fabric() -> Iterator[TestCluster]:
-    c = TestCluster(2)
-    try:
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.close()
 
 
 def attack(fabric: TestCluster, code: str, **env: str) -> str:

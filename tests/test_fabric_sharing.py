@@ -7,7 +7,6 @@ Needs root and the transfer engine; CI has both, so there these tests must run (
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,18 +23,6 @@ PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0
 HOST_PROP = {**PROP, "location": {"id": 0, "type": 0}}
 M2 = 2 << 20
 PARAM, BAD_HANDLE, NOT_SUPPORTED, NO_PERMISSION, IPC = 107000, 107017, 207000, 207006, 507022
-
-
-@pytest.fixture
-def fabric() -> Iterator[TestCluster]:
-    c = TestCluster(2)
-    try:
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.close()
 
 
 def ok(a: Actor, name: str, *args: Any) -> Any:

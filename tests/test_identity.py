@@ -141,14 +141,6 @@ def test_a_container_exports_to_a_host_process_named_by_its_bare_tgid(broker: c.
 # ---------------------------------------------------------------- (c) another uid
 
 
-@pytest.fixture(scope="module")
-def as_nobody() -> list[str]:
-    prefix, why = ident.other_user()
-    require(prefix is not None, why)
-    assert prefix is not None
-    return prefix
-
-
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[Path]:
     """A folder every user can traverse (pytest's tmp_path is private to root)."""

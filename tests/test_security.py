@@ -54,14 +54,6 @@ MiB2 = c.MiB2
 # ---------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def as_nobody() -> list[str]:
-    prefix, why = ident.other_user()
-    require(prefix is not None, why)
-    assert prefix is not None
-    return prefix
-
-
 @pytest.fixture
 def world() -> Iterator[Path]:
     """A folder every user can traverse (pytest's tmp_path is private to root)."""

@@ -22,19 +22,17 @@ import os
 import sys
 from typing import Any
 
+from .bench_broker import floor, idle_cpu, throughput
 from .bench_measures import (
     GiB,
     KiB,
     MiB,
     Step,
     bandwidth,
-    floor,
     fmt_size,
-    idle_cpu,
     peer_main,
     quiet,
     share_latency,
-    throughput,
 )
 from .console import (
     FAILED,

@@ -1,13 +1,8 @@
-"""What `vmmshare bench` measures, each in one function: share latency by step against the anchors, the floor of a
-broker round trip, broker throughput (with the CPU each side spends), and read and first-touch bandwidth."""
+"""What `vmmshare bench` measures, each in one function: share latency by step against the anchors, and read and
+first-touch bandwidth (the broker's own costs are in bench_broker.py)."""
 
 from __future__ import annotations
 
-import array
-import mmap
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +25,7 @@ def quiet(_: str) -> None:
     pass
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def stats_of(values: list[float]) -> dict[str, float]:
     if len(values) < 2:
         v = values[0] if values else float("nan")
         return {"median": v, "p10": v, "p90": v}
@@ -38,11 +33,11 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "p10": q[0], "p90": q[-1]}
 
 
-def _now() -> int:
+def now_ns() -> int:
     return time.perf_counter_ns()
 
 
-def _us(t0: int, t1: int) -> float:
+def us_between(t0: int, t1: int) -> float:
     return (t1 - t0) / 1000
 
 
@@ -70,16 +65,17 @@ def peer_main(conn: Connection) -> None:
             return
         if kind == "vmm":
             _, text, size, prepopulate, touch = msg
-            t0 = _now()
+            t0 = now_ns()
             mem = vmmshare.import_handle(text)
-            t1 = _now()
+            t1 = now_ns()
             m = mem.map(prepopulate=prepopulate)
-            t2 = _now()
+            t2 = now_ns()
             view = m.numpy()
             if touch:
                 _touch(view)
-            t3 = _now()
-            out: dict[str, float] = {"import": _us(t0, t1), "map": _us(t1, t2), "touch": _us(t2, t3)}
+            t3 = now_ns()
+            out: dict[str, float] = {"import": us_between(t0, t1), "map": us_between(t1, t2),
+                                     "touch": us_between(t2, t3)}
             del view
             m.close()
             mem.close()
@@ -97,17 +93,17 @@ def peer_main(conn: Connection) -> None:
             conn.send(res)
         elif kind == "shm":
             _, name, size, touch = msg
-            t0 = _now()
+            t0 = now_ns()
             shm = shared_memory.SharedMemory(name)
-            t1 = _now()
+            t1 = now_ns()
             assert shm.buf is not None
             view = np.frombuffer(shm.buf, dtype=np.uint8)
             if touch:
                 _touch(view)
-            t2 = _now()
+            t2 = now_ns()
             del view
             shm.close()
-            conn.send({"attach": _us(t0, t1), "touch": _us(t1, t2)})
+            conn.send({"attach": us_between(t0, t1), "touch": us_between(t1, t2)})
         elif kind == "pipe":
             data = conn.recv_bytes()
             conn.send(len(data))
@@ -146,41 +142,41 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
         steps = all_steps[size]
         for i in range(n + 1):
             step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, round {i + 1} of {n + 1}")
-            t0 = _now()
+            t0 = now_ns()
             mem = dev.allocate(size)
-            t1 = _now()
+            t1 = now_ns()
             m = mem.map()
-            t2 = _now()
+            t2 = now_ns()
             h = mem.export(pids=[peer_pid])  # the trustlist rides on the export: one round trip
-            t4 = _now()
+            t4 = now_ns()
             peer.send(("vmm", str(h), mem.size, False, touch))
             got = peer.recv()
             m.close()
             mem.close()
-            t0s = _now()
+            t0s = now_ns()
             shm = shared_memory.SharedMemory(create=True, size=size)
-            t1s = _now()
+            t1s = now_ns()
             peer.send(("shm", shm.name, size, touch))
             sgot = peer.recv()
             shm.close()
             shm.unlink()
             if i == 0:
                 continue  # warm-up round
-            exporter = _us(t0, t4)
+            exporter = us_between(t0, t4)
             if touch:
                 steps["first_touch"].append(got["touch"])
                 steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
                 steps["shm_touch"].append(sgot["touch"])
                 continue
-            steps["allocate"].append(_us(t0, t1))
-            steps["map"].append(_us(t1, t2))
-            steps["export_trustlist"].append(_us(t2, t4))
+            steps["allocate"].append(us_between(t0, t1))
+            steps["map"].append(us_between(t1, t2))
+            steps["export_trustlist"].append(us_between(t2, t4))
             steps["import"].append(got["import"])
             steps["reserve_map"].append(got["map"])
             steps["share"].append(exporter + got["import"] + got["map"])
-            steps["shm_create"].append(_us(t0s, t1s))
+            steps["shm_create"].append(us_between(t0s, t1s))
             steps["shm_attach"].append(sgot["attach"])
-            steps["shm_share"].append(_us(t0s, t1s) + sgot["attach"])
+            steps["shm_share"].append(us_between(t0s, t1s) + sgot["attach"])
     for size in sizes:
         steps = all_steps[size]
         n = reps(size)
@@ -188,12 +184,12 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
         step(f"multiprocessing.Pipe, {fmt_size(size)}")
         payload = np.ones(size, dtype=np.uint8).tobytes() if size <= 256 * MiB else None
         for _ in range(pipe_reps if payload is not None else 0):
-            t0 = _now()
+            t0 = now_ns()
             peer.send(("pipe",))
             peer.send_bytes(payload)  # type: ignore[arg-type]
             peer.recv()
-            steps["pipe"].append(_us(t0, _now()))
-        row: dict[str, Any] = {k: _stats(v) for k, v in steps.items() if v}
+            steps["pipe"].append(us_between(t0, now_ns()))
+        row: dict[str, Any] = {k: stats_of(v) for k, v in steps.items() if v}
         row["size"] = size
         rows[str(size)] = row
     if with_torch:
@@ -227,155 +223,17 @@ def torch_share(sizes: list[int], reps: Callable[[int], int]) -> dict[str, dict[
         times = []
         for i in range(reps(size) + 1):
             t: Any = torch.ones(size, dtype=torch.uint8)
-            t0 = _now()
+            t0 = now_ns()
             t.share_memory_()
             q.put(t)
             back.get()
             if i:
-                times.append(_us(t0, _now()))
+                times.append(us_between(t0, now_ns()))
             del t
-        out[str(size)] = _stats(times)
+        out[str(size)] = stats_of(times)
     q.put(None)
     p.join()
     return out
-
-
-# ---------------------------------------------------------------- broker throughput
-
-
-def _tp_client(text: str, seconds: float, start: Any, conn: Connection) -> None:
-    import vmmshare
-
-    rt = vmmshare.acl.rt
-    rt.set_device(0)
-    value = int(vmmshare.ShareableHandle.parse(text))
-    rt.free_physical(rt.mem_import_from_shareable_handle_v2(value, 1, 0)[0])  # connect and warm up
-    conn.send("ready")
-    start.wait()
-    n = 0
-    cpu0 = _cpu_self()
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        handle, ret = rt.mem_import_from_shareable_handle_v2(value, 1, 0)
-        if ret or rt.free_physical(handle):
-            raise SystemExit(f"import+free failed: {vmmshare.acl.get_recent_err_msg()}")
-        n += 1
-    conn.send((n, _cpu_self() - cpu0))
-
-
-def _cpu_self() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def cpu_of(pid: int) -> float:
-    """CPU seconds `pid` has used (user + system), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def broker_pid() -> int:
-    from ._process import runtime
-
-    node: Any = runtime().node
-    return int(node.listing()["broker_pid"])
-
-
-def throughput(clients: list[int], seconds: float, step: Step = quiet) -> dict[str, Any]:
-    """import+free round trips per second with each number of client processes, and the CPU time one round trip
-    costs the clients and the broker (µs)."""
-    import vmmshare
-
-    ctx = mp.get_context("spawn")
-    mem = vmmshare.Device(0).allocate(2 * MiB)
-    h = mem.export(validate_pids=False)
-    broker = broker_pid()
-    out: dict[str, Any] = {}
-    for n in clients:
-        step(f"broker throughput, {n} client(s)")
-        start = ctx.Event()
-        pipes, procs = [], []
-        for _ in range(n):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=_tp_client, args=(str(h), seconds, start, b))
-            p.start()
-            pipes.append(a)
-            procs.append(p)
-        for a in pipes:
-            a.recv()
-        broker_cpu = cpu_of(broker)
-        t0 = time.perf_counter()
-        start.set()
-        done = [a.recv() for a in pipes]
-        elapsed = max(time.perf_counter() - t0, seconds)
-        broker_cpu = cpu_of(broker) - broker_cpu
-        for p in procs:
-            p.join()
-        ops = sum(d[0] for d in done)
-        out[str(n)] = {"ops_per_s": ops / elapsed, "client_cpu_us": sum(d[1] for d in done) / max(ops, 1) * 1e6,
-                       "broker_cpu_us": broker_cpu / max(ops, 1) * 1e6}
-    mem.close()
-    return out
-
-
-def idle_cpu(seconds: float = 2.0) -> float:
-    """The broker's CPU use while nothing happens, as a fraction of one core (it must sleep, not poll)."""
-    pid = broker_pid()
-    before = cpu_of(pid)
-    time.sleep(seconds)
-    return (cpu_of(pid) - before) / seconds
-
-
-# ---------------------------------------------------------------- the floor
-
-
-def _floor_server(sock: socket.socket) -> None:
-    """Answer each packet with the same bytes and a 2 MiB memfd, as the broker answers an import."""
-    fd = os.memfd_create("vmmshare-floor", os.MFD_CLOEXEC)
-    os.ftruncate(fd, 2 * MiB)
-    while True:
-        data = sock.recv(256)
-        if not data:
-            return
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-
-
-def floor(reps: int, step: Step = quiet) -> dict[str, Any]:
-    """The least an import can cost: two Python processes, one request over AF_UNIX SOCK_SEQPACKET and a reply
-    carrying an fd (SCM_RIGHTS), the receiver polling (as vmmshare's client does), then mmap of the 2 MiB fd."""
-    step("the floor: a raw fd round trip")
-    ctx = mp.get_context("spawn")
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server = ctx.Process(target=_floor_server, args=(b,))
-    server.start()
-    b.close()
-    rtt: list[float] = []
-    rtt_map: list[float] = []
-    anc = socket.CMSG_SPACE(4)
-    try:
-        for i in range(reps + 100):
-            t0 = _now()
-            a.send(b"x" * 24)
-            while True:
-                try:
-                    _, got, _, _ = a.recvmsg(256, anc, socket.MSG_DONTWAIT)
-                    break
-                except BlockingIOError:
-                    os.sched_yield()
-            fd = int.from_bytes(got[0][2][:4], "little")
-            t1 = _now()
-            m = mmap.mmap(fd, 2 * MiB)
-            t2 = _now()
-            m.close()
-            os.close(fd)
-            if i >= 100:
-                rtt.append(_us(t0, t1))
-                rtt_map.append(_us(t0, t2))
-    finally:
-        a.close()
-        server.join(10)
-    return {"fd_round_trip": _stats(rtt), "fd_round_trip_mmap": _stats(rtt_map)}
 
 
 # ---------------------------------------------------------------- bandwidth

@@ -261,7 +261,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     c.close()
 
 
-def test_a_hold_of_an_exporter_that_restarted_never_releases_another_importers_hold(cluster: Cluster) -> None:
+def test_rule_14_a_hold_of_an_exporter_that_restarted_never_releases_another_importers_hold(cluster: Cluster) -> None:
     x = cluster.a.ledger.connect(1111, 1000, (1, 1))
     assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)
     cluster.restart_b()  # x's import died with the old run

@@ -197,7 +197,7 @@ def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(fabric: TestCl
     eventually(lambda: served_nothing(fabric), "remote holds left behind")
 
 
-def test_an_ipc_entry_of_another_server_admits_that_servers_pid_only(fabric: TestCluster) -> None:
+def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(fabric: TestCluster) -> None:
     """ipc_mem_import_pid_inter_server: {sdid, pids} admits those pids of server sdid, not the same pid numbers on
     the exporter's own server."""
     a, local = fabric.actor(1), fabric.actor(1)

@@ -247,7 +247,7 @@ def test_quota_trustlist_entries_per_user() -> None:
     assert books.ledger.usage.users[1000].trust == 4000
 
 
-def test_one_trustlist_holds_at_most_4096_pids_of_this_and_other_servers_together() -> None:
+def test_rule_12_one_trustlist_holds_at_most_4096_pids_of_this_and_other_servers_together() -> None:
     """The cap counts the pids of this server and the (server, pid) pairs of others on the same export: neither
     kind of entry slips past it after the other filled the list."""
     books = fabric_books()

@@ -85,20 +85,23 @@ def test_fail_closed_a_trustlist_entry_that_cannot_be_bound_is_refused(books: Bo
 # ---------------------------------------------------------------- re-adding a pid keeps its first binding
 
 
-def test_readding_a_listed_pid_never_unbinds_it(books: Books) -> None:
-    """The trusted process exited and nobody has its pid; the exporter re-sends its trustlist. The entry used to
-    be bound anew to whoever had the pid then - nobody - so whichever process got the pid later could import. It
-    keeps its binding until a process has the pid (then a re-add binds that one: the exporter asked for it now)."""
+def test_rule_12_readding_the_pid_of_a_process_that_died_never_rebinds_it(books: Books) -> None:
+    """The trusted process exited; the exporter re-sends its trustlist, first while nobody has the pid, then once
+    another process has it. The entry used to be bound anew to whoever had the pid at the re-add, so the new owner
+    of the pid imported. Rule 12: an entry whose process died stays refused, whatever is re-added."""
     a = books.client(1)
-    books.alive[9] = (None, 7009)  # the trusted process
-    _, shareable, _, _ = books.export(a, pids=(9,))
+    books.alive.update({9: (None, 7009), 10: (None, 7010)})  # the trusted processes
+    _, shareable, _, _ = books.export(a, pids=(9, 10))
     del books.alive[9]  # it exited
     assert books.code(a, P.SetPids(shareable, DEFAULT, (9,))) == 0
     assert books.imports(books.client(9, identity=(None, 8009)), shareable) == NO_PERMISSION, (
         "a process that got the pid after the re-add imported")
-    books.alive[9] = (None, 8009)
-    assert books.code(a, P.SetPids(shareable, DEFAULT, (9,))) == 0  # re-added while 8009 has the pid
-    assert books.imports(books.client(9, identity=(None, 8009)), shareable) == 0
+    books.lookups.clear()
+    assert books.code(a, P.SetPids(shareable, DEFAULT, (9, 10))) == 0  # re-added while 8009 has the pid
+    assert books.lookups == [], "a bound entry is not looked up again"
+    assert books.imports(books.client(9, identity=(None, 8009)), shareable) == NO_PERMISSION
+    assert books.ledger.exports[shareable].trust[9] == (None, 7009)
+    assert books.ledger.usage.users[1000].trust == 2
 
 
 def test_readding_the_same_live_process_changes_nothing(books: Books) -> None:
@@ -108,7 +111,7 @@ def test_readding_the_same_live_process_changes_nothing(books: Books) -> None:
     before = dict(books.ledger.exports[shareable].trust)
     books.lookups.clear()
     assert books.code(a, P.SetPids(shareable, DEFAULT, (9, 9, 10, 9))) == 0
-    assert sorted(books.lookups) == [9, 10], "each pid is looked up once, duplicates or not"
+    assert books.lookups == [10], "each new pid is looked up once, duplicates or not; a bound one not at all"
     assert books.ledger.exports[shareable].trust == {**before, 10: (None, 7010)}
     assert books.ledger.usage.users[1000].trust == 2
 
@@ -272,6 +275,40 @@ def test_quota_memory_per_user_and_device() -> None:
     assert books.code(b, P.Charge(0, 4 * MiB2)) == 0, "another user has a limit of its own"
     assert books.code(a, P.Release(first)) == 0
     assert books.code(a, P.Charge(0, 4 * MiB2)) == 0
+
+
+def _held_memory(books: Books, uid: int) -> int:
+    tally = books.ledger.usage.users.get(uid)
+    return 0 if tally is None else tally.memory[0]
+
+
+def test_quota_memory_moves_to_the_importer_that_keeps_it_alive_once_the_exporter_freed_it() -> None:
+    """An exporter that freed what it exported stayed charged for it while importers kept it alive, so that user
+    holding nothing was refused (207001). The charge moves to the earliest remaining importer, and on, until the
+    last holder frees it; the node's capacity is unchanged all along."""
+    books = Books(quotas=Quotas(memory=4 * MiB2))
+    a, b, c = books.client(1, uid=1000), books.client(2, uid=2000), books.client(3, uid=3000)
+    exports = [books.export(a, flags=NO_PID_CHECK) for _ in range(4)]
+    for _, shareable, _, _ in exports:
+        assert books.imports(b, shareable) == 0
+    assert books.imports(c, exports[0][1]) == 0
+    assert books.code(a, P.Charge(0, MiB2)) == NO_MEMORY
+    for hold, _, _, _ in exports:
+        assert books.code(a, P.Release(hold)) == 0
+    assert _held_memory(books, 1000) == 0 and _held_memory(books, 2000) == 4 * MiB2
+    assert books.free() == CAPACITY - 4 * MiB2, "the memory is still there"
+    assert books.code(a, P.Charge(0, 4 * MiB2)) == 0, "the exporter holds nothing: its quota is whole"
+    assert books.code(b, P.Charge(0, MiB2)) == NO_MEMORY, "the importer keeping the memory alive is charged"
+    share = books.ledger.holds[exports[0][0]].memory.share if exports[0][0] in books.ledger.holds else None
+    assert share is None, "the exporter's holds are gone"
+    first = next(h for h, held in books.ledger.holds.items()
+                 if held.client is b and held.memory.share is not None and held.memory.share.handle == exports[0][1])
+    assert books.code(b, P.Release(first)) == 0
+    assert _held_memory(books, 2000) == 3 * MiB2 and _held_memory(books, 3000) == MiB2, "on to the next holder"
+    books.ledger.disconnect(c)
+    books.ledger.disconnect(b)
+    assert _held_memory(books, 2000) == _held_memory(books, 3000) == 0
+    assert books.free() == CAPACITY - 4 * MiB2, "only a's new charge is left"
 
 
 def test_the_broker_fd_budget_covers_connections_and_exports() -> None:

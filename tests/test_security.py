@@ -391,6 +391,39 @@ def test_readding_a_live_trusted_process_keeps_it(broker: c.LoggedBroker, actors
     assert ident.import_digest(importer, shareable) == digest
 
 
+def _multi_user(world: Path, **env: str) -> c.LoggedBroker:
+    return c.LoggedBroker(world / "run", "--multi-user", env=c.clean_env(**env))
+
+
+def _nobody(as_nobody: list[str], b: c.LoggedBroker, actors: Callable[..., Actor]) -> Callable[[], Actor]:
+    """A maker of actors that run as nobody on `b` (skips if nobody cannot import vmmshare here)."""
+    full, why = ident.nobody_env(as_nobody, b.env)
+    require(full is not None, why)
+    assert full is not None
+    return lambda: actors(full, as_nobody)
+
+
+def test_rule_12_readding_the_pid_of_a_process_that_died_does_not_let_its_new_owner_in(
+        as_nobody: list[str], world: Path, actors: Callable[..., Actor]) -> None:
+    """T5, rule 12. The exporter trusted [P, Q]; P exited and another user's process got pid P; the exporter re-sent
+    its list [P, Q]. The re-add bound P's entry to the process that had the pid then, and the stranger imported.
+    An entry whose process died now stays refused, and Q (alive, same binding) still imports."""
+    b = _multi_user(world)
+    try:
+        exporter, first, second = actors(b.env), actors(b.env), actors(b.env)
+        pid = first.pid
+        shareable, _p, digest = ident.export_mapped(exporter, pids=[pid, second.pid])
+        first.kill()
+        stranger = spawn_with_pid(_nobody(as_nobody, b, actors), pid)
+        ident.ok(exporter, "rt.mem_set_pid_to_shareable_handle_v2", shareable, c.DEFAULT, [pid, second.pid])
+        assert stranger.call("rt.mem_import_from_shareable_handle_v2", shareable, c.DEFAULT, 0)[-1] == \
+            c.NO_PERMISSION, "the new owner of a dead trusted process's pid imported"
+        assert "reuse" in stranger.last_err
+        assert ident.import_digest(second, shareable) == digest
+    finally:
+        b.kill()
+
+
 def test_broker_in_a_child_pid_namespace_refuses_clients_it_cannot_see(tmp_path: Path,
                                                                        actors: Callable[..., Actor]) -> None:
     """T6. A broker started inside a child pid namespace sees every outside client as pid 0: it served them all as
@@ -722,6 +755,30 @@ def test_quotas_of_one_user_leave_others_their_share(as_nobody: list[str], world
         assert root.call("rt.malloc_physical", MiB2, c.PROP, 0)[-1] == c.NO_MEMORY
         assert "VMMSHARE_QUOTA_MEMORY" in root.last_err
         assert other.call("rt.malloc_physical", 4 * MiB2, c.PROP, 0)[-1] == 0, other.last_err
+    finally:
+        b.kill()
+
+
+def test_quotas_memory_an_exporter_that_freed_what_another_user_imported_is_not_charged_for_it(
+        as_nobody: list[str], world: Path, actors: Callable[..., Actor]) -> None:
+    """T10. With VMMSHARE_QUOTA_MEMORY=64M, root exported 8 x 8 MiB to nobody and freed each once nobody had
+    imported it: root held nothing, yet its next malloc_physical got 207001 while nobody kept the memory. The
+    memory is now charged to the holder that keeps it alive: root allocates again, nobody is at its limit."""
+    b = _multi_user(world, VMMSHARE_QUOTA_MEMORY="64M", VMMSHARE_DEVICE_MEMORY="1G")
+    size = 8 << 20
+    try:
+        exporter, importer = actors(b.env), _nobody(as_nobody, b, actors)()
+        for _ in range(8):
+            h = ident.ok(exporter, "rt.malloc_physical", size, c.PROP, 0)
+            sh = ident.ok(exporter, "rt.mem_export_to_shareable_handle_v2", h, 0, c.DEFAULT)
+            ident.ok(exporter, "rt.mem_set_pid_to_shareable_handle_v2", sh, c.DEFAULT, [importer.pid])
+            ident.ok(importer, "rt.mem_import_from_shareable_handle_v2", sh, c.DEFAULT, 0)
+            ident.ok(exporter, "rt.free_physical", h)
+        got = exporter.call("rt.malloc_physical", size, c.PROP, 0)
+        assert got[-1] == 0, f"the exporter holds nothing, yet: {exporter.last_err}"
+        assert importer.call("rt.malloc_physical", size, c.PROP, 0)[-1] == c.NO_MEMORY
+        assert "VMMSHARE_QUOTA_MEMORY" in importer.last_err
+        assert exporter.call("rt.malloc_physical", 56 << 20, c.PROP, 0)[-1] == 0, exporter.last_err
     finally:
         b.kill()
 

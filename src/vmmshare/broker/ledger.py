@@ -121,17 +121,29 @@ class Ledger:
             return P.Error(exc.code, exc.message), -1
 
     def pids_to_bind(self, client: Client, request: P.Message) -> set[int]:
-        """The pids `request` would look up (each once): the server spreads a long list over several turns of its
-        loop and hands the results to `handle` as `found`."""
+        """The pids `request` would look up (each once; none for an entry bound already, or for a request that is
+        refused before any lookup): the server looks them up when it receives the request (server.py) and hands
+        the results to `handle` as `found`."""
         if not isinstance(request, (P.Export, P.SetPids)) or not trustlists.valid_pids(request.pids):
             return set()  # nothing to look up, or a request that is refused before any lookup
+        trust: dict[int, Identity] = {}
+        others = 0
         if isinstance(request, P.SetPids):
             share = self.exports.get(request.shareable)
             if share is None or share.exporter is not client:
                 return set()
+            trust, others = share.trust, len(share.remote_trust)
         elif request.hold not in client.holds:
             return set()
-        return set(request.pids)
+        wanted = trustlists.to_look_up(request.pids, trust)
+        new = len(wanted.difference(trust))
+        if len(trust) + others + new > MAX_TRUSTLIST:
+            return set()
+        try:
+            self.usage.check_trust(client.uid, new)
+        except LedgerError:
+            return set()
+        return wanted
 
     def look_up(self, pids: Iterable[int], into: Lookups | None = None) -> Lookups:
         """Who has each pid now, or the error that kept it from being known (added to `into`)."""
@@ -221,6 +233,17 @@ class Ledger:
             self._account(memory, -1)
             if memory.gone is not None:
                 memory.gone()
+        elif share is not None and memory.charger is client and client not in share.importers.values():
+            self._recharge(memory, next(iter(share.importers.values())))
+
+    def _recharge(self, memory: ChargedMemory, holder: Client) -> None:
+        """The client charged for `memory` let go of it while others hold it: charge the holder that keeps it alive
+        (the earliest remaining importer), as the driver's reference counts keep it alive for that holder. The
+        charge may take that user past its quota of memory: its own next charges are refused until it frees."""
+        if memory.kind == KIND_HOST and memory.device != -1:
+            self.usage.memory(memory.charger.uid, memory.device, -memory.size)
+            self.usage.memory(holder.uid, memory.device, memory.size)
+        memory.charger = holder
 
     # ------------------------------------------------------------ exports
 

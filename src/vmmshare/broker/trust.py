@@ -37,17 +37,27 @@ def look_up(identify: Callable[[int], Identity], pids: Iterable[int], into: Look
     return found
 
 
+def to_look_up(pids: Iterable[int], trust: dict[int, Identity]) -> set[int]:
+    """The pids of a request that need a lookup: new ones, and entries bound to nothing (no process had the pid
+    when it was listed). An entry bound to a process is never looked up again (rule 12: it is never rebound)."""
+    return {pid for pid in pids if trust.get(pid, NOBODY) == NOBODY}
+
+
 def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids: tuple[int, ...],
          trust: dict[int, Identity], found: Lookups | None, others: int = 0) -> dict[int, Identity]:
-    """`trust` plus `pids`, each bound to the process that has it now (pid reuse); each pid is looked up once.
+    """`trust` plus `pids`, each new one bound to the process that had it when the call was received (`found`,
+    looked up then by the server; looked up now otherwise); each pid is looked up once.
 
-    An entry keeps its binding while its process lives (re-adding it changes nothing), and is never made unbound
-    again: re-adding the pid of a process that exited binds it only to a process that has the pid now. Any
-    failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident.
+    Rule 12: an entry bound to a process keeps that binding for good, whether the process lives or died, so that
+    re-adding the pid of a process that exited never admits whoever has the pid now; an entry bound to nothing
+    (no process had the pid) is bound by a re-add to the process that has it then, and is never made unbound
+    again. Any failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident.
     `others`: entries of other servers' processes on the same export, which count toward the same limit."""
     if not valid_pids(pids):
         raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-    wanted = set(pids)
+    wanted = to_look_up(pids, trust)
+    if not wanted:
+        return trust  # every pid is bound already: nothing changes
     new = len(wanted.difference(trust))
     if len(trust) + others + new > MAX_TRUSTLIST:
         raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
@@ -67,13 +77,7 @@ def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids
         )
     ids = got.ids
     result = dict(trust)
-    if not trust:
-        result.update({pid: ids[pid] for pid in wanted})
-        return result
-    for pid in wanted:
-        who = ids[pid]
-        if who != NOBODY or pid not in trust:  # the process that has the pid now; never unbind an entry
-            result[pid] = who
+    result.update({pid: ids[pid] for pid in wanted})
     return result
 
 

@@ -1,18 +1,26 @@
-"""Flood: clients that keep the broker busy with the costliest requests, and a client that only wants its imports.
+"""Flood: one user's clients keep the broker busy with its costliest requests; a client of another user only wants
+its imports.
 
-    .venv/bin/python stress/flood.py --flooders 64 --seconds 20 --seed 1 --json flood.json
+    .venv/bin/python stress/flood.py --flooders 64 --depth 4 --seconds 20 --seed 1 --json flood.json
 
-One process holds `--flooders` connections; on each it exported one allocation and then sends, again and again,
-a SET_PIDS of 4,096 distinct pids (the live processes of the machine first, then pids nobody has): every one is
-looked up (pidfd_open) by the broker, so each request costs it milliseconds. Every connection always has one
-request in flight. Meanwhile a victim process imports and releases a handle another connection exported,
-timing each IMPORT round trip. The victim runs once alone (the baseline), then during the flood.
+For each kind of flood (`--kinds`, all by default), one process of the flooding user (`nobody` where this runs as
+root, else the same user as the victim, which the result says) holds `--flooders` connections, each with one
+allocation exported, and keeps `--depth` requests in flight on each:
 
-Also measured: the broker's resident memory before the flooders' exports, with their full trustlists, and once
-they have left (what a full trustlist costs, and whether it is given back).
+- same-pid: SET_PIDS of 4,096 entries that are all one pid (cheap to send, 16 KiB to decode and check);
+- distinct-pids: SET_PIDS of 4,096 distinct pids (the live processes of the machine first, then pids nobody has,
+  which are looked up again on every request: one pidfd_open each);
+- export: CHARGE, EXPORT with a trustlist of 1,000 of those distinct pids, RELEASE, again and again (1,000: 64 x 4
+  of them in flight stay within the user's quota of trustlist entries);
+- list: LIST of the whole node's listing, whose exports all carry full trustlists (the JSON pages of `vmmshare ls`).
 
-Checked (exit status 0 when all hold): every victim import succeeds, every flood request is answered OK, the
-broker is alive, its fds are back at the baseline at the end, and its log has no traceback. The latencies are
+Meanwhile a victim process imports and releases a handle exported on another connection, timing each IMPORT round
+trip (p50 / p99 / p99.9). The victim runs once alone (the baseline), then during each flood.
+
+Also measured: the broker's resident memory before the first flood, during it, and once every flooder left.
+
+Checked (exit status 0 when all hold): every victim import succeeds, every flood request gets the reply it should,
+the broker is alive, its fds are back at the baseline at the end, and its log has no traceback. The latencies are
 reported, not asserted (docs/reliability.md, "Flood").
 """
 
@@ -26,7 +34,6 @@ import random
 import select
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
+import identity as ident
 
 import rawsock
 from vmmshare import protocol as P
@@ -73,21 +81,58 @@ def flood_pids(seed: int) -> tuple[int, ...]:
     return tuple(live) + tuple(sorted(rest))
 
 
+EXPORT_PIDS = 1000  # the export flood's trustlists: 256 in flight stay within the user's quota of entries
+KINDS = ("same-pid", "distinct-pids", "export", "list")
+EXPECTED = {"same-pid": (P.Ok,), "distinct-pids": (P.Ok,), "export": (P.Token, P.Exported, P.Ok), "list": (P.Listing,)}
+
+
 # ================================================================ roles (processes of their own)
 
 
-def role_flooder(path: str, count: int, seconds: float, seed: int) -> int:
-    """`count` connections, each exporting once, then SET_PIDS of 4,096 pids, one always in flight on each."""
+class _Chain:
+    """One request always in flight on a connection (`slot`: its request id), and what to send after each reply."""
+
+    def __init__(self, kind: str, conn: c.Raw, slot: int, handle: int, pids: tuple[int, ...], memfd: int) -> None:
+        self.kind, self.conn, self.slot, self.memfd = kind, conn, slot, memfd
+        if kind == "same-pid":
+            self.packet = P.encode(P.SetPids(handle, DEFAULT, (os.getpid(),) * 4096), slot)
+        elif kind == "distinct-pids":
+            self.packet = P.encode(P.SetPids(handle, DEFAULT, pids), slot)
+        elif kind == "list":
+            self.packet = P.encode(P.List(0), slot)
+        self.pids = pids
+
+    def send(self, reply: P.Message | None) -> None:
+        if self.kind != "export":
+            self.conn.sock.send(self.packet)
+        elif isinstance(reply, P.Token):
+            export = P.Export(reply.hold, 0, 0, DEFAULT, 0, 0, *PROP, self.pids[:EXPORT_PIDS])
+            rawsock.send(self.conn.sock, P.encode(export, self.slot), (self.memfd,))
+            self.hold = reply.hold
+        elif isinstance(reply, P.Exported):
+            self.conn.sock.send(P.encode(P.Release(self.hold), self.slot))
+        else:
+            self.conn.sock.send(P.encode(P.Charge(0, 0), self.slot))
+
+
+def role_flooder(path: str, kind: str, count: int, depth: int, seconds: float, seed: int) -> int:
+    """`count` connections, each exporting once, then `depth` chains of `kind` requests in flight on each."""
     conns = [c.Raw(path) for _ in range(count)]
     pids = flood_pids(seed)
     handles = [_export(conn, 0)[1] for conn in conns]
-    packets = [P.encode(P.SetPids(h, DEFAULT, pids), 1) for h in handles]
+    if kind == "list":  # the listing to page through: every export with a full trustlist
+        for conn, handle in zip(conns, handles, strict=True):
+            assert isinstance(conn.ask(P.SetPids(handle, DEFAULT, pids)), P.Ok)
+    memfd = rawsock.sealed_memfd(0, "flood")
+    by_fd = {conn.sock.fileno(): conn for conn in conns}
+    chains = {(conn.sock.fileno(), slot): _Chain(kind, conn, slot, handle, pids, memfd)
+              for conn, handle in zip(conns, handles, strict=True) for slot in range(1, depth + 1)}
     print(json.dumps({"ev": "ready"}), flush=True)
     sys.stdin.readline()  # go
-    by_fd = {conn.sock.fileno(): i for i, conn in enumerate(conns)}
-    for conn, packet in zip(conns, packets, strict=True):
-        conn.sock.send(packet)
-    sent, answered, bad = count, 0, 0
+    for chain in chains.values():
+        chain.send(None)
+    sent, answered, bad = len(chains), 0, 0
+    expected = EXPECTED[kind]
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         ready, _, _ = select.select([conn.sock for conn in conns], [], [], c.HANG_GUARD)
@@ -95,21 +140,22 @@ def role_flooder(path: str, count: int, seconds: float, seed: int) -> int:
             bad += 1
             break
         for sock in ready:
-            i = by_fd[sock.fileno()]
-            frame, fds = conns[i].recv()
+            frame, fds = by_fd[sock.fileno()].recv()
             for fd in fds:
                 os.close(fd)
             answered += 1
-            bad += not isinstance(frame.message, P.Ok)
-            sock.send(packets[i])
+            bad += not isinstance(frame.message, expected)
+            chains[(sock.fileno(), frame.req)].send(frame.message)
             sent += 1
     for conn in conns:  # the replies still in flight
-        with contextlib.suppress(Exception):
-            frame, _ = conn.recv()
-            answered += 1
-            bad += not isinstance(frame.message, P.Ok)
+        for _ in range(depth):
+            with contextlib.suppress(Exception):
+                frame, _ = conn.recv()
+                answered += 1
+                bad += not isinstance(frame.message, expected)
     print(json.dumps({"ev": "done", "sent": sent, "answered": answered, "not_ok": bad}), flush=True)
     sys.stdin.readline()  # leave when told
+    os.close(memfd)
     for conn in conns:
         conn.close()
     return 0
@@ -171,41 +217,65 @@ def _victim(broker: c.BrokerProc, handle: int, seconds: float) -> dict[str, Any]
     return done
 
 
-def run(flooders: int, seconds: float, seed: int) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="vmmshare-flood-"))
-    broker = c.LoggedBroker(work / "run", env=c.clean_env(VMMSHARE_DEVICE_MEMORY="1G"))
-    result: dict[str, Any] = {"script": "flood", "flooders": flooders, "seconds": seconds, "seed": seed,
-                              "machine": c.machine(), "violations": []}
+def _flooder_user(env: dict[str, str]) -> tuple[list[str], dict[str, str], str]:
+    """How to run the flooder as another user than the victim (`nobody`, as root): its command prefix and
+    environment, and the user's name; as the victim's own user where that is not possible."""
+    prefix, _why = ident.other_user()
+    if prefix is not None:
+        full, _why = ident.nobody_env(prefix, env)
+        if full is not None:
+            return prefix, full, "nobody"
+    return [], env, "the victim's own"
+
+
+def _flood(broker: c.BrokerProc, kind: str, handle: int, flooders: int, depth: int, seconds: float, seed: int,
+           user: tuple[list[str], dict[str, str], str]) -> dict[str, Any]:
+    """One kind of flood, with the victim timing its imports meanwhile."""
+    prefix, env, _ = user
+    me = [*prefix, sys.executable, __file__, "--role", "flooder", "--kind", kind, "--path", str(broker.socket),
+          "--count", str(flooders), "--depth", str(depth), "--seconds", str(seconds), "--seed", str(seed)]
+    flood = c.Worker(me, env, f"flooder {kind}")
+    try:
+        flood.until("ready", c.HANG_GUARD * 4)
+        flood.send({})
+        out: dict[str, Any] = {"victim": _victim(broker, handle, seconds)}
+        done, _ = flood.until("done", seconds + c.HANG_GUARD)
+        out["flood"] = {k: done[k] for k in ("sent", "answered", "not_ok")}
+        out["flood"]["requests_per_s"] = round(done["answered"] / seconds, 1)
+        out["rss_kb"] = _rss_kb(broker.pid)
+        flood.send({})
+    finally:
+        flood.close()
+    return out
+
+
+def run(flooders: int, seconds: float, seed: int, kinds: tuple[str, ...] = KINDS, depth: int = 4) -> dict[str, Any]:
+    work = ident.world_dir("vmmshare-flood-")
+    env = c.clean_env(VMMSHARE_DEVICE_MEMORY="1G")
+    user = _flooder_user(env)
+    broker = c.LoggedBroker(work / "run", *(["--multi-user"] if user[0] else []), env=env)
+    result: dict[str, Any] = {"script": "flood", "flooders": flooders, "depth": depth, "seconds": seconds,
+                              "seed": seed, "flooding_user": user[2], "machine": c.machine(), "violations": [],
+                              "floods": {}}
+    v = result["violations"]
     try:
         baseline_fds = c.settled_fd_count(broker)
         exporter = c.Raw(broker.socket)
         _, handle = _export(exporter, c.MiB2, flags=NO_PID_CHECK)
         result["alone"] = _victim(broker, handle, seconds)
-        rss_before = _rss_kb(broker.pid)
-        me = [sys.executable, __file__, "--role", "flooder", "--path", str(broker.socket), "--count", str(flooders),
-              "--seconds", str(seconds), "--seed", str(seed)]
-        flood = c.Worker(me, broker.env, "flooder")
-        try:
-            flood.until("ready", c.HANG_GUARD * 4)
-            flood.send({})
-            result["flooded"] = _victim(broker, handle, seconds)
-            done, _ = flood.until("done", seconds + c.HANG_GUARD)
-            result["flood"] = {k: done[k] for k in ("sent", "answered", "not_ok")}
-            result["flood"]["set_pids_per_s"] = round(done["answered"] / seconds, 1)
-            result["rss_kb"] = {"before": rss_before, "full_trustlists": _rss_kb(broker.pid)}
-            flood.send({})
-        finally:
-            flood.close()
+        result["rss_kb"] = {"before": _rss_kb(broker.pid)}
+        for kind in kinds:
+            got = result["floods"][kind] = _flood(broker, kind, handle, flooders, depth, seconds, seed, user)
+            if got["victim"]["failed"] or not got["victim"]["latency"]["count"]:
+                v.append(f"{kind}: {got['victim']['failed']} imports failed of {got['victim']['latency']}")
+            if got["flood"]["not_ok"] or got["flood"]["answered"] < flooders:
+                v.append(f"{kind}: flood requests not answered as they should be: {got['flood']}")
         exporter.close()
         after = c.settled_fd_count(broker)
         result["rss_kb"]["after_they_left"] = _rss_kb(broker.pid)
         result["broker_fds"] = {"before": baseline_fds, "after": after}
-        v = result["violations"]
-        for phase in ("alone", "flooded"):
-            if result[phase]["failed"] or not result[phase]["latency"]["count"]:
-                v.append(f"{phase}: {result[phase]['failed']} imports failed of {result[phase]['latency']}")
-        if result["flood"]["not_ok"] or result["flood"]["answered"] < flooders:
-            v.append(f"flood requests not answered OK: {result['flood']}")
+        if result["alone"]["failed"] or not result["alone"]["latency"]["count"]:
+            v.append(f"alone: {result['alone']['failed']} imports failed")
         if after != baseline_fds:
             v.append(f"broker fds {baseline_fds} -> {after}")
         if not broker.alive():
@@ -224,20 +294,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--handle", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", choices=KINDS, default=KINDS[0], help=argparse.SUPPRESS)
     parser.add_argument("--flooders", type=int, default=64, help="flooding connections (default 64)")
+    parser.add_argument("--depth", type=int, default=4, help="requests each flooding connection keeps in flight "
+                                                             "(default 4)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"floods to run, comma-separated (default all: "
+                                                                 f"{','.join(KINDS)})")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of each victim phase (default 20)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the result here ('-': stdout)")
     args = parser.parse_args(argv)
     if args.role == "flooder":
-        return role_flooder(args.path, args.count, args.seconds, args.seed)
+        return role_flooder(args.path, args.kind, args.count, args.depth, args.seconds, args.seed)
     if args.role == "victim":
         return role_victim(args.path, args.handle, args.seconds)
-    result = run(args.flooders, args.seconds, args.seed)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or args.flooders < 1 or args.depth < 1 or args.seconds <= 0:
+        parser.error(f"unknown flood kinds {unknown} (known: {', '.join(KINDS)})" if unknown else
+                     "--flooders and --depth must be at least 1, --seconds above 0")
+    result = run(args.flooders, args.seconds, args.seed, kinds, args.depth)
     c.write_json(args.json, result)
-    for phase in ("alone", "flooded"):
-        print(f"{phase:8s} import latency: {result.get(phase, {}).get('latency')}")
-    print(f"flood: {result.get('flood')}; broker RSS kB: {result.get('rss_kb')}")
+    print(f"flooding user: {result['flooding_user']}")
+    print(f"{'alone':14s} import latency: {result.get('alone', {}).get('latency')}")
+    for kind, got in result["floods"].items():
+        print(f"{kind:14s} import latency: {got['victim']['latency']}; flood: {got['flood']}")
+    print(f"broker RSS kB: {result.get('rss_kb')}")
     for line in result["violations"]:
         print("VIOLATION:", line)
     return 1 if result["violations"] else 0

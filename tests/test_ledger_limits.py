@@ -136,8 +136,8 @@ def test_trustlist_duplicates_are_looked_up_once(books: Books) -> None:
     books.lookups.clear()
     assert books.code(a, P.SetPids(shareable, DEFAULT, (77,) * 4096)) == 0
     assert books.lookups == [77]
-    assert books.ledger.pids_to_bind(a, P.SetPids(shareable, DEFAULT, tuple(range(1, 4097)) * 2)) == set(
-        range(1, 4097))
+    assert books.ledger.pids_to_bind(a, P.SetPids(shareable, DEFAULT, tuple(range(4096, 0, -1)) * 2)) == list(
+        range(4096, 0, -1)), "each once, in the request's order"
 
 
 def test_trustlist_lookups_made_ahead_are_used_and_a_failed_one_refuses(books: Books) -> None:
@@ -161,7 +161,7 @@ def test_trustlist_lookups_made_ahead_are_used_and_a_failed_one_refuses(books: B
 def test_requests_refused_before_any_lookup_ask_for_none(books: Books, request_of: Any) -> None:
     a = books.client(1)
     _, shareable, _, _ = books.export(a)
-    assert books.ledger.pids_to_bind(a, request_of(shareable)) == set()
+    assert books.ledger.pids_to_bind(a, request_of(shareable)) == []
 
 
 # ---------------------------------------------------------------- who sends: the connection's process only

@@ -365,9 +365,9 @@ def test_rule_12_a_reused_pid_is_refused(actor: MakeActor) -> None:
     second = spawn_with_pid(actor, pid)
     msg = fails(second, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
     assert "reuse" in msg
-    # trustlisting the pid again, now that `second` has it, binds it to `second`
+    # trustlisting the pid again, now that `second` has it, does not rebind it: the entry's process died
     ok(e, "rt.mem_set_pid_to_shareable_handle_v2", s.shareable, DEFAULT, [pid])
-    ok(second, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
+    fails(second, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
 
 
 def test_rule_12_a_pid_trustlisted_before_its_process_exists_is_bound_to_nothing(actor: MakeActor) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 
 Identity = tuple[int | None, int | None]  # (start time in clock ticks, pidfs inode)
 
@@ -30,6 +31,8 @@ def _pidfs_unique() -> bool:
 
 
 PIDFS = _pidfs_unique()
+CAN_PIN = hasattr(os, "pidfd_open")  # pidfd_open(2), Linux 5.3+ (a kernel without it: ENOSYS, see `pin`)
+DEAD: Identity = (-1, None)  # the identity of a pinned process that exited before it could be named: nobody's
 # pidfd_open's answers for a pid that no process has: none at all, a thread's id or a kernel thread's (ENOENT), one
 # beyond the pid range (EINVAL)
 _NO_PROCESS = (errno.ESRCH, errno.ENOENT, errno.EINVAL)
@@ -60,6 +63,28 @@ def identity_of_pid(pid: int) -> Identity:
         return None, _pidfs_ino(fd)  # the inode alone decides (see same_process)
     finally:
         os.close(fd)
+
+
+def pin(pid: int) -> int:
+    """A pidfd for the process that has `pid` now (-1: no process has it), which keeps naming that process after
+    it exits and its pid goes to another: what a trustlist entry is bound to is taken when the call is received,
+    and named later (`identity_of_pinned`). Fails closed, as `identity_of_pid` does."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError as exc:
+        if exc.errno in _NO_PROCESS:
+            return -1
+        raise
+
+
+def identity_of_pinned(pid: int, pidfd: int) -> Identity:
+    """Who had `pid` when `pidfd` was pinned: its pidfs inode (good after it exited); without pidfs, its start time
+    if it still runs (the pid is then still its), else DEAD, which no process matches."""
+    if PIDFS:
+        return None, _pidfs_ino(pidfd)
+    start = process_start_time(pid)
+    exited = bool(select.select([pidfd], [], [], 0)[0])  # checked after the read: the start time was its own
+    return DEAD if start is None or exited else (start, None)
 
 
 def same_process(bound: Identity, peer: Identity) -> bool:

@@ -1,59 +1,100 @@
-"""Requests whose trustlists need many pid lookups (one `pidfd_open` each), spread over the turns of the broker's
-loop: each turn gives them at most JOB_SECONDS, a few pids of each in turn, so that the other clients are served
-in between (docs/security.md, T9). The connection of a deferred request is not read until it is answered."""
+"""Requests with long trustlists, finished over the turns of the broker's loop.
+
+Each pid of such a request is pinned when the request is received (a pidfd for the process that has it then, one
+`pidfd_open` each, all before anything else is served), so that every entry is bound to the process that had the
+pid at that moment whatever happens later; naming each pinned process (its pidfs inode) and closing its pidfd is
+what is spread over the loop's turns: each turn gives it at most JOB_SECONDS, a few pids of each request in turn,
+so that the other clients are served in between (docs/security.md, T9). The connection of a deferred request is
+not read until it is answered."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from .. import protocol as P
-from .ledger import Ledger, Lookups
+from .identity import Identity, identity_of_pinned, pin
+from .records import NOBODY, Lookups
 
 log = logging.getLogger("vmmshare.broker")
-JOB_SECONDS = 0.0005  # lookups per turn of the loop, for all deferred requests together
-JOB_BATCH = 32  # pids of one deferred request looked up before the next one's turn
+JOB_SECONDS = 0.0005  # naming pinned processes, per turn of the loop, for all deferred requests together
+JOB_BATCH = 32  # pids of one deferred request named before the next one's turn
 T = TypeVar("T")
 
 
 @dataclass(eq=False)
 class Job(Generic[T]):
-    """A request waiting for its pid lookups, and whose it is (`owner`: the server's connection)."""
+    """A request whose pids are pinned and still to be named, and whose it is (`owner`: the server's connection)."""
 
     owner: T
     req: int
     request: P.Message
     fd: int  # the fd that came with it (an export's memory), the job's until it is handed to the ledger
     sender: int
-    todo: list[int]
+    todo: list[tuple[int, int]] = field(default_factory=list)  # (pid, pidfd) still to name
     found: Lookups = field(default_factory=Lookups)
 
 
 class Jobs(Generic[T]):
-    """The deferred requests, looked up round-robin."""
+    """The deferred requests, named round-robin, and the pidfds they pin (`pinned`, counted against the broker's
+    fds by the server)."""
 
-    def __init__(self, ledger: Ledger, close_fd: Callable[[int], None]) -> None:
-        self.ledger, self.close_fd = ledger, close_fd
+    def __init__(self, close_fd: Callable[[int], None],
+                 name: Callable[[int, int], Identity] = identity_of_pinned,
+                 pin_pid: Callable[[int], int] = pin) -> None:
+        self.close_fd, self.name, self.pin_pid = close_fd, name, pin_pid
         self.pending: list[Job[T]] = []
+        self.pinned = 0
         self._next = 0
 
     def __bool__(self) -> bool:
         return bool(self.pending)
 
+    def pin(self, job: Job[T], pids: list[int]) -> bool:
+        """Pin every pid of `job` now, in order. False when one could not be pinned (out of fds): nothing stays
+        pinned and `job.found` says which pid failed, so that the request is refused whole (fail closed)."""
+        for pid in pids:
+            try:
+                fd = self.pin_pid(pid)
+            except OSError as exc:
+                job.found.failed[pid] = exc
+                self._unpin(job)
+                return False
+            if fd < 0:
+                job.found.ids[pid] = NOBODY
+            else:
+                job.todo.append((pid, fd))
+                self.pinned += 1
+        return True
+
     def add(self, job: Job[T]) -> None:
         self.pending.append(job)
 
+    def _unpin(self, job: Job[T]) -> None:
+        for _pid, fd in job.todo:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pinned -= len(job.todo)
+        job.todo = []
+
     def cancel(self, job: Job[T]) -> None:
-        """Forget a job whose client left, closing the fd it holds."""
+        """Forget a job whose client left, closing the fds it holds."""
         self.pending.remove(job)
+        self._unpin(job)
         if job.fd >= 0:
             self.close_fd(job.fd)
 
+    def close(self) -> None:
+        for job in list(self.pending):
+            self.cancel(job)
+
     def step(self) -> list[Job[T]]:
-        """Look up pids for at most JOB_SECONDS; the jobs now complete (no longer pending), ready to be served."""
+        """Name pinned processes for at most JOB_SECONDS; the jobs now complete (no longer pending), to be served."""
         done: list[Job[T]] = []
         deadline = time.perf_counter() + JOB_SECONDS
         while self.pending and time.perf_counter() < deadline:
@@ -61,11 +102,17 @@ class Jobs(Generic[T]):
             job = self.pending[self._next]
             batch = job.todo[-JOB_BATCH:]
             del job.todo[-JOB_BATCH:]
-            try:
-                self.ledger.look_up(batch, job.found)
-            except Exception:  # a bug must not take the node's broker down: the request is answered with it
-                log.exception("internal error looking up pids for a deferred request")
-                job.todo = []
+            for pid, fd in batch:
+                try:
+                    job.found.ids[pid] = self.name(pid, fd)
+                except OSError as exc:
+                    job.found.failed[pid] = exc
+                except Exception as exc:  # a bug must not take the node's broker down: the request is refused
+                    log.exception("internal error naming pid %d for a deferred request", pid)
+                    job.found.failed[pid] = OSError(0, repr(exc))
+                finally:
+                    os.close(fd)
+                    self.pinned -= 1
             if not job.todo:
                 self.pending.remove(job)
                 done.append(job)

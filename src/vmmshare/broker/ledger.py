@@ -120,29 +120,29 @@ class Ledger:
         except LedgerError as exc:
             return P.Error(exc.code, exc.message), -1
 
-    def pids_to_bind(self, client: Client, request: P.Message) -> set[int]:
-        """The pids `request` would look up (each once; none for an entry bound already, or for a request that is
-        refused before any lookup): the server looks them up when it receives the request (server.py) and hands
-        the results to `handle` as `found`."""
+    def pids_to_bind(self, client: Client, request: P.Message) -> list[int]:
+        """The pids `request` would look up, each once and in its order (none for an entry bound already, or for a
+        request that is refused before any lookup): the server looks them up when it receives the request
+        (server.py) and hands the results to `handle` as `found`."""
         if not isinstance(request, (P.Export, P.SetPids)) or not trustlists.valid_pids(request.pids):
-            return set()  # nothing to look up, or a request that is refused before any lookup
+            return []  # nothing to look up, or a request that is refused before any lookup
         trust: dict[int, Identity] = {}
         others = 0
         if isinstance(request, P.SetPids):
             share = self.exports.get(request.shareable)
             if share is None or share.exporter is not client:
-                return set()
+                return []
             trust, others = share.trust, len(share.remote_trust)
         elif request.hold not in client.holds:
-            return set()
+            return []
         wanted = trustlists.to_look_up(request.pids, trust)
-        new = len(wanted.difference(trust))
+        new = sum(pid not in trust for pid in wanted)
         if len(trust) + others + new > MAX_TRUSTLIST:
-            return set()
+            return []
         try:
             self.usage.check_trust(client.uid, new)
         except LedgerError:
-            return set()
+            return []
         return wanted
 
     def look_up(self, pids: Iterable[int], into: Lookups | None = None) -> Lookups:

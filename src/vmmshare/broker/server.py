@@ -24,10 +24,11 @@ from .. import constants as C
 from .. import protocol as P
 from ..config import Config, Quotas, spin_seconds
 from ..fabric.agent import Agent, endpoint_of
+from ..handles import MAX_TRUSTLIST
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system, wire
 from .closer import Closer
-from .identity import PIDFS, identity_of_pid, identity_of_pidfd
+from .identity import CAN_PIN, PIDFS, identity_of_pid, identity_of_pidfd
 from .jobs import Job, Jobs
 from .ledger import Client, Ledger, LedgerError
 from .ratelog import RateLimitedLog
@@ -36,7 +37,10 @@ from .socketfile import bind_socket, retire_socket
 log = logging.getLogger("vmmshare.broker")
 WAKE = object()  # selector data of the socket a signal writes to (daemon.py): it wakes the loop
 SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
-LOOKUPS_PER_TURN = 256  # pid lookups (trustlist bindings) made at once per turn of the loop, by all clients
+QUANTUM = 0.001  # seconds of serving each user's requests gets per turn of the loop (the last one may overrun it)
+INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; more are pinned (jobs.py)
+PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
+LONG_FRAME = P.HEADER.size + 64 + 4 * INLINE_LOOKUPS  # a request this long may carry more pids than that
 TRIM_AFTER = 16384  # trustlist entries released by clients that make the broker hand memory back
 
 
@@ -48,6 +52,7 @@ class Conn:
     pidfd: int
     client: Client
     job: Job[Conn] | None = None  # a request waiting for its pid lookups (jobs.py)
+    finish: float = 0.0  # when its last request ends in its user's virtual time (fair queuing among them)
 
 
 class _Exit:
@@ -72,9 +77,10 @@ class Broker:
                              memfd_info=system.memfd_info, broker_pid=os.getpid(), quotas=limits,
                              fd_budget=system.fd_budget(), endpoint=endpoint_of(config))
         self.conns: dict[int, Conn] = {}
-        self.jobs: Jobs[Conn] = Jobs(self.ledger, self.closer.close)
+        self.jobs: Jobs[Conn] = Jobs(self.closer.close)
         self.released = 0  # trustlist entries let go since the heap was last trimmed
-        self.budget = LOOKUPS_PER_TURN
+        self.debt: dict[int, float] = {}  # uid -> seconds served past its quantum, paid back a quantum a turn
+        self.vclock: dict[int, float] = {}  # uid -> virtual time of its connections (seconds served in all)
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
@@ -108,16 +114,51 @@ class Broker:
             self.fabric.tick()
             self._resume_listening()
             while events or self.jobs:
-                self.budget = LOOKUPS_PER_TURN
-                for key, mask in events:
-                    self._dispatch(key, mask)
-                self._run_jobs()
-                self._resume_listening()
+                self._turn(events)
                 events = self.sel.select(0) if self.jobs else self._poll_briefly()
             idle = self.idle is not None and not self.conns and not self.ledger.holds
             if idle and time.monotonic() - self.idle_since >= (self.idle or 0) and self._retire():
                 break
         self.close()
+
+    def _turn(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """One turn of the loop: the broker's own events, then each user's ready connections, one request each,
+        until that user's QUANTUM of time is spent (docs/security.md, T9): a user with many connections, or costly
+        requests, is served no longer in a turn than a user with one cheap request, and time past the quantum is
+        paid back over the next turns. Among one user's connections, the one that has been served least (fair
+        queuing on the time its requests took) goes first: a process of the user is not held up by its
+        neighbour's flood either, for long."""
+        ready: dict[int, list[tuple[Conn, selectors.SelectorKey, int]]] = {}
+        for key, mask in events:
+            if isinstance(key.data, Conn):
+                ready.setdefault(key.data.client.uid, []).append((key.data, key, mask))
+            else:
+                self._dispatch(key, mask)
+        for uid in [u for u in self.debt if u not in ready]:
+            self.debt[uid] -= QUANTUM
+            if self.debt[uid] <= 0:
+                del self.debt[uid]
+        for uid, waiting in ready.items():
+            credit = QUANTUM - self.debt.pop(uid, 0.0)
+            if credit > 0:
+                now = self.vclock.get(uid, 0.0)
+                waiting.sort(key=lambda event: max(event[0].finish, now))
+                for conn, key, mask in waiting:
+                    if self.conns.get(conn.sock.fileno()) is not conn:
+                        continue  # it left during this turn
+                    start = time.perf_counter()
+                    self._dispatch(key, mask)
+                    spent = time.perf_counter() - start
+                    now = max(conn.finish, now)
+                    conn.finish = now + spent
+                    credit -= spent
+                    if credit <= 0:
+                        break
+                self.vclock[uid] = now
+            if credit < 0:
+                self.debt[uid] = -credit
+        self._run_jobs()
+        self._resume_listening()
 
     def _timeout(self) -> float | None:
         timeout = None
@@ -279,6 +320,8 @@ class Broker:
     def _readable(self, conn: Conn) -> None:
         """Serve one packet of a readable connection (the selector reports it again if more are queued, so
         every client gets its turn)."""
+        if self._wait_for_pins(conn):
+            return
         try:
             data, fds, truncated, sender = wire.recv_request(conn.sock, wire.DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -301,12 +344,15 @@ class Broker:
                 self._send(conn, encode(later, req), ())
                 return
             fd = fds.pop() if fds else -1  # the ledger's (or the job's) from here
-            need = self.ledger.pids_to_bind(conn.client, request) if sender == pid else set()
-            if len(need) > self.budget:
-                self._defer(Job(conn, req, request, fd, sender, list(need)))
-                return
-            self.budget -= len(need)
-            answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender)
+            need = self.ledger.pids_to_bind(conn.client, request) if sender == pid else []
+            if len(need) > INLINE_LOOKUPS and CAN_PIN and len(need) <= self._pin_room():
+                job = Job(conn, req, request, fd, sender)
+                if self.jobs.pin(job, need) and job.todo:  # each pid's process is held from here on
+                    self._defer(job)
+                    return
+                answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender, job.found)
+            else:  # a few pids (or the broker short of fds): each is looked up whole, now
+                answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender)
             reply, reply_fds = encode(answer, req), (reply_fd,) if reply_fd >= 0 else ()
         except ProtocolError as exc:
             self.warn.log(logging.INFO, "protocol", "protocol error from pid %d: %s", pid, exc)
@@ -319,6 +365,25 @@ class Broker:
         finally:
             self.closer.close_all(fds)
         self._send(conn, reply, reply_fds)
+
+    def _pin_room(self) -> int:
+        """How many more pids may be pinned now: PIN_LIMIT in all, and half the fds the broker has left."""
+        room = PIN_LIMIT - self.jobs.pinned
+        usage = self.ledger.usage
+        if usage.fd_budget is not None:
+            room = min(room, (usage.fd_budget - usage.fds) // 2 - self.jobs.pinned)
+        return room
+
+    def _wait_for_pins(self, conn: Conn) -> bool:
+        """Whether to leave `conn`'s next request unread this turn: it may carry a long trustlist, and too few pids
+        can be pinned until the requests in flight are done (it is received, and its pids pinned, then)."""
+        if not self.jobs.pinned or self._pin_room() >= MAX_TRUSTLIST:
+            return False
+        try:
+            size = conn.sock.recv_into(bytearray(1), 1, socket.MSG_PEEK | socket.MSG_TRUNC | socket.MSG_DONTWAIT)
+        except OSError:
+            return False  # read it, and find out
+        return size > LONG_FRAME
 
     def _send(self, conn: Conn, reply: bytes, fds: tuple[int, ...]) -> None:
         try:
@@ -385,6 +450,9 @@ class Broker:
         if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
             self.released = 0
             system.trim_memory()
+        if conn.client.uid not in self.ledger.usage.users:  # the user's last connection: forget its clocks
+            self.vclock.pop(conn.client.uid, None)
+            self.debt.pop(conn.client.uid, None)
         conn.sock.close()
         self._close_pidfd(conn.pidfd)
         if not self.conns:

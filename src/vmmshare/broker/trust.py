@@ -37,10 +37,11 @@ def look_up(identify: Callable[[int], Identity], pids: Iterable[int], into: Look
     return found
 
 
-def to_look_up(pids: Iterable[int], trust: dict[int, Identity]) -> set[int]:
-    """The pids of a request that need a lookup: new ones, and entries bound to nothing (no process had the pid
-    when it was listed). An entry bound to a process is never looked up again (rule 12: it is never rebound)."""
-    return {pid for pid in pids if trust.get(pid, NOBODY) == NOBODY}
+def to_look_up(pids: Iterable[int], trust: dict[int, Identity]) -> list[int]:
+    """The pids of a request that need a lookup, each once, in the request's order: new ones, and entries bound to
+    nothing (no process had the pid when it was listed). An entry bound to a process is never looked up again
+    (rule 12: it is never rebound)."""
+    return [pid for pid in dict.fromkeys(pids) if trust.get(pid, NOBODY) == NOBODY]
 
 
 def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids: tuple[int, ...],
@@ -55,7 +56,7 @@ def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids
     `others`: entries of other servers' processes on the same export, which count toward the same limit."""
     if not valid_pids(pids):
         raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-    wanted = to_look_up(pids, trust)
+    wanted = set(to_look_up(pids, trust))
     if not wanted:
         return trust  # every pid is bound already: nothing changes
     new = len(wanted.difference(trust))

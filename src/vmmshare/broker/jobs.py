@@ -55,10 +55,14 @@ class Jobs(Generic[T]):
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def pin(self, job: Job[T], pids: list[int]) -> bool:
-        """Pin every pid of `job` now, in order. False when one could not be pinned (out of fds): nothing stays
-        pinned and `job.found` says which pid failed, so that the request is refused whole (fail closed)."""
+    def pin(self, job: Job[T], pids: list[int], alive: set[int] | None = None) -> bool:
+        """Pin every pid of `job` now, in order (`alive`: the pids that have a process now, where known: the others
+        need no system call). False when one could not be pinned (out of fds): nothing stays pinned and
+        `job.found` says which pid failed, so that the request is refused whole (fail closed)."""
         for pid in pids:
+            if alive is not None and pid not in alive:
+                job.found.ids[pid] = NOBODY
+                continue
             try:
                 fd = self.pin_pid(pid)
             except OSError as exc:

@@ -124,8 +124,8 @@ class Ledger:
         """The pids `request` would look up, each once and in its order (none for an entry bound already, or for a
         request that is refused before any lookup): the server looks them up when it receives the request
         (server.py) and hands the results to `handle` as `found`."""
-        if not isinstance(request, (P.Export, P.SetPids)) or not trustlists.valid_pids(request.pids):
-            return []  # nothing to look up, or a request that is refused before any lookup
+        if not isinstance(request, (P.Export, P.SetPids)):
+            return []  # nothing to look up
         trust: dict[int, Identity] = {}
         others = 0
         if isinstance(request, P.SetPids):
@@ -136,6 +136,8 @@ class Ledger:
         elif request.hold not in client.holds:
             return []
         wanted = trustlists.to_look_up(request.pids, trust)
+        if wanted is None:
+            return []  # refused before any lookup
         new = sum(pid not in trust for pid in wanted)
         if len(trust) + others + new > MAX_TRUSTLIST:
             return []

@@ -28,7 +28,7 @@ from ..handles import MAX_TRUSTLIST
 from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system, wire
 from .closer import Closer
-from .identity import CAN_PIN, PIDFS, identity_of_pid, identity_of_pidfd
+from .identity import CAN_PIN, PIDFS, identity_of_pid, identity_of_pidfd, live_pids
 from .jobs import Job, Jobs
 from .ledger import Client, Ledger, LedgerError
 from .ratelog import RateLimitedLog
@@ -37,7 +37,7 @@ from .socketfile import bind_socket, retire_socket
 log = logging.getLogger("vmmshare.broker")
 WAKE = object()  # selector data of the socket a signal writes to (daemon.py): it wakes the loop
 SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
-QUANTUM = 0.001  # seconds of serving each user's requests gets per turn of the loop (the last one may overrun it)
+QUANTUM = 0.0005  # seconds of serving each user's requests gets per turn of the loop (the last one may overrun it)
 INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; more are pinned (jobs.py)
 PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
 LONG_FRAME = P.HEADER.size + 64 + 4 * INLINE_LOOKUPS  # a request this long may carry more pids than that
@@ -347,7 +347,7 @@ class Broker:
             need = self.ledger.pids_to_bind(conn.client, request) if sender == pid else []
             if len(need) > INLINE_LOOKUPS and CAN_PIN and len(need) <= self._pin_room():
                 job = Job(conn, req, request, fd, sender)
-                if self.jobs.pin(job, need) and job.todo:  # each pid's process is held from here on
+                if self.jobs.pin(job, need, live_pids(len(need))) and job.todo:  # each pid's process is held now
                     self._defer(job)
                     return
                 answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender, job.found)

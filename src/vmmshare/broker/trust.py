@@ -17,9 +17,11 @@ from .usage import LedgerError, Usage
 MAX_PID = 0x7FFFFFFF
 
 
-def valid_pids(pids: tuple[int, ...]) -> bool:
-    """Whether every pid is a positive 32-bit int (min and max: a trustlist can hold 4,096)."""
-    return not pids or (min(pids) > 0 and max(pids) <= MAX_PID)
+def valid_pids(pids: Iterable[int]) -> bool:
+    """Whether every pid is a positive 32-bit int (callers pass each pid once: a trustlist can hold 4,096 copies of
+    one, and `dict.fromkeys` drops them at C speed)."""
+    unique = pids if isinstance(pids, (dict, list)) else dict.fromkeys(pids)
+    return not unique or (min(unique) > 0 and max(unique) <= MAX_PID)
 
 
 def of_server(client: Client) -> str:
@@ -37,11 +39,14 @@ def look_up(identify: Callable[[int], Identity], pids: Iterable[int], into: Look
     return found
 
 
-def to_look_up(pids: Iterable[int], trust: dict[int, Identity]) -> list[int]:
-    """The pids of a request that need a lookup, each once, in the request's order: new ones, and entries bound to
-    nothing (no process had the pid when it was listed). An entry bound to a process is never looked up again
-    (rule 12: it is never rebound)."""
-    return [pid for pid in dict.fromkeys(pids) if trust.get(pid, NOBODY) == NOBODY]
+def to_look_up(pids: Iterable[int], trust: dict[int, Identity]) -> list[int] | None:
+    """The pids of a request that need a lookup, each once, in the request's order (None: a pid is not a positive
+    32-bit int): new ones, and entries bound to nothing (no process had the pid when it was listed). An entry
+    bound to a process is never looked up again (rule 12: it is never rebound)."""
+    unique = dict.fromkeys(pids)
+    if not valid_pids(unique):
+        return None
+    return [pid for pid in unique if trust.get(pid, NOBODY) == NOBODY]
 
 
 def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids: tuple[int, ...],
@@ -54,9 +59,10 @@ def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids
     (no process had the pid) is bound by a re-add to the process that has it then, and is never made unbound
     again. Any failure to look a pid up refuses the whole request: an entry is never bound to nothing by accident.
     `others`: entries of other servers' processes on the same export, which count toward the same limit."""
-    if not valid_pids(pids):
+    listed = to_look_up(pids, trust)
+    if listed is None:
         raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
-    wanted = set(to_look_up(pids, trust))
+    wanted = set(listed)
     if not wanted:
         return trust  # every pid is bound already: nothing changes
     new = len(wanted.difference(trust))

@@ -492,6 +492,53 @@ def test_rule_12_a_long_trustlist_is_bound_to_the_processes_that_had_the_pids_wh
         b.kill()
 
 
+def test_rule_12_without_pidfs_a_pinned_process_that_exited_before_it_was_named_matches_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """T18 on kernels without pidfs: a pinned process is named by its start time while it still runs (its pid is
+    then still its own); one that exited before it was named is bound to DEAD, which no process matches, never to
+    nobody (which every later owner of the pid would match)."""
+    from vmmshare.broker import identity
+
+    monkeypatch.setattr(identity, "PIDFS", False)
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        pidfd = identity.pin(child.pid)
+        assert pidfd >= 0
+        try:
+            alive = identity.identity_of_pinned(child.pid, pidfd)
+            assert alive == (identity.process_start_time(child.pid), None) and alive[0] is not None
+            child.kill()
+            child.wait()
+            gone = identity.identity_of_pinned(child.pid, pidfd)
+        finally:
+            os.close(pidfd)
+    finally:
+        child.kill()
+        child.wait()
+    assert gone == identity.DEAD
+    assert not identity.same_process(gone, (alive[0], None)) and not identity.same_process(gone, (None, None))
+
+
+def test_fail_closed_a_long_trustlist_that_cannot_be_pinned_is_refused_whole(broker: c.LoggedBroker) -> None:
+    """T4 for long lists: out of fds, the pids of a long trustlist cannot be pinned when it is received; the call is
+    refused (207005), nothing is added, and no pidfd is left behind."""
+    with c.Raw(broker.socket) as exporter:
+        _, handle = flood._export(exporter, MiB2)
+        pids = flood.flood_pids(SEED)
+        assert isinstance(exporter.ask(P.BareTgid()), P.Pid)
+        before = broker.fd_count()
+        old = _prlimit_nofile(broker.pid, before)
+        try:
+            refused = exporter.ask(P.SetPids(handle, c.DEFAULT, pids))
+        finally:
+            _prlimit_nofile(broker.pid, old[0])
+        assert isinstance(refused, P.Error) and refused.code == RESOURCE and "unchanged" in refused.message, refused
+        assert broker.fd_count() == before, "a pidfd was left behind"
+        (row,) = c.raw_listing(broker.socket)["exports"]
+        assert row["trustlist"] == []
+        assert isinstance(exporter.ask(P.SetPids(handle, c.DEFAULT, pids)), P.Ok), "with fds again, it is bound"
+
+
 def test_broker_in_a_child_pid_namespace_refuses_clients_it_cannot_see(tmp_path: Path,
                                                                        actors: Callable[..., Actor]) -> None:
     """T6. A broker started inside a child pid namespace sees every outside client as pid 0: it served them all as

@@ -217,10 +217,10 @@ def _victim(broker: c.BrokerProc, handle: int, seconds: float) -> dict[str, Any]
     return done
 
 
-def _flooder_user(env: dict[str, str]) -> tuple[list[str], dict[str, str], str]:
+def _flooder_user(env: dict[str, str], same_user: bool) -> tuple[list[str], dict[str, str], str]:
     """How to run the flooder as another user than the victim (`nobody`, as root): its command prefix and
-    environment, and the user's name; as the victim's own user where that is not possible."""
-    prefix, _why = ident.other_user()
+    environment, and the user's name; as the victim's own user where that is not possible, or asked for."""
+    prefix, _why = (None, "") if same_user else ident.other_user()
     if prefix is not None:
         full, _why = ident.nobody_env(prefix, env)
         if full is not None:
@@ -249,10 +249,11 @@ def _flood(broker: c.BrokerProc, kind: str, handle: int, flooders: int, depth: i
     return out
 
 
-def run(flooders: int, seconds: float, seed: int, kinds: tuple[str, ...] = KINDS, depth: int = 4) -> dict[str, Any]:
+def run(flooders: int, seconds: float, seed: int, kinds: tuple[str, ...] = KINDS, depth: int = 4,
+        same_user: bool = False) -> dict[str, Any]:
     work = ident.world_dir("vmmshare-flood-")
     env = c.clean_env(VMMSHARE_DEVICE_MEMORY="1G")
-    user = _flooder_user(env)
+    user = _flooder_user(env, same_user)
     broker = c.LoggedBroker(work / "run", *(["--multi-user"] if user[0] else []), env=env)
     result: dict[str, Any] = {"script": "flood", "flooders": flooders, "depth": depth, "seconds": seconds,
                               "seed": seed, "flooding_user": user[2], "machine": c.machine(), "violations": [],
@@ -301,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"floods to run, comma-separated (default all: "
                                                                  f"{','.join(KINDS)})")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of each victim phase (default 20)")
+    parser.add_argument("--same-user", action="store_true", help="flood as the victim's own user (default: as "
+                                                                  "nobody where this runs as root)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the result here ('-': stdout)")
     args = parser.parse_args(argv)
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.flooders < 1 or args.depth < 1 or args.seconds <= 0:
         parser.error(f"unknown flood kinds {unknown} (known: {', '.join(KINDS)})" if unknown else
                      "--flooders and --depth must be at least 1, --seconds above 0")
-    result = run(args.flooders, args.seconds, args.seed, kinds, args.depth)
+    result = run(args.flooders, args.seconds, args.seed, kinds, args.depth, args.same_user)
     c.write_json(args.json, result)
     print(f"flooding user: {result['flooding_user']}")
     print(f"{'alone':14s} import latency: {result.get('alone', {}).get('latency')}")

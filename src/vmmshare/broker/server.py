@@ -52,7 +52,6 @@ class Conn:
     pidfd: int
     client: Client
     job: Job[Conn] | None = None  # a request waiting for its pid lookups (jobs.py)
-    finish: float = 0.0  # when its last request ends in its user's virtual time (fair queuing among them)
 
 
 class _Exit:
@@ -80,7 +79,8 @@ class Broker:
         self.jobs: Jobs[Conn] = Jobs(self.closer.close)
         self.released = 0  # trustlist entries let go since the heap was last trimmed
         self.debt: dict[int, float] = {}  # uid -> seconds served past its quantum, paid back a quantum a turn
-        self.vclock: dict[int, float] = {}  # uid -> virtual time of its connections (seconds served in all)
+        self.vclock: dict[int, float] = {}  # uid -> virtual time of its processes (fair queuing among them)
+        self.finish: dict[int, dict[int, float]] = {}  # uid -> pid -> when its last request ends in that time
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
@@ -125,13 +125,16 @@ class Broker:
         """One turn of the loop: the broker's own events, then each user's ready connections, one request each,
         until that user's QUANTUM of time is spent (docs/security.md, T9): a user with many connections, or costly
         requests, is served no longer in a turn than a user with one cheap request, and time past the quantum is
-        paid back over the next turns. Among one user's connections, the one that has been served least (fair
-        queuing on the time its requests took) goes first: a process of the user is not held up by its
-        neighbour's flood either, for long."""
+        paid back over the next turns. Among one user's processes, the one that has been served least (fair
+        queuing on the time their requests took) goes first, so a process of the user gets its share of the
+        user's time whatever its neighbour floods the broker with."""
         ready: dict[int, list[tuple[Conn, selectors.SelectorKey, int]]] = {}
+        arrivals: list[tuple[selectors.SelectorKey, int]] = []  # accepted last: a connection closed first is gone
         for key, mask in events:
             if isinstance(key.data, Conn):
                 ready.setdefault(key.data.client.uid, []).append((key.data, key, mask))
+            elif key.data is None:
+                arrivals.append((key, mask))
             else:
                 self._dispatch(key, mask)
         for uid in [u for u in self.debt if u not in ready]:
@@ -142,21 +145,25 @@ class Broker:
             credit = QUANTUM - self.debt.pop(uid, 0.0)
             if credit > 0:
                 now = self.vclock.get(uid, 0.0)
-                waiting.sort(key=lambda event: max(event[0].finish, now))
+                finish = self.finish.setdefault(uid, {})
+                waiting.sort(key=lambda event: max(finish.get(event[0].client.pid, 0.0), now))
                 for conn, key, mask in waiting:
                     if self.conns.get(conn.sock.fileno()) is not conn:
                         continue  # it left during this turn
                     start = time.perf_counter()
                     self._dispatch(key, mask)
                     spent = time.perf_counter() - start
-                    now = max(conn.finish, now)
-                    conn.finish = now + spent
+                    begun = max(finish.get(conn.client.pid, 0.0), now)
+                    finish[conn.client.pid] = begun + spent
+                    now = max(now, begun)
                     credit -= spent
                     if credit <= 0:
                         break
                 self.vclock[uid] = now
             if credit < 0:
                 self.debt[uid] = -credit
+        for key, mask in arrivals:
+            self._dispatch(key, mask)
         self._run_jobs()
         self._resume_listening()
 
@@ -452,6 +459,7 @@ class Broker:
             system.trim_memory()
         if conn.client.uid not in self.ledger.usage.users:  # the user's last connection: forget its clocks
             self.vclock.pop(conn.client.uid, None)
+            self.finish.pop(conn.client.uid, None)
             self.debt.pop(conn.client.uid, None)
         conn.sock.close()
         self._close_pidfd(conn.pidfd)

@@ -59,10 +59,10 @@ class Jobs(Generic[T]):
         """Pin every pid of `job` now, in order (`alive`: the pids that have a process now, where known: the others
         need no system call). False when one could not be pinned (out of fds): nothing stays pinned and
         `job.found` says which pid failed, so that the request is refused whole (fail closed)."""
+        if alive is not None:  # the pids no process has need no system call
+            job.found.ids.update(dict.fromkeys([pid for pid in pids if pid not in alive], NOBODY))
+            pids = [pid for pid in pids if pid in alive]
         for pid in pids:
-            if alive is not None and pid not in alive:
-                job.found.ids[pid] = NOBODY
-                continue
             try:
                 fd = self.pin_pid(pid)
             except OSError as exc:

@@ -748,6 +748,100 @@ def test_trustlist_flood_leaves_other_clients_served() -> None:
         assert got["victim"]["latency"]["count"] > 0 and got["flood"]["answered"] >= 8, (kind, got)
 
 
+FLOODER = """
+    import array, os, socket, sys
+    sys.path[:0] = [sys.argv[2], sys.argv[3]]
+    import common as c, flood
+    from vmmshare import protocol as P
+    conns = [c.Raw(sys.argv[1]) for _ in range(64)]
+    packets = [P.encode(P.SetPids(flood._export(conn, 0)[1], 1, (os.getpid(),) * 4096), 9) for conn in conns]
+    out = socket.socket(fileno=int(sys.argv[4]))
+    for i in range(0, 64, 16):  # the replies are the test's to read (it cannot send on them: T7)
+        fds = array.array("i", [conn.sock.fileno() for conn in conns[i:i + 16]])
+        out.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for conn, packet in zip(conns, packets):
+        for _ in range(2):  # what the kernel lets queue on a connection while the broker is stopped
+            conn.sock.send(packet)
+    print("sent", flush=True)
+    sys.stdin.readline()
+"""
+
+
+SO_TIMESTAMPNS = 35  # the kernel stamps each packet with when it was queued to the socket
+
+
+def _stamped_reply(sock: socket.socket) -> int:
+    """The next packet on `sock` (blocking): when the broker sent it, in ns (SO_TIMESTAMPNS)."""
+    data, anc, _, _ = sock.recvmsg(1 << 17, socket.CMSG_SPACE(16) + socket.CMSG_SPACE(4 * 8))
+    assert data, "the broker closed a connection"
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            sec, nsec = struct.unpack("qq", payload[:16])
+            return sec * 1_000_000_000 + nsec
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                os.close(fd)
+    raise AssertionError("the packet has no timestamp")
+
+
+def test_trustlist_flood_of_one_user_waits_its_turn_behind_another_users_import(
+        as_nobody: list[str], world: Path, actors: Callable[..., Actor]) -> None:
+    """T9. 64 connections of one user, each with two SET_PIDS of 4,096 copies of one pid queued (one lookup, but
+    every entry decoded and checked inline): the broker served every ready connection once in each turn of its
+    loop, so another user's import, queued behind them, waited for all 64 (60 ms). Now each user is served a
+    quantum of time per turn: the import is answered after a few of the flood's requests. The order is the
+    kernel's (each reply is stamped when the broker sent it), with the broker stopped while the requests queue."""
+    b = _multi_user(world)
+    full, why = ident.nobody_env(as_nobody, b.env)
+    require(full is not None, why)
+    assert full is not None
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    flooder = subprocess.Popen([*as_nobody, sys.executable, "-c", textwrap.dedent(FLOODER), str(b.socket),
+                                str(STRESS), str(HERE), str(theirs.fileno())], env=full, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, pass_fds=(theirs.fileno(),))
+    theirs.close()
+    socks: list[socket.socket] = []
+    stopped = False
+    try:
+        handle, _p, _digest = ident.export_mapped(actors(b.env), flags=1)
+        victim = c.Raw(b.socket)
+        assert isinstance(victim.ask(P.BareTgid()), P.Pid)
+        while len(socks) < 64:
+            _, anc, _, _ = mine.recvmsg(1, socket.CMSG_SPACE(4 * 16))
+            for _level, _kind, payload in anc:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                socks.extend(socket.socket(fileno=fd) for fd in got)
+        for sock in [*socks, victim.sock]:
+            sock.settimeout(c.HANG_GUARD)
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        assert _line(flooder) == "ready"
+        os.kill(b.pid, signal.SIGSTOP)  # the requests queue: the broker finds them all ready at once
+        stopped = True
+        assert flooder.stdin is not None
+        flooder.stdin.write("go\n")
+        flooder.stdin.flush()
+        assert _line(flooder) == "sent"
+        victim.req += 1
+        victim.sock.send(P.encode(P.Import(handle, c.DEFAULT, bytes(32)), victim.req))
+        os.kill(b.pid, signal.SIGCONT)
+        stopped = False
+        answered = _stamped_reply(victim.sock)
+        flood_replies = [_stamped_reply(sock) for sock in socks for _ in range(2)]
+        before = sum(stamp < answered for stamp in flood_replies)
+        assert before < 32, f"{before} of the flood's 128 requests were served before the other user's import"
+    finally:
+        if stopped:
+            os.kill(b.pid, signal.SIGCONT)
+        for sock in socks:
+            sock.close()
+        mine.close()
+        _finish(flooder)
+        b.kill()
+
+
 def test_a_lingering_socket_handed_to_the_broker_does_not_stop_it(broker: c.LoggedBroker) -> None:
     """T15. The last close of a TCP socket with SO_LINGER and unsent data waits up to the linger time. A client
     attached such a socket to an export whose trustlist the broker looks up over several turns, and let go of its

@@ -17,6 +17,7 @@ import resource
 import selectors
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class Broker:
         self.debt: dict[int, float] = {}  # uid -> seconds served past its quantum, paid back a quantum a turn
         self.vclock: dict[int, float] = {}  # uid -> virtual time of its processes (fair queuing among them)
         self.finish: dict[int, dict[int, float]] = {}  # uid -> pid -> when its last request ends in that time
+        self.procs: Counter[tuple[int, int]] = Counter()  # (uid, pid) -> its connections
         self.listener: socket.socket | None = None
         self.sel = selectors.DefaultSelector()
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
@@ -290,6 +292,7 @@ class Broker:
             return
         conn = Conn(sock, pidfd, client)
         self.conns[sock.fileno()] = conn
+        self.procs[client.uid, client.pid] += 1
         self.sel.register(sock, selectors.EVENT_READ, conn)
         if pidfd >= 0:
             self.sel.register(pidfd, selectors.EVENT_READ, _Exit(conn))
@@ -457,15 +460,24 @@ class Broker:
         if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
             self.released = 0
             system.trim_memory()
-        if conn.client.uid not in self.ledger.usage.users:  # the user's last connection: forget its clocks
-            self.vclock.pop(conn.client.uid, None)
-            self.finish.pop(conn.client.uid, None)
-            self.debt.pop(conn.client.uid, None)
+        self._forget(conn.client)
         conn.sock.close()
         self._close_pidfd(conn.pidfd)
         if not self.conns:
             self.idle_since = time.monotonic()
         log.debug("pid %d disconnected", conn.client.pid)
+
+    def _forget(self, client: Client) -> None:
+        """The fair-queuing state of a process whose last connection closed, and of a user who has none left."""
+        uid, pid = client.uid, client.pid
+        self.procs[uid, pid] -= 1
+        if self.procs[uid, pid] <= 0:
+            del self.procs[uid, pid]
+            self.finish.get(uid, {}).pop(pid, None)
+        if uid not in self.ledger.usage.users:
+            self.vclock.pop(uid, None)
+            self.finish.pop(uid, None)
+            self.debt.pop(uid, None)
 
     def _close_pidfd(self, pidfd: int) -> None:
         if pidfd >= 0:

@@ -93,10 +93,6 @@ class Jobs(Generic[T]):
         if job.fd >= 0:
             self.close_fd(job.fd)
 
-    def close(self) -> None:
-        for job in list(self.pending):
-            self.cancel(job)
-
     def step(self) -> list[Job[T]]:
         """Name pinned processes for at most JOB_SECONDS; the jobs now complete (no longer pending), to be served."""
         done: list[Job[T]] = []

@@ -220,7 +220,9 @@ def test_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor], share_type: 
     sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, share_type)
     assert ret == 0, exporter.last_err
     assert exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, share_type)[-1] == 107000  # rule 9
-    assert exporter.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)[-1] == 107000  # rule 13
+    own, ret = exporter.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)  # rule 13: allowed
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.free_physical", own) == 0
     assert stranger.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)[-1] == 207006  # rule 11
     assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, share_type, [importer.pid]) == 0
     ih, ret = importer.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)
@@ -263,8 +265,9 @@ def test_more_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor]) -> None
     assert ret == 0, exporter.last_err
     ih, ret = anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
     assert ret == 0, anyone.last_err
-    # rule 13: once per process until freed
-    assert anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107000
+    # rule 13: importing it again gives the same handle, with a reference added
+    assert anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0) == (ih, 0)
+    assert anyone.call("rt.free_physical", ih) == 0
     iptr, _ = anyone.call("rt.reserve_mem_address", 2 * MiB2, 0, 0, 0)
     assert anyone.call("rt.map_mem", iptr, 2 * MiB2, 0, ih, 0) == 0, anyone.last_err
     # rule 14: the exporter dies: no new imports, the importer keeps the memory

@@ -98,10 +98,10 @@ def get_current_context() -> int:
 
 
 def _timeout(timeout: object) -> float | None:
-    """A timeout in milliseconds: -1 waits for ever."""
+    """A timeout in milliseconds, -1 to wait for ever; 0 and other negatives are 107000 (api_error.cc)."""
     t = check_int("timeout", timeout, *I32)
-    if t < -1:
-        raise InvalidParamError(f"timeout={t}: milliseconds, or -1 to wait until done")
+    if t < -1 or t == 0:
+        raise InvalidParamError(f"timeout={t}: a positive number of milliseconds, or -1 to wait until done")
     return None if t == -1 else t / 1000
 
 
@@ -112,14 +112,18 @@ def create_stream() -> int:
 
 @acl_call()
 def destroy_stream(stream: int) -> None:
-    """aclrtDestroyStream: the tasks queued on it run first."""
-    runtime().devices.destroy_stream(check_ptr("stream", stream))
+    """aclrtDestroyStream: the tasks queued on it run first; NULL is the acl layer's 100000 (§4a)."""
+    s = check_ptr("stream", stream)
+    acl_require(s != 0, "stream is NULL")
+    runtime().devices.destroy_stream(s)
 
 
 @acl_call()
 def destroy_stream_force(stream: int) -> None:
-    """aclrtDestroyStreamForce: the tasks not started yet are dropped (a running one finishes)."""
-    runtime().devices.destroy_stream(check_ptr("stream", stream), force=True)
+    """aclrtDestroyStreamForce: the tasks not started yet are dropped (a running one finishes); NULL: 100000."""
+    s = check_ptr("stream", stream)
+    acl_require(s != 0, "stream is NULL")
+    runtime().devices.destroy_stream(s, force=True)
 
 
 @acl_call()

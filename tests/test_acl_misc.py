@@ -431,7 +431,9 @@ def test_memcpy_bad_pointers_are_107000_never_a_crash(vmm, places):
     for null in (0, None):  # NULL: the acl layer's (§4a)
         expect_fail(ACL_PARAM, vmm.rt.memcpy, d, 64, null, 64, DEFAULT)
         expect_fail(ACL_PARAM, vmm.rt.memcpy, null, 64, d, 64, DEFAULT)
-    expect_fail(PARAM, vmm.rt.memcpy, d + G2M - 32, 64, places["numpy"][0], 64, DEFAULT)  # runs past mapping end
+    lone = vmm.reserve(2 * G2M)
+    vmm.map(lone, G2M, vmm.alloc())
+    expect_fail(PARAM, vmm.rt.memcpy, lone + G2M - 32, 64, places["numpy"][0], 64, DEFAULT)  # into the unmapped half
     hb = places["malloc_host"][0]
     expect_fail(PARAM, vmm.rt.memcpy, hb + 4064, 64, d, 64, DEFAULT)  # runs past the malloc_host block
 
@@ -487,7 +489,9 @@ def test_memset_checks(vmm, places):
     d = places["device"][0]
     before = read(d, 64)
     expect_fail(PARAM, vmm.rt.memset, d, 16, 0, 17)
-    expect_fail(PARAM, vmm.rt.memset, d + G2M - 8, 16, 0, 16)
+    lone = vmm.reserve(2 * G2M)
+    vmm.map(lone, G2M, vmm.alloc())
+    expect_fail(PARAM, vmm.rt.memset, lone + G2M - 8, 16, 0, 16)  # into the unmapped half (rule 7)
     r = vmm.reserve()
     for bad in (r, 4096):
         expect_fail(PARAM, vmm.rt.memset, bad, 16, 0, 16)

@@ -168,7 +168,7 @@ class Copies:
         if mover is None:
             self.rt.host.copy(dst, src, count, 0)
         else:
-            mover.alloc.backend.copy(dst, src, count, mover.alloc.device)
+            mover.alloc.backend.copy(dst, src, count, self.rt.devices.logical(mover.alloc.device))
 
     def _remote_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
         """A copy with memory of another server on one side or both: the engine moves the bytes to and from memory
@@ -192,7 +192,7 @@ class Copies:
             self._bounce_gpu(gpu, far, gpu is to, dst, src, count)
 
     def _bounce_gpu(self, gpu: MappingEntry, far: MappingEntry, to_gpu: bool, dst: int, src: int, count: int) -> None:
-        remote, backend, device = self.rt.remote, gpu.alloc.backend, gpu.alloc.device
+        remote, backend, device = self.rt.remote, gpu.alloc.backend, self.rt.devices.logical(gpu.alloc.device)
         bounce = mman.map_anonymous(min(count, BOUNCE))
         try:
             for done in range(0, count, BOUNCE):
@@ -230,7 +230,7 @@ class Copies:
         if m is None:
             self.rt.host.fill(ptr, value, count, 0)
         else:
-            m.alloc.backend.fill(ptr, value, count, m.alloc.device)
+            m.alloc.backend.fill(ptr, value, count, self.rt.devices.logical(m.alloc.device))
 
     def memcpy_async(self, dst: int, dest_max: int, src: int, count: int, kind: int, stream: int) -> None:
         """Queue a copy on `stream`: checked now (a bad range fails here), checked again and done when its turn

@@ -156,6 +156,7 @@ class Sharing:
                           imported_from=shareable.value, owner=owner)
 
     def _adopt(self, got: Imported, device: int) -> Memory:
+        device = self.rt.devices.logical(device)  # the backends address the node's devices
         if not got.gpu:
             return self.rt.host.adopt(got.fd, got.size, device)
         if self.rt.device_backend.kind is not MemoryKind.GPU:

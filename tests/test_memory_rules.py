@@ -249,6 +249,15 @@ def test_rule_3_flags_1_is_accepted_and_means_0(vmm):
     assert read(p, 7) == b"flags 1"
 
 
+def test_rule_3_one_reservation_holds_at_most_8_tib(vmm):
+    """An A3 program's 32 TiB reservation is refused with 107000 and a message saying the limit and what to do;
+    8 TiB is one reservation, committing nothing."""
+    msg = expect_fail(PARAM, vmm.rt.reserve_mem_address, 32 << 40, 0, 0, 0)
+    assert "8 TiB" in msg and "several ranges" in msg
+    p = vmm.reserve(8 << 40)
+    expect_fail(PARAM, vmm.rt.reserve_mem_address, 2 * MiB, 0, p, 0)  # the range is taken
+
+
 def test_rule_3_release_gives_the_range_back(vmm):
     p = vmm.reserve(6 * MiB)
     vmm.release(p)

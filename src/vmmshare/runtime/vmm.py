@@ -387,5 +387,10 @@ def _owned_by(owner: str) -> str:
 def _check_range_size(size: int) -> None:
     """A reservation's size: whole granules, within the arena (reserve_mem_address and map_new alike)."""
     g = C.MIN_GRANULARITY
-    if size == 0 or size % g or size > ARENA_SIZE:
-        raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB), at most {ARENA_SIZE}")
+    if size > ARENA_SIZE:
+        raise InvalidParamError(
+            f"size {size} is more than one reservation holds, {ARENA_SIZE} ({ARENA_SIZE >> 40} TiB, where the "
+            "runtime's drivers other than A3's stop): reserve the size you will map, or several ranges"
+        )
+    if size == 0 or size % g:
+        raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB)")

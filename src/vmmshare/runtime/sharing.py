@@ -87,10 +87,17 @@ class Sharing:
                 self._settled.wait()
             done = self.imports.get(value)
             if done is not None and done.refs > 0:
-                self._still_admitted(shareable)  # asked again, as the driver checks the handle on each import
-                done.refs += 1
-                return done.handle
-            self.imports[value] = _PENDING
+                done.refs += 1  # the reference this import adds, held while the broker is asked again
+            else:
+                done = None
+                self.imports[value] = _PENDING
+        if done is not None:
+            try:
+                self._still_admitted(shareable)  # as the driver checks the handle on each import (not under the lock)
+            except BaseException:
+                rt.memory.drop(done)
+                raise
+            return done.handle
         try:
             alloc = self._import_any(shareable, device, "")
             handle = rt.memory.register(alloc)

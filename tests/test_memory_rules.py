@@ -657,6 +657,18 @@ def test_rule_7_a_copy_into_an_unmapped_gap_fails_and_writes_nothing(vmm):
     assert f"{lone + G2M:#x}" in expect_fail(PARAM, vmm.rt.memset, lone + G2M - 8, 16, 0, 16)
 
 
+def test_rule_7_cpu_views_run_across_mappings_end_to_end(vmm):
+    """acl.util's views check the range as the copies do: across host mappings end to end they work; into a gap
+    they refuse (None, a message naming the address)."""
+    import vmmshare.acl as acl
+
+    _, ptrs = _segments(vmm, [G2M, G2M, G2M], gaps=(2,))
+    write(ptrs[1] - 4, b"abcdefgh")
+    assert acl.util.ptr_to_bytes(ptrs[1] - 4, 8) == b"abcdefgh"
+    assert acl.util.ptr_to_bytes(ptrs[2] - 4, 8) is None
+    assert f"{ptrs[2]:#x}" in acl.get_recent_err_msg()
+
+
 def test_rule_7_a_read_only_mapping_in_the_range_refuses_the_whole_write(vmm):
     _, ptrs = _segments(vmm, [G2M, G2M])
     ok(vmm.rt.mem_set_access(ptrs[1], G2M, [desc(READ)]))

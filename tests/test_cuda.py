@@ -803,3 +803,23 @@ def test_doctor_lists_the_gpus(broker: BrokerProc) -> None:
     assert finding["status"] == "ok" and "GPU 0:" in finding["detail"], finding
     if MODE == "fake":
         assert "GPU 1: 16384 MiB, granularity 2048 KiB" in finding["detail"], finding
+
+
+def test_visible_devices_choose_the_gpu(gpu_actor: Callable[..., Actor]) -> None:
+    """ASCEND_RT_VISIBLE_DEVICES=1: the process sees one device, 0, which is GPU 1; its memory, copies and peer
+    questions are GPU 1's (the stand-in names each GPU's memory)."""
+    if MODE != "fake":
+        pytest.skip("on a real GPU the node's GPUs are what CUDA_VISIBLE_DEVICES leaves; checked on the stand-in")
+    a = gpu_actor(ASCEND_RT_VISIBLE_DEVICES="1")
+    count, ret = a.call("rt.get_device_count")
+    assert (count, ret) == (1, 0), a.last_err
+    assert a.call("rt.get_logic_dev_id_by_user_dev_id", 0) == (1, 0)
+    h, ptr = alloc_map(a)
+    with open(f"/proc/{a.proc.pid}/maps") as f:
+        names = {word for line in f for word in line.split() if word.startswith("/memfd:fakecuda-dev")}
+    assert names == {"/memfd:fakecuda-dev1"}, names
+    upload(a, ptr, b"on gpu 1")
+    assert download(a, ptr, 8) == b"on gpu 1"
+    assert a.call("rt.device_can_access_peer", 0, 0) == (0, 0)
+    assert a.call("rt.unmap_mem", ptr) == 0 and a.call("rt.release_mem_address", ptr) == 0
+    assert a.call("rt.free_physical", h) == 0

@@ -63,6 +63,23 @@ def _special(name: str, args: list[Any]) -> Any:
 
         runtime().sharing.set_remote_pids(ShareableHandle.from_value(args[0]), args[1], args[2])
         return None
+    if name == "threads_import":  # shareable, share type, n: n threads import it at once; their handles
+        import threading
+
+        start = threading.Barrier(args[2])
+        got: list[Any] = [None] * args[2]
+
+        def one(k: int) -> None:
+            acl.rt.set_device(0)
+            start.wait()
+            got[k] = acl.rt.mem_import_from_shareable_handle_v2(args[0], args[1], 0)[0]
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(args[2])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
     if name == "exit":
         sys.stdout.flush()
         os._exit(int(args[0]) if args else 0)

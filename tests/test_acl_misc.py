@@ -291,8 +291,22 @@ def test_stream_lifecycle(vmm):
 
 
 def test_default_stream(acl):
+    """§4a: destroying the NULL stream is the acl layer's 100000 (stream.cpp's aclrtDestroyStream*Impl)."""
     ok(acl.rt.synchronize_stream(0))
-    expect_fail(PARAM, acl.rt.destroy_stream, 0)
+    expect_fail(ACL_PARAM, acl.rt.destroy_stream, 0)
+    expect_fail(ACL_PARAM, acl.rt.destroy_stream_force, 0)
+    expect_fail(ACL_PARAM, acl.rt.destroy_stream, None)
+
+
+@pytest.mark.parametrize("timeout", [0, -2, -(1 << 31)])
+def test_synchronize_with_timeout_takes_minus_1_or_a_positive_timeout(acl, timeout):
+    """§4a: api_error.cc refuses a timeout of 0 or below -1 (107000), for a stream and for the device."""
+    s = ok(acl.rt.create_stream())
+    assert "timeout" in expect_fail(PARAM, acl.rt.synchronize_stream_with_timeout, s, timeout)
+    expect_fail(PARAM, acl.rt.synchronize_device_with_timeout, timeout)
+    ok(acl.rt.synchronize_stream_with_timeout(s, -1))
+    ok(acl.rt.synchronize_stream_with_timeout(s, 1))
+    ok(acl.rt.destroy_stream(s))
 
 
 @pytest.mark.parametrize("fn_name", ["destroy_stream", "destroy_stream_force", "synchronize_stream"])
@@ -381,10 +395,22 @@ def test_memcpy_kinds(acl, places, dst, src, kind):
         assert read(dptr, 4096) == before
 
 
-@pytest.mark.parametrize("kind", [5, -1, 100])
-def test_memcpy_unknown_kind_is_107000(acl, places, kind):
+@pytest.mark.parametrize("kind", [6, -1, 100])
+def test_memcpy_unknown_kind_is_100000(acl, places, kind):
+    """§4a: a kind outside aclrtMemcpyKind is the acl layer's refusal (memory.cpp's MemcpyKindTranslate)."""
     d, s = places["device"][0], places["numpy"][0]
-    expect_fail(PARAM, acl.rt.memcpy, d, 16, s, 16, kind)
+    assert "kind" in expect_fail(ACL_PARAM, acl.rt.memcpy, d, 16, s, 16, kind)
+    expect_fail(ACL_PARAM, acl.rt.memcpy_async, d, 16, s, 16, kind, 0)
+    expect_fail(PARAM, acl.rt.memcpy, d, 16, s, 16, 1 << 40)  # not a C int at all: pyACL's conversion
+
+
+def test_memcpy_kind_5_host_to_buf_to_device_is_accepted(acl, places):
+    """§4a: ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE (5) copies host memory to device memory."""
+    d, s = places["device"][0], places["numpy"][0]
+    write(s, b"through a buffer")
+    ok(acl.rt.memcpy(d, 16, s, 16, 5))
+    assert read(d, 16) == b"through a buffer"
+    assert "kind" in expect_fail(PARAM, acl.rt.memcpy, s, 16, d, 16, 5)  # the wrong way round: below
 
 
 def test_memcpy_count_over_dest_max_is_107000(acl, places):
@@ -399,19 +425,31 @@ def test_memcpy_bad_pointers_are_107000_never_a_crash(vmm, places):
     reserved = vmm.reserve()
     released = vmm.reserve()
     vmm.release(released)
-    for bad in (0, None, 8, reserved, released, reserved + 4096, 0xFFFF_FFFF_F000, (1 << 64) - 4096):
+    for bad in (8, reserved, released, reserved + 4096, 0xFFFF_FFFF_F000, (1 << 64) - 4096):
         expect_fail(PARAM, vmm.rt.memcpy, d, 64, bad, 64, DEFAULT)
         expect_fail(PARAM, vmm.rt.memcpy, bad, 64, d, 64, DEFAULT)
-    expect_fail(PARAM, vmm.rt.memcpy, d + G2M - 32, 64, places["numpy"][0], 64, DEFAULT)  # runs past mapping end
+    for null in (0, None):  # NULL: the acl layer's (§4a)
+        expect_fail(ACL_PARAM, vmm.rt.memcpy, d, 64, null, 64, DEFAULT)
+        expect_fail(ACL_PARAM, vmm.rt.memcpy, null, 64, d, 64, DEFAULT)
+    lone = vmm.reserve(2 * G2M)
+    vmm.map(lone, G2M, vmm.alloc())
+    expect_fail(PARAM, vmm.rt.memcpy, lone + G2M - 32, 64, places["numpy"][0], 64, DEFAULT)  # into the unmapped half
     hb = places["malloc_host"][0]
     expect_fail(PARAM, vmm.rt.memcpy, hb + 4064, 64, d, 64, DEFAULT)  # runs past the malloc_host block
 
 
-def test_memcpy_and_memset_with_null_and_zero_count_are_107000(acl, places):
+def test_memcpy_and_memset_with_a_zero_count_succeed_before_any_other_check(acl, places):
+    """§4a: count 0 returns 0 first in the synchronous calls too (NULL pointers, a bad kind, count > max)."""
     d = places["device"][0]
-    expect_fail(PARAM, acl.rt.memcpy, 0, 0, d, 0, DEFAULT)
-    expect_fail(PARAM, acl.rt.memcpy, d, 0, 0, 0, DEFAULT)
-    expect_fail(PARAM, acl.rt.memset, 0, 0, 0, 0)
+    ok(acl.rt.memcpy(0, 0, d, 0, DEFAULT))
+    ok(acl.rt.memcpy(d, 0, 0, 0, DEFAULT))
+    ok(acl.rt.memcpy(d, 0, d, 0, 99))
+    ok(acl.rt.memset(0, 0, 0, 0))
+    ok(acl.rt.memcpy_async(0, 0, 0, 0, 99, 0))
+    ok(acl.rt.memset_async(0, 0, 0, 0, 0))
+    expect_fail(ACL_PARAM, acl.rt.memset, 0, 16, 0, 16)
+    expect_fail(ACL_PARAM, acl.rt.memset_async, None, 16, 0, 16, 0)
+    expect_fail(PARAM, acl.rt.memcpy, d, 0, d, 0, "kind")  # pyACL's conversion comes before the call
 
 
 def test_memcpy_zero_count_with_valid_pointers_is_ok(acl, places):
@@ -451,10 +489,14 @@ def test_memset_checks(vmm, places):
     d = places["device"][0]
     before = read(d, 64)
     expect_fail(PARAM, vmm.rt.memset, d, 16, 0, 17)
-    expect_fail(PARAM, vmm.rt.memset, d + G2M - 8, 16, 0, 16)
+    lone = vmm.reserve(2 * G2M)
+    vmm.map(lone, G2M, vmm.alloc())
+    expect_fail(PARAM, vmm.rt.memset, lone + G2M - 8, 16, 0, 16)  # into the unmapped half (rule 7)
     r = vmm.reserve()
-    for bad in (0, None, r, 4096):
+    for bad in (r, 4096):
         expect_fail(PARAM, vmm.rt.memset, bad, 16, 0, 16)
+    for null in (0, None):
+        expect_fail(ACL_PARAM, vmm.rt.memset, null, 16, 0, 16)
     for value in ("1", 1.5, None, 1 << 40):
         expect_fail(PARAM, vmm.rt.memset, d, 16, value, 16)
     assert read(d, 64) == before
@@ -467,8 +509,11 @@ def test_malloc_host_and_free_host(vmm):
     assert read(p + 9990, 10) == b"0123456789"
     ok(vmm.rt.free_host(p))
     expect_fail(PARAM, vmm.rt.free_host, p)
-    for size in (0, -1, 1 << 64, "1", None):
+    for size in (-1, 1 << 64, "1", None):
         expect_fail(PARAM, vmm.rt.malloc_host, size)
+    expect_fail(ACL_PARAM, vmm.rt.malloc_host, 0)  # §4a: the acl layer's
+    expect_fail(ACL_PARAM, vmm.rt.free_host, 0)
+    expect_fail(ACL_PARAM, vmm.rt.free_host, None)
 
 
 # ---------------------------------------------------------------- granularity

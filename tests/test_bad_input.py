@@ -61,7 +61,7 @@ ACL_NULL = {("malloc_physical", 1), ("free_physical", 0), ("mem_get_allocation_g
             ("release_mem_address", 0), ("map_mem", 0), ("map_mem", 3), ("mem_map_no_access", 0),
             ("mem_map_no_access", 3), ("unmap_mem", 0), ("mem_get_access", 0), ("mem_get_access", 1),
             ("mem_retain_allocation_handle", 0), ("mem_get_allocation_properties_from_handle", 0),
-            ("mem_get_address_range", 0)}
+            ("mem_get_address_range", 0), ("free_host", 0), ("memcpy", 0), ("memcpy", 2), ("memset", 0)}
 
 BAD_TYPES = {
     "str": "1",
@@ -150,6 +150,8 @@ def test_negative_and_huge_numbers_are_107000(vmm, live, name, pos, value):
     args = SPECS[name][0](live)
     args[pos] = value
     code = BAD_MEMORY_TYPE if (name, value) == ("get_mem_info", -1) else PARAM
+    if (name, pos, value) == ("memcpy", 4, -1):
+        code = ACL_PARAM  # a kind outside aclrtMemcpyKind: the acl layer's MemcpyKindTranslate (SPEC §4a)
     expect_fail(code, getattr(acl_module.rt, name), *args)
     _assert_untouched(vmm, live)
 
@@ -349,7 +351,8 @@ def _cases_pointer():
 
 
 ACL_NULL_PTR = {"unmap_mem", "release_mem_address", "mem_get_access", "mem_retain_allocation_handle",
-                "mem_get_address_range"}  # NULL is the acl layer's refusal there (100000, SPEC §4a)
+                "mem_get_address_range", "free_host", "memset", "memcpy-dst",
+                "memcpy-src"}  # NULL is the acl layer's refusal there (100000, SPEC §4a)
 
 
 @pytest.mark.parametrize(("name", "which"), list(_cases_pointer()))

@@ -732,29 +732,41 @@ def test_a_fabric_export_cannot_be_imported_as_a_default_handle(broker: BrokerPr
 
 
 @pytest.mark.parametrize("share_type", [DEFAULT, FABRIC])
-def test_the_exporting_process_cannot_import_its_own_handle(broker: BrokerProc, baseline: int,
-                                                            share_type: int) -> None:
-    """Rule 13 at the broker: a raw client exports without pid validation and imports its own handle, on the same
-    connection and on a second one of the same process: 107000, no fd. (The runtime refuses it first; a raw client
-    does not go through the runtime.)"""
+def test_the_exporting_connection_imports_its_own_handle(broker: BrokerProc, baseline: int, share_type: int) -> None:
+    """Rule 13 at the broker: the exporting client imports its own handle (exported with pid validation and no
+    trustlist) and gets the same memory; another connection, even of the same process, is judged by the
+    trustlist (207006); once the exporter releases its allocation, its own import is refused too (107017) and the
+    memory it imported stays until that hold goes."""
     with Raw(broker.socket) as c, Raw(broker.socket) as again:
         token = charge(c)
-        fd = memfd_of(MiB2)
+        fd = memfd_of(MiB2, b"own memory")
         try:
-            values = (token, MiB2, NO_PID_CHECK, share_type, *export_values(token)[4:])
+            values = (token, MiB2, 0, share_type, *export_values(token)[4:])
             reply = c.ok(P.Export(*values), fds=(fd,))
+            assert isinstance(reply, P.Exported)
+            raw = reply.shareable
+            value = int.from_bytes(raw[16:24] if share_type == FABRIC else raw, "little")
+            secret = bytes(raw[64:96]) if share_type == FABRIC else bytes(32)
+            reply, got = c.request(P.Import(value, share_type, secret))
+            assert isinstance(reply, P.Imported), reply
+            assert len(got) == 1
+            try:
+                assert os.fstat(got[0]).st_ino == os.fstat(fd).st_ino, "the exporter got other memory than its own"
+                assert os.pread(got[0], 10, 0) == b"own memory"
+            finally:
+                os.close(got[0])
         finally:
             os.close(fd)
-        assert isinstance(reply, P.Exported)
-        raw = reply.shareable
-        value = int.from_bytes(raw[16:24] if share_type == FABRIC else raw, "little")
-        secret = bytes(raw[64:96]) if share_type == FABRIC else bytes(32)
-        for conn in (c, again):
-            reply, got = conn.request(P.Import(value, share_type, secret))
-            for fd in got:
-                os.close(fd)
-            assert isinstance(reply, P.Error) and reply.code == PARAM, reply
-            assert not got, "the broker handed the exporter its own memory"
+        other, fds = again.request(P.Import(value, share_type, secret))
+        for f in fds:
+            os.close(f)
+        assert isinstance(other, P.Error) and other.code == NO_PERMISSION, other
         listing = json.loads(c.ok(P.List(0)).page)
-        assert [e["importer_count"] for e in listing["exports"]] == [0]
+        assert [e["importer_count"] for e in listing["exports"]] == [1]
+        c.ok(P.Release(token))  # the exporter frees its allocation: revoked
+        late, fds = c.request(P.Import(value, share_type, secret))
+        for f in fds:
+            os.close(f)
+        assert isinstance(late, P.Error) and late.code == BAD_HANDLE, late
+        c.ok(P.Release(reply.hold))
     assert_healthy(broker, baseline)

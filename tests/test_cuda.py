@@ -220,7 +220,9 @@ def test_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor], share_type: 
     sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, share_type)
     assert ret == 0, exporter.last_err
     assert exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, share_type)[-1] == 107000  # rule 9
-    assert exporter.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)[-1] == 107000  # rule 13
+    own, ret = exporter.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)  # rule 13: allowed
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.free_physical", own) == 0
     assert stranger.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)[-1] == 207006  # rule 11
     assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, share_type, [importer.pid]) == 0
     ih, ret = importer.call("rt.mem_import_from_shareable_handle_v2", sh, share_type, 0)
@@ -263,8 +265,9 @@ def test_more_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor]) -> None
     assert ret == 0, exporter.last_err
     ih, ret = anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)
     assert ret == 0, anyone.last_err
-    # rule 13: once per process until freed
-    assert anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0)[-1] == 107000
+    # rule 13: importing it again gives the same handle, with a reference added
+    assert anyone.call("rt.mem_import_from_shareable_handle_v2", sh, DEFAULT, 0) == (ih, 0)
+    assert anyone.call("rt.free_physical", ih) == 0
     iptr, _ = anyone.call("rt.reserve_mem_address", 2 * MiB2, 0, 0, 0)
     assert anyone.call("rt.map_mem", iptr, 2 * MiB2, 0, ih, 0) == 0, anyone.last_err
     # rule 14: the exporter dies: no new imports, the importer keeps the memory
@@ -800,3 +803,23 @@ def test_doctor_lists_the_gpus(broker: BrokerProc) -> None:
     assert finding["status"] == "ok" and "GPU 0:" in finding["detail"], finding
     if MODE == "fake":
         assert "GPU 1: 16384 MiB, granularity 2048 KiB" in finding["detail"], finding
+
+
+def test_visible_devices_choose_the_gpu(gpu_actor: Callable[..., Actor]) -> None:
+    """ASCEND_RT_VISIBLE_DEVICES=1: the process sees one device, 0, which is GPU 1; its memory, copies and peer
+    questions are GPU 1's (the stand-in names each GPU's memory)."""
+    if MODE != "fake":
+        pytest.skip("on a real GPU the node's GPUs are what CUDA_VISIBLE_DEVICES leaves; checked on the stand-in")
+    a = gpu_actor(ASCEND_RT_VISIBLE_DEVICES="1")
+    count, ret = a.call("rt.get_device_count")
+    assert (count, ret) == (1, 0), a.last_err
+    assert a.call("rt.get_logic_dev_id_by_user_dev_id", 0) == (1, 0)
+    h, ptr = alloc_map(a)
+    with open(f"/proc/{a.proc.pid}/maps") as f:
+        names = {word for line in f for word in line.split() if word.startswith("/memfd:fakecuda-dev")}
+    assert names == {"/memfd:fakecuda-dev1"}, names
+    upload(a, ptr, b"on gpu 1")
+    assert download(a, ptr, 8) == b"on gpu 1"
+    assert a.call("rt.device_can_access_peer", 0, 0) == (0, 0)
+    assert a.call("rt.unmap_mem", ptr) == 0 and a.call("rt.release_mem_address", ptr) == 0
+    assert a.call("rt.free_physical", h) == 0

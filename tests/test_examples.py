@@ -17,7 +17,7 @@ EXAMPLES = sorted(p for p in (Path(__file__).resolve().parent.parent / "examples
 def test_there_are_examples() -> None:
     names = {p.stem for p in EXAMPLES}
     assert {"share_with_trustlist", "share_without_trustlist", "share_fabric_handle", "pythonic_numpy",
-            "share_ipc_memory"} <= names
+            "share_ipc_memory", "ipc_memory_withpid", "ipc_memory_withoutpid"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -131,6 +131,28 @@ def test_without_pid_validation_anyone_imports_and_there_is_no_trustlist(actor: 
     assert "DISABLE_PID_VALIDATION" in msg
 
 
+@pytest.mark.parametrize("flags", [0, NO_PID_CHECK], ids=["pid-validation", "no-pid-validation"])
+def test_rule_13_the_creator_imports_its_own_key(actor: MakeActor, flags: int) -> None:
+    """As the runtime lets it (its IpcOpenMemory has no owner check): the exporter's import maps the memory at a
+    pointer of its own, without a trustlist entry; its first close drops that import, the next one revokes the
+    key; then the key is gone for everyone, the exporter too."""
+    a, b = actor(), actor()
+    p, key = exported(a, flags=flags)
+    q = ok(a, "rt.ipc_mem_import_by_key", key, 0)
+    assert q != p and same_bytes(a, p, a, q)
+    a.call("!write_bytes", q, b"through the import")
+    assert a.call("!read", p, 18) == b"through the import"
+    assert ok(a, "rt.ipc_mem_import_by_key", key, 0) == q  # again: the same pointer
+    if flags == 0:
+        fails(b, NO_PERMISSION, "rt.ipc_mem_import_by_key", key, 0)  # the trustlist still governs others
+    ok(a, "rt.ipc_mem_close", key)
+    ok(a, "rt.ipc_mem_close", key)  # the import goes at its last close
+    fails(a, PARAM, "rt.mem_get_address_range", q)
+    ok(a, "rt.ipc_mem_close", key)  # the exporter's close: revoked
+    fails(a, BAD_HANDLE, "rt.ipc_mem_import_by_key", key, 0)
+    ok(a, "rt.free", p)
+
+
 def test_importing_a_key_twice_gives_the_same_pointer_and_each_close_takes_one(actor: MakeActor) -> None:
     a, b = actor(), actor()
     _, key = exported(a, pids=[b.pid])
@@ -216,8 +238,7 @@ def test_what_can_be_exported(actor: MakeActor) -> None:
     b = actor(device=None)
     fails(b, NO_CONTEXT, get, p, SIZE, 65, 0)
     key = ok(a, get, p, SIZE, 65, 0)
-    fails(a, PARAM, "rt.ipc_mem_import_by_key", key, 0)  # the exporter does not import its own key
-    fails(a, PARAM, "rt.mem_import_from_shareable_handle", int(key[:16], 16), 0)
+    ok(a, "rt.ipc_mem_close", key)
 
 
 def test_keys_that_are_not_keys(actor: MakeActor) -> None:
@@ -300,7 +321,11 @@ def test_a_key_is_the_brokers_export_like_a_vmm_handle(actor: MakeActor) -> None
     ok(c, "rt.map_mem", v, 4 << 20, 0, h, 0)
     q = ok(b, "rt.ipc_mem_import_by_key", key, 0)
     assert same_bytes(a, p, b, q) and same_bytes(b, q, c, v)
-    fails(c, PARAM, "rt.ipc_mem_import_by_key", key, 0)  # imported already in that process (rule 13)
+    r = ok(c, "rt.ipc_mem_import_by_key", key, 0)  # by the other API too: a pointer of its own (rule 13)
+    assert r != v and same_bytes(c, r, c, v)
+    ok(c, "rt.ipc_mem_close", key)
+    ok(c, "rt.free_physical", h)
+    assert c.call("!read", v + 4096, 3) == b"ipc"  # the VMM import's mapping keeps its memory
 
 
 def test_the_pythonic_api_shares_in_one_call(tmp_path: Path, broker: BrokerProc) -> None:

@@ -315,17 +315,22 @@ def test_rule_12_a_trustlisted_pid_is_bound_to_its_process(books: Books, bound: 
     assert books.imports(later, shareable) == code
 
 
-# ---------------------------------------------------------------- rule 13: no import into the exporter
+# ---------------------------------------------------------------- rule 13: the exporter imports its own handle
 
 
 @pytest.mark.parametrize("share_type", [DEFAULT, FABRIC])
-def test_rule_13_the_exporter_cannot_import_its_own_handle(books: Books, share_type: int) -> None:
+def test_rule_13_the_exporter_imports_its_own_handle(books: Books, share_type: int) -> None:
+    """The exporter's own connection needs no trustlist entry; any other connection (even of the same process)
+    is judged by the trustlist; the self-import's release does not revoke the export."""
     a = books.client(1)
-    _, shareable, secret, _ = books.export(a, share_type, NO_PID_CHECK, pids=(1,))
-    assert books.imports(a, shareable, share_type, secret) == PARAM
+    hold, shareable, secret, _ = books.export(a, share_type)
+    assert books.imports(a, shareable, share_type, secret) == 0
     second_connection = books.ledger.connect(1, 1000, a.identity)  # the same process, connected twice
-    assert books.imports(second_connection, shareable, share_type, secret) == PARAM
-    assert not second_connection.holds and len(a.holds) == 1
+    assert books.imports(second_connection, shareable, share_type, secret) == NO_PERMISSION
+    assert not second_connection.holds and len(a.holds) == 2
+    (own,) = a.holds - {hold}
+    assert books.code(a, P.Release(own)) == 0
+    assert books.imports(a, shareable, share_type, secret) == 0, "releasing the self-import revoked the export"
 
 
 # ---------------------------------------------------------------- rule 14: revocation

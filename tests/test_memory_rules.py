@@ -249,6 +249,15 @@ def test_rule_3_flags_1_is_accepted_and_means_0(vmm):
     assert read(p, 7) == b"flags 1"
 
 
+def test_rule_3_one_reservation_holds_at_most_8_tib(vmm):
+    """An A3 program's 32 TiB reservation is refused with 107000 and a message saying the limit and what to do;
+    8 TiB is one reservation, committing nothing."""
+    msg = expect_fail(PARAM, vmm.rt.reserve_mem_address, 32 << 40, 0, 0, 0)
+    assert "8 TiB" in msg and "several ranges" in msg
+    p = vmm.reserve(8 << 40)
+    expect_fail(PARAM, vmm.rt.reserve_mem_address, 2 * MiB, 0, p, 0)  # the range is taken
+
+
 def test_rule_3_release_gives_the_range_back(vmm):
     p = vmm.reserve(6 * MiB)
     vmm.release(p)
@@ -560,6 +569,117 @@ def test_rule_7_distinct_allocations_do_not_alias(vmm):
     p2, _ = vmm.mapped()
     write(p1, b"one")
     assert read(p2, 3) == bytes(3)
+
+
+def _segments(vmm, sizes, reserve=None, gaps=(), **prop_kw):
+    """Allocations of `sizes` mapped back to back from the start of one reservation (a torch_npu expandable
+    segment); the indexes in `gaps` are left unmapped. Returns (base, [ptr of each])."""
+    total = sum(sizes)
+    base = vmm.reserve(reserve or total)
+    ptrs, at = [], base
+    for k, size in enumerate(sizes):
+        if k not in gaps:
+            vmm.map(at, size, vmm.alloc(size, **prop_kw))
+        ptrs.append(at)
+        at += size
+    return base, ptrs
+
+
+def test_rule_7_copies_and_fills_run_across_mappings_end_to_end(vmm):
+    """Three allocations back to back are one range for memcpy (each way), memset and their async forms."""
+    base, ptrs = _segments(vmm, [G2M, 2 * G2M, G2M])
+    total = 4 * G2M
+    payload = os.urandom(total)
+    src = ctypes.create_string_buffer(payload, total)
+    ok(vmm.rt.memcpy(base, total, ctypes.addressof(src), total, 1))  # HOST_TO_DEVICE, over three mappings
+    for p, size in zip(ptrs, [G2M, 2 * G2M, G2M], strict=True):
+        off = p - base
+        assert read(p, size) == payload[off:off + size]
+    out = ctypes.create_string_buffer(total)
+    ok(vmm.rt.memcpy(ctypes.addressof(out), total, base + 1, total - 1, 2))
+    assert out.raw[:total - 1] == payload[1:]
+    a, n = ptrs[1] - 100, G2M + 200  # a tensor over two boundaries' neighbourhood
+    ok(vmm.rt.memset(a, n, 0xC3, n))
+    off = a - base
+    assert read(a - 1, n + 2) == payload[off - 1:off] + b"\xc3" * n + payload[off + n:off + n + 1]
+    ok(vmm.rt.memcpy(ptrs[2] - 64, 128, ptrs[0] + G2M - 64, 128, 3))  # DEVICE_TO_DEVICE, each side over a boundary
+    assert read(ptrs[2] - 64, 128) == read(ptrs[0] + G2M - 64, 128)
+    s = vmm.stream()
+    ok(vmm.rt.memset_async(ptrs[2] - 10, 20, 0x77, 20, s))
+    ok(vmm.rt.memcpy_async(ctypes.addressof(out), 40, ptrs[2] - 20, 40, 2, s))
+    ok(vmm.rt.synchronize_stream(s))
+    assert out.raw[:40] == read(ptrs[2] - 20, 10) + b"\x77" * 20 + read(ptrs[2] + 10, 10)
+
+
+def test_rule_7_an_overlapping_copy_across_mappings_moves_like_memmove(vmm):
+    _, ptrs = _segments(vmm, [G2M, G2M])
+    pattern = bytes(range(256)) * 16
+    write(ptrs[1] - 2048, pattern)
+    ok(vmm.rt.memcpy(ptrs[1] - 1024, 4096, ptrs[1] - 2048, 4096, 3))  # up, across the boundary
+    assert read(ptrs[1] - 1024, 4096) == pattern
+    write(ptrs[1] - 2048, pattern)
+    ok(vmm.rt.memcpy(ptrs[1] - 3072, 4096, ptrs[1] - 2048, 4096, 3))  # down
+    assert read(ptrs[1] - 3072, 4096) == pattern
+
+
+def test_rule_7_host_memory_next_to_device_memory_is_one_range(vmm):
+    host_next = vmm.reserve(2 * G2M)
+    vmm.map(host_next, G2M, vmm.alloc(loc_type=HOST))
+    vmm.map(host_next + G2M, G2M, vmm.alloc())
+    data = os.urandom(8192)
+    buf = ctypes.create_string_buffer(data, 8192)
+    ok(vmm.rt.memcpy(host_next + G2M - 4096, 8192, ctypes.addressof(buf), 8192, 4))  # DEFAULT: the runtime decides
+    assert read(host_next + G2M - 4096, 8192) == data
+    msg = expect_fail(PARAM, vmm.rt.memcpy, host_next + G2M - 4096, 8192, ctypes.addressof(buf), 8192, 1)
+    assert "kind" in msg and "host and device" in msg  # HOST_TO_DEVICE into a range that is half host memory
+
+
+def test_rule_7_a_copy_into_an_unmapped_gap_fails_and_writes_nothing(vmm):
+    """107000 only when some byte is unmapped, and the message names the first such address; the mapped part
+    before the gap is left as it was (every side is checked before any byte moves)."""
+    base, ptrs = _segments(vmm, [G2M, G2M, G2M], gaps=(1,))
+    write(ptrs[0], b"\x11" * 4096)
+    src = ctypes.create_string_buffer(os.urandom(3 * G2M), 3 * G2M)
+    before = read(ptrs[0] + G2M - 4096, 4096)
+    for fn, args in ((vmm.rt.memcpy, (ptrs[0] + G2M - 4096, 8192, ctypes.addressof(src), 8192, 4)),
+                     (vmm.rt.memset, (ptrs[0] + G2M - 4096, 8192, 0xEE, 8192)),
+                     (vmm.rt.memcpy_async, (ptrs[0] + G2M - 4096, 8192, ctypes.addressof(src), 8192, 4, 0)),
+                     (vmm.rt.memset_async, (ptrs[0] + G2M - 4096, 8192, 0xEE, 8192, 0))):
+        msg = expect_fail(PARAM, fn, *args)
+        assert f"{ptrs[1]:#x}" in msg and "reserved but not mapped" in msg, msg
+    ok(vmm.rt.synchronize_stream(0))
+    assert read(ptrs[0] + G2M - 4096, 4096) == before
+    out = ctypes.create_string_buffer(3 * G2M)
+    msg = expect_fail(PARAM, vmm.rt.memcpy, ctypes.addressof(out), 3 * G2M, base, 3 * G2M, 2)
+    assert f"{ptrs[1]:#x}" in msg
+    lone = vmm.reserve(2 * G2M)  # a range that runs out of the reservation's one mapping
+    vmm.map(lone, G2M, vmm.alloc())
+    assert f"{lone + G2M:#x}" in expect_fail(PARAM, vmm.rt.memset, lone + G2M - 8, 16, 0, 16)
+
+
+def test_rule_7_cpu_views_run_across_mappings_end_to_end(vmm):
+    """acl.util's views check the range as the copies do: across host mappings end to end they work; into a gap
+    they refuse (None, a message naming the address)."""
+    import vmmshare.acl as acl
+
+    _, ptrs = _segments(vmm, [G2M, G2M, G2M], gaps=(2,))
+    write(ptrs[1] - 4, b"abcdefgh")
+    assert acl.util.ptr_to_bytes(ptrs[1] - 4, 8) == b"abcdefgh"
+    assert acl.util.ptr_to_bytes(ptrs[2] - 4, 8) is None
+    assert f"{ptrs[2]:#x}" in acl.get_recent_err_msg()
+
+
+def test_rule_7_a_read_only_mapping_in_the_range_refuses_the_whole_write(vmm):
+    _, ptrs = _segments(vmm, [G2M, G2M])
+    ok(vmm.rt.mem_set_access(ptrs[1], G2M, [desc(READ)]))
+    before = read(ptrs[0] + G2M - 16, 32)
+    src = ctypes.create_string_buffer(b"\x01" * 32, 32)
+    msg = expect_fail(PARAM, vmm.rt.memcpy, ptrs[0] + G2M - 16, 32, ctypes.addressof(src), 32, 4)
+    assert f"{ptrs[1]:#x}" in msg and "writable" in msg
+    assert read(ptrs[0] + G2M - 16, 32) == before
+    out = ctypes.create_string_buffer(32)
+    ok(vmm.rt.memcpy(ctypes.addressof(out), 32, ptrs[0] + G2M - 16, 32, 2))  # reading it is fine
+    assert out.raw == before
 
 
 # ---------------------------------------------------------------- rule 8: retain, address range

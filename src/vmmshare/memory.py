@@ -14,7 +14,7 @@ from typing import Any
 from . import constants as C
 from ._process import runtime
 from .backends.base import MemoryKind
-from .errors import AclInvalidParamError, ContextNullError, InvalidParamError
+from .errors import AclInvalidParamError, ContextNullError, InvalidHandleError, InvalidParamError
 from .handles import ShareableHandle, ShareType
 from .props import U64, Location, PhysicalProp, check_device, check_int, check_pids, check_prop, check_ptr
 from .views import MemoryViews
@@ -220,7 +220,9 @@ def _free_quietly(handle: int) -> None:
 
 
 def import_handle(handle: int | bytes | str | ShareableHandle, device: int | None = None) -> PhysicalMemory:
-    """Import a handle another process exported; on `device` (default: this thread's device, else 0)."""
+    """Import an exported handle on `device` (default: this thread's device, else 0). The exporting process may
+    import its own handle, and importing a handle again gives another object over the same memory (rule 13):
+    each object is closed on its own, and the memory stays until the last is."""
     h = ShareableHandle.from_value(handle)
     rt = runtime()
     if device is None:
@@ -229,7 +231,19 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
         except ContextNullError:
             device = 0
     dev = rt.device_id(check_device(device))
-    return PhysicalMemory(rt.sharing.import_handle(h, dev))
+    try:
+        imported = rt.sharing.import_handle(h, dev)
+    except InvalidHandleError as exc:
+        if "revoked" not in exc.message:
+            raise
+        raise InvalidHandleError(  # in this API's terms: objects are closed, not freed
+            f"handle {h.value:#x} cannot be imported: it is unknown on this node, or revoked (its exporter closed "
+            "the memory, or exited)") from None
+    try:
+        return PhysicalMemory(imported)
+    except BaseException:
+        rt.memory.free_physical(imported)
+        raise
 
 
 class VirtualRange:

@@ -52,27 +52,49 @@ def free(dev_ptr: int) -> None:
 
 @acl_call(0)
 def malloc_host(size: int) -> int:
-    return runtime().copies.malloc_host(check_int("size", size))
+    """aclrtMallocHost: `size` bytes of page-locked host memory; size 0 is the acl layer's 100000 (§4a)."""
+    n = check_int("size", size)
+    acl_require(n != 0, "size is 0")
+    return runtime().copies.malloc_host(n)
 
 
 @acl_call()
 def free_host(ptr: int) -> None:
-    runtime().copies.free_host(check_ptr("ptr", ptr))
+    """aclrtFreeHost: memory of `malloc_host`; NULL is the acl layer's 100000 (§4a)."""
+    p = check_ptr("ptr", ptr)
+    acl_require(p != 0, "hostPtr is NULL")
+    runtime().copies.free_host(p)
+
+
+def _copy_args(dst: object, src: object, kind: object) -> tuple[int, int, int]:
+    """The acl layer's checks of a copy (memory.cpp's aclrtMemcpy*Impl): dst, src, then the kind (0..5)."""
+    d, s, k = check_ptr("dst", dst), check_ptr("src", src), check_int("kind", kind, *I32)
+    acl_require(d != 0, "dst is NULL")
+    acl_require(s != 0, "src is NULL")
+    acl_require(k in _KINDS, f"kind={k} is not an aclrtMemcpyKind (0..{_KINDS[-1]})")
+    return d, s, k
 
 
 @acl_call()
 def memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> None:
-    d, s = check_ptr("dst", dst), check_ptr("src", src)
+    """aclrtMemcpy: a count of 0 succeeds before any other check, as the runtime's acl layer has it."""
     dmax, n = check_int("destMax", dest_max), check_int("count", count)
-    k = check_int("kind", kind, C.ACL_MEMCPY_HOST_TO_HOST, C.ACL_MEMCPY_DEFAULT)
+    if n == 0:
+        check_ptr("dst", dst), check_ptr("src", src), check_int("kind", kind, *I32)
+        return
+    d, s, k = _copy_args(dst, src, kind)
     runtime().copies.memcpy(d, dmax, s, n, k)
 
 
 @acl_call()
 def memset(dev_ptr: int, max_count: int, value: int, count: int) -> None:
+    """aclrtMemset: a count of 0 succeeds before any other check; a NULL devPtr is 100000 (§4a)."""
     p = check_ptr("devPtr", dev_ptr)
     mx, n = check_int("maxCount", max_count), check_int("count", count)
     v = check_int("value", value, *I32)
+    if n == 0:
+        return
+    acl_require(p != 0, "devPtr is NULL")
     runtime().copies.memset(p, mx, v, n)
 
 
@@ -80,13 +102,11 @@ def memset(dev_ptr: int, max_count: int, value: int, count: int) -> None:
 def memcpy_async(dst: int, dest_max: int, src: int, count: int, kind: int, stream: int) -> None:
     """aclrtMemcpyAsync: queued on `stream` (0: the current context's default stream); done after
     synchronize_stream, which reports a failure while it ran."""
-    d, dmax, s = check_ptr("dst", dst), check_int("destMax", dest_max), check_ptr("src", src)
-    n, k, st = check_int("count", count), check_int("kind", kind, *I32), check_ptr("stream", stream)
+    dmax, n, st = check_int("destMax", dest_max), check_int("count", count), check_ptr("stream", stream)
     if n == 0:
+        check_ptr("dst", dst), check_ptr("src", src), check_int("kind", kind, *I32)
         return
-    acl_require(d != 0, "dst is NULL")
-    acl_require(s != 0, "src is NULL")
-    acl_require(k in _KINDS, f"kind={k} is not an aclrtMemcpyKind (0..{_KINDS[-1]})")
+    d, s, k = _copy_args(dst, src, kind)
     runtime().copies.memcpy_async(d, dmax, s, n, k, st)
 
 

@@ -11,10 +11,12 @@ from ._call import acl_call, code_call
 
 __all__ = [
     "create_context", "create_stream", "destroy_context", "destroy_stream", "destroy_stream_force",
-    "device_can_access_peer", "device_disable_peer_access", "device_enable_peer_access", "get_context",
-    "get_current_context", "get_device", "get_device_count", "get_last_error", "get_run_mode", "peek_at_last_error",
-    "reset_device", "reset_device_force", "set_context", "set_current_context", "set_device", "stream_query",
-    "synchronize_device", "synchronize_device_with_timeout", "synchronize_stream", "synchronize_stream_with_timeout",
+    "device_can_access_peer", "device_disable_peer_access", "device_enable_peer_access", "device_get_uuid",
+    "get_context", "get_current_context", "get_device", "get_device_count", "get_last_error",
+    "get_logic_dev_id_by_phy_dev_id", "get_logic_dev_id_by_user_dev_id", "get_phy_dev_id_by_logic_dev_id",
+    "get_run_mode", "get_user_dev_id_by_logic_dev_id", "peek_at_last_error", "reset_device", "reset_device_force",
+    "set_context", "set_current_context", "set_device", "stream_query", "synchronize_device",
+    "synchronize_device_with_timeout", "synchronize_stream", "synchronize_stream_with_timeout",
 ]
 
 
@@ -41,7 +43,42 @@ def get_device() -> int:
 
 @acl_call(0)
 def get_device_count() -> int:
-    return runtime().devices.count
+    """aclrtGetDeviceCount: the devices this process sees (ASCEND_RT_VISIBLE_DEVICES applied); 207004 when that
+    variable names none, repeats one or is not in ascending order (api_impl.cc `GetDeviceCount`)."""
+    return runtime().devices.visible_count()
+
+
+# ---------------------------------------------------------------- device-id conversions
+
+
+@acl_call(0)
+def get_logic_dev_id_by_user_dev_id(user_dev_id: int) -> int:
+    """aclrtGetLogicDevIdByUserDevId: the node's device number behind a user id (ASCEND_RT_VISIBLE_DEVICES)."""
+    return runtime().devices.logic_of_user(check_int("userDevid", user_dev_id, *I32))
+
+
+@acl_call(0)
+def get_user_dev_id_by_logic_dev_id(logic_dev_id: int) -> int:
+    """aclrtGetUserDevIdByLogicDevId: the user id this process sees a node device by."""
+    return runtime().devices.user_of_logic(check_int("logicDevId", logic_dev_id, *I32))
+
+
+@acl_call(0)
+def get_logic_dev_id_by_phy_dev_id(phy_dev_id: int) -> int:
+    """aclrtGetLogicDevIdByPhyDevId: as the runtime, the index this process sees a physical device by."""
+    return runtime().devices.logic_of_phy(check_int("phyDevId", phy_dev_id, *I32))
+
+
+@acl_call(0)
+def get_phy_dev_id_by_logic_dev_id(logic_dev_id: int) -> int:
+    """aclrtGetPhyDevIdByLogicDevId: the physical device (this node's device number) behind an index."""
+    return runtime().devices.phy_of_logic(check_int("logicDevId", logic_dev_id, *I32))
+
+
+@acl_call(None)
+def device_get_uuid(device_id: int) -> bytes:
+    """aclrtDeviceGetUuid: the device's 16-byte id, stable per (server, device) across processes and restarts."""
+    return runtime().devices.uuid(check_int("deviceId", device_id, *I32))
 
 
 @acl_call(0)
@@ -98,10 +135,10 @@ def get_current_context() -> int:
 
 
 def _timeout(timeout: object) -> float | None:
-    """A timeout in milliseconds: -1 waits for ever."""
+    """A timeout in milliseconds, -1 to wait for ever; 0 and other negatives are 107000 (api_error.cc)."""
     t = check_int("timeout", timeout, *I32)
-    if t < -1:
-        raise InvalidParamError(f"timeout={t}: milliseconds, or -1 to wait until done")
+    if t < -1 or t == 0:
+        raise InvalidParamError(f"timeout={t}: a positive number of milliseconds, or -1 to wait until done")
     return None if t == -1 else t / 1000
 
 
@@ -112,14 +149,18 @@ def create_stream() -> int:
 
 @acl_call()
 def destroy_stream(stream: int) -> None:
-    """aclrtDestroyStream: the tasks queued on it run first."""
-    runtime().devices.destroy_stream(check_ptr("stream", stream))
+    """aclrtDestroyStream: the tasks queued on it run first; NULL is the acl layer's 100000 (§4a)."""
+    s = check_ptr("stream", stream)
+    acl_require(s != 0, "stream is NULL")
+    runtime().devices.destroy_stream(s)
 
 
 @acl_call()
 def destroy_stream_force(stream: int) -> None:
-    """aclrtDestroyStreamForce: the tasks not started yet are dropped (a running one finishes)."""
-    runtime().devices.destroy_stream(check_ptr("stream", stream), force=True)
+    """aclrtDestroyStreamForce: the tasks not started yet are dropped (a running one finishes); NULL: 100000."""
+    s = check_ptr("stream", stream)
+    acl_require(s != 0, "stream is NULL")
+    runtime().devices.destroy_stream(s, force=True)
 
 
 @acl_call()

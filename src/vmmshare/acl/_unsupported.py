@@ -31,9 +31,7 @@ RT: dict[str, str] = {
     "query_device_status": "i", "device_task_abort": "", "get_device_info": "i",
     "device_get_stream_priority_range": "ii",
     "get_device_capability": "i", "get_device_res_limit": "i", "set_device_res_limit": "", "reset_device_res_limit": "",
-    "get_devices_topo": "i", "get_logic_dev_id_by_user_dev_id": "i", "get_user_dev_id_by_logic_dev_id": "i",
-    "get_logic_dev_id_by_phy_dev_id": "i", "get_phy_dev_id_by_logic_dev_id": "i", "device_get_uuid": "o",
-    "device_peer_access_status": "i",
+    "get_devices_topo": "i", "device_peer_access_status": "i",
     # contexts
     "ctx_get_current_default_stream": "i", "get_overflow_status": "", "reset_overflow_status": "",
     "ctx_set_sys_param_opt": "", "ctx_get_sys_param_opt": "i", "set_sys_param_opt": "", "get_sys_param_opt": "i",

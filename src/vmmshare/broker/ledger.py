@@ -383,9 +383,8 @@ class Ledger:
         share = self._shared(shareable, share_type)
         if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):
             raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, f"FABRIC handle {shareable:#x} does not carry its secret")
-        if client.server is None and client.pid == share.exporter.pid:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
-        if not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
+        own = client is share.exporter  # rule 13: the exporter may import its own handle, trustlist or not
+        if not own and not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
             trustlists.admitted(client, share)
         memory = share.memory
         hold = self._new_hold(client, memory)

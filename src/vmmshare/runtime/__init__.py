@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from ..errors import AclError
 from ..node import Node
 from .blocks import Blocks
 from .copies import Copies
-from .devices import Devices
+from .devices import VISIBLE_ENV, Devices
 from .ipc import Ipc
 from .sharing import Sharing
 from .tables import Allocation, MappingEntry, Reservation
@@ -50,7 +51,8 @@ class Runtime:
         """Empty tables and a fresh lock: at start, and in a forked child, which must not use the parent's."""
         self.lock = threading.RLock()
         self.remote = RemoteBackend(lambda: self.node.transfers())  # other servers' memory (its engine: on first use)
-        self.devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu)
+        self.devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu,
+                               os.environ.get(VISIBLE_ENV), self.config.server_id)
         self.memory = Vmm(self)
         self.blocks = Blocks(self)
         self.copies = Copies(self)
@@ -65,7 +67,7 @@ class Runtime:
 
     def mem_info(self, device: int) -> tuple[int, int]:
         """(free, total) bytes of `device`: the GPU's, as its driver counts them, or the node's capacity."""
-        d = self.devices.device_id(device)
+        d = self.devices.logical(self.devices.device_id(device))  # the node's device: capacity is node-wide
         got = self.device_backend.mem_info(d)
         return got if got is not None else self.node.mem_info(d)
 

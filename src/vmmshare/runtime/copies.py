@@ -24,6 +24,8 @@ _KIND_SIDES = {  # memcpy kind -> (dst is device memory, src is device memory)
     C.ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE: (True, False),
 }
 MAX_HOST_ALLOC = 1 << 46
+Piece = tuple[int, int, "MappingEntry | None"]  # (address, length, the mapping holding it; None: other memory)
+Chunk = tuple[int, int, int, "MappingEntry | None", "MappingEntry | None"]  # (dst, src, count, dst's, src's mapping)
 
 
 class Copies:
@@ -52,30 +54,46 @@ class Copies:
             self.host_blocks.remove(ptr)
             mman.unmap(ptr, size)
 
-    def _classify(self, ptr: int, size: int, write: bool, what: str) -> MappingEntry | None:
-        """Check `[ptr, ptr+size)` is accessible memory: its mapping when mapped here, None for other memory."""
+    def _pieces(self, ptr: int, size: int, write: bool, what: str) -> list[Piece]:
+        """Check `[ptr, ptr+size)` is accessible memory: the mappings it runs through, end to end, each with the
+        part of the range it holds (rule 7), or one piece without a mapping for other memory of this process."""
         if ptr == 0:
             raise InvalidParamError(f"{what} is NULL")
         vmm = self.rt.memory
         hit = vmm.mappings.at(ptr)
-        if hit is not None:
-            start, end, m = hit
-            if ptr + size > end:
-                raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its mapping at {start:#x}")
-            need = C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE if write else C.ACL_RT_MEM_ACCESS_FLAGS_READ
+        if hit is None:
+            self._check_other(ptr, size, write, what)
+            return [(ptr, size, None)]
+        need = C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE if write else C.ACL_RT_MEM_ACCESS_FLAGS_READ
+        pieces: list[Piece] = []
+        cursor, end = ptr, ptr + size
+        while True:
+            start, stop, m = hit
             if m.effective & need != need:
                 raise InvalidParamError(f"{what} mapping at {start:#x} is not {'writable' if write else 'readable'}")
-            return m
+            stop = min(stop, end)
+            pieces.append((cursor, stop - cursor, m))
+            if stop == end:
+                return pieces
+            cursor = stop
+            hit = vmm.mappings.at(cursor)
+            if hit is None:
+                why = "reserved but not mapped" if vmm.reservations.at(cursor) is not None else "not mapped"
+                raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs into {cursor:#x}, which is {why}: "
+                                        "a copy may span mappings only where they lie end to end")
+
+    def _check_other(self, ptr: int, size: int, write: bool, what: str) -> None:
+        """Memory outside the mappings: a malloc_host block, or memory the process has mapped itself."""
+        vmm = self.rt.memory
         if vmm.reservations.at(ptr) is not None:
             raise InvalidParamError(f"{what} {ptr:#x} is reserved but not mapped: map_mem it first")
         block = self.host_blocks.at(ptr)
         if block is not None:
             if ptr + size > block[1]:
                 raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its malloc_host block")
-            return None
+            return
         if not _process_range_ok(ptr, size, write):
             raise InvalidParamError(f"{what} {ptr:#x}+{size} is not {'writable' if write else 'readable'} memory")
-        return None
 
     def memcpy(self, dst: int, dest_max: int, src: int, count: int, kind: int) -> None:
         if count > dest_max:
@@ -85,35 +103,72 @@ class Copies:
         if count == 0:
             return
         with self.rt.lock:
-            to, of = self._sides(dst, src, count, kind)
-            mover = _mover(to, of)
-            if mover is None:
-                self.rt.host.copy(dst, src, count, 0)
+            plan = self._plan(dst, src, count, kind)
+            if len(plan) == 1 and _local(plan[0]):  # one mapping (or none) on each side: the common case
+                _, _, _, to, of = plan[0]
+                self._local_copy(to, of, dst, src, count)
                 return
-            if mover.alloc.backend.kind is not MemoryKind.REMOTE:
-                mover.alloc.backend.copy(dst, src, count, mover.alloc.device)
-                return
-        # across servers: not under the lock, which a stalled peer would hold for up to VMMSHARE_FABRIC_TIMEOUT (the
-        # memory stays served until this process's import of it is released, so nothing moves under the copy)
-        self._remote_copy(to, of, dst, src, count)
+        self._run(plan)
 
-    def _copy_sides(self, dst: int, src: int, count: int, kind: int) -> MappingEntry | None:
-        """Check a copy's ranges and kind; returns the mapping whose backend copies (None: the CPU does)."""
-        return _mover(*self._sides(dst, src, count, kind))
-
-    def _sides(self, dst: int, src: int, count: int, kind: int) -> tuple[MappingEntry | None, MappingEntry | None]:
-        """Check a copy's ranges and kind; the mappings of its destination and source (None: other memory)."""
-        to = self._classify(dst, count, True, "dst")
-        of = self._classify(src, count, False, "src")
-        dst_dev, src_dev = _on_device(to), _on_device(of)
+    def _plan(self, dst: int, src: int, count: int, kind: int) -> list[Chunk]:
+        """Check a copy's ranges and kind; the copy cut where either side passes from one mapping to the next."""
+        to = self._pieces(dst, count, True, "dst")
+        of = self._pieces(src, count, False, "src")
         want = _KIND_SIDES.get(kind)
-        if want is not None and want != (dst_dev, src_dev):
-            names = ("host", "device")
-            raise InvalidParamError(
-                f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {names[src_dev]} memory "
-                f"and dst is {names[dst_dev]} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
-            )
-        return to, of
+        if want is not None:
+            dst_dev = {_on_device(m) for _, _, m in to}
+            src_dev = {_on_device(m) for _, _, m in of}
+            if dst_dev != {want[0]} or src_dev != {want[1]}:
+                names = ("host", "device")
+
+                def sides(found: set[bool]) -> str:
+                    return " and ".join(names[d] for d in sorted(found))
+
+                raise InvalidParamError(
+                    f"kind {kind} copies {names[want[1]]}->{names[want[0]]} but src is {sides(src_dev)} memory "
+                    f"and dst is {sides(dst_dev)} memory (use ACL_MEMCPY_DEFAULT to let the runtime decide)"
+                )
+        if len(to) == 1 and len(of) == 1:
+            return [(dst, src, count, to[0][2], of[0][2])]
+        cuts = sorted({a - dst for a, _, _ in to} | {a - src for a, _, _ in of} | {count})
+        plan: list[Chunk] = []
+        i = j = 0
+        for k in range(len(cuts) - 1):
+            off, n = cuts[k], cuts[k + 1] - cuts[k]
+            while to[i][0] + to[i][1] <= dst + off:
+                i += 1
+            while of[j][0] + of[j][1] <= src + off:
+                j += 1
+            plan.append((dst + off, src + off, n, to[i][2], of[j][2]))
+        if src < dst < src + count:  # overlapping, the destination above: the last chunk first, as memmove does
+            plan.reverse()
+        return plan
+
+    def _run(self, plan: list[Chunk]) -> None:
+        """Copy chunk by chunk, in order: local memory under the lock (checking its mapping is still there), memory
+        of another server outside it, which a stalled peer would hold for up to VMMSHARE_FABRIC_TIMEOUT (the
+        memory stays served until this process's import of it is released, so nothing moves under the copy)."""
+        for chunk in plan:
+            d, s, n, to, of = chunk
+            if not _local(chunk):
+                self._remote_copy(to, of, d, s, n)
+                continue
+            with self.rt.lock:
+                self._still_mapped(d, n, to)
+                self._still_mapped(s, n, of)
+                self._local_copy(to, of, d, s, n)
+
+    def _still_mapped(self, ptr: int, size: int, m: MappingEntry | None) -> None:
+        if m is not None and (self.rt.memory.mappings.at(ptr) or (0, 0, None))[2] is not m:
+            raise InvalidParamError(f"{ptr:#x}+{size} was unmapped while the copy ran")
+
+    def _local_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
+        """A copy between memory of this server (under the lock): the GPU's backend copies if a side is GPU memory."""
+        mover = _mover(to, of)
+        if mover is None:
+            self.rt.host.copy(dst, src, count, 0)
+        else:
+            mover.alloc.backend.copy(dst, src, count, self.rt.devices.logical(mover.alloc.device))
 
     def _remote_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
         """A copy with memory of another server on one side or both: the engine moves the bytes to and from memory
@@ -137,7 +192,7 @@ class Copies:
             self._bounce_gpu(gpu, far, gpu is to, dst, src, count)
 
     def _bounce_gpu(self, gpu: MappingEntry, far: MappingEntry, to_gpu: bool, dst: int, src: int, count: int) -> None:
-        remote, backend, device = self.rt.remote, gpu.alloc.backend, gpu.alloc.device
+        remote, backend, device = self.rt.remote, gpu.alloc.backend, self.rt.devices.logical(gpu.alloc.device)
         bounce = mman.map_anonymous(min(count, BOUNCE))
         try:
             for done in range(0, count, BOUNCE):
@@ -159,14 +214,23 @@ class Copies:
         if count == 0:
             return
         with self.rt.lock:
-            m = self._classify(ptr, count, True, "devPtr")
-            if m is None:
-                self.rt.host.fill(ptr, value, count, 0)
+            pieces = self._pieces(ptr, count, True, "devPtr")
+            if len(pieces) == 1 and not _remote(pieces[0][2]):
+                self._local_fill(pieces[0][2], ptr, value, count)
                 return
-            if m.alloc.backend.kind is not MemoryKind.REMOTE:
-                m.alloc.backend.fill(ptr, value, count, m.alloc.device)
-                return
-        self.rt.remote.set(m.alloc.mem, ptr - m.ptr, value, count)  # type: ignore[arg-type]  # not under the lock
+        for p, n, m in pieces:
+            if _remote(m):
+                self.rt.remote.set(m.alloc.mem, p - m.ptr, value, n)  # type: ignore[union-attr, arg-type]
+                continue
+            with self.rt.lock:
+                self._still_mapped(p, n, m)
+                self._local_fill(m, p, value, n)
+
+    def _local_fill(self, m: MappingEntry | None, ptr: int, value: int, count: int) -> None:
+        if m is None:
+            self.rt.host.fill(ptr, value, count, 0)
+        else:
+            m.alloc.backend.fill(ptr, value, count, self.rt.devices.logical(m.alloc.device))
 
     def memcpy_async(self, dst: int, dest_max: int, src: int, count: int, kind: int, stream: int) -> None:
         """Queue a copy on `stream`: checked now (a bad range fails here), checked again and done when its turn
@@ -175,7 +239,7 @@ class Copies:
             raise InvalidParamError(f"count {count} is larger than destMax {dest_max}")
         s = self.rt.devices.stream_here(stream)
         with self.rt.lock:
-            self._copy_sides(dst, src, count, kind)
+            self._plan(dst, src, count, kind)
         s.submit("memcpy_async", lambda: self.memcpy(dst, dest_max, src, count, kind))
 
     def memset_async(self, ptr: int, max_count: int, value: int, count: int, stream: int) -> None:
@@ -184,17 +248,17 @@ class Copies:
             raise InvalidParamError(f"count {count} is larger than maxCount {max_count}")
         s = self.rt.devices.stream_here(stream)
         with self.rt.lock:
-            self._classify(ptr, count, True, "devPtr")
+            self._pieces(ptr, count, True, "devPtr")
         s.submit("memset_async", lambda: self.memset(ptr, max_count, value, count))
 
     def check_readable(self, ptr: int, size: int) -> None:
-        """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot)."""
+        """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot, nor another server's)."""
         with self.rt.lock:
-            m = self._classify(ptr, size, False, "ptr")
-            if m is not None and m.alloc.backend.kind is MemoryKind.REMOTE:
-                raise FeatureNotSupportedError(f"{ptr:#x} cannot be viewed by the CPU: {NO_CPU_ACCESS}")
-            if m is not None and m.alloc.backend.kind is not MemoryKind.HOST:
-                raise InvalidParamError(f"{ptr:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
+            for p, _, m in self._pieces(ptr, size, False, "ptr"):
+                if _remote(m):
+                    raise FeatureNotSupportedError(f"{p:#x} cannot be viewed by the CPU: {NO_CPU_ACCESS}")
+                if m is not None and m.alloc.backend.kind is not MemoryKind.HOST:
+                    raise InvalidParamError(f"{p:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
 
 
 def _mover(to: MappingEntry | None, of: MappingEntry | None) -> MappingEntry | None:
@@ -205,6 +269,15 @@ def _mover(to: MappingEntry | None, of: MappingEntry | None) -> MappingEntry | N
     if kt is MemoryKind.REMOTE or (kt is not MemoryKind.HOST and ko is not MemoryKind.REMOTE):
         return to
     return of if ko is not MemoryKind.HOST else None
+
+
+def _remote(m: MappingEntry | None) -> bool:
+    return m is not None and m.alloc.backend.kind is MemoryKind.REMOTE
+
+
+def _local(chunk: Chunk) -> bool:
+    """Whether a copy chunk stays on this server (neither side is memory of another one)."""
+    return not (_remote(chunk[3]) or _remote(chunk[4]))
 
 
 def _on_device(m: MappingEntry | None) -> bool:

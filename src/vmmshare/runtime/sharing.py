@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from . import Runtime
 
 log = logging.getLogger("vmmshare.runtime")
-_PENDING: Any = object()  # an import under way: a second import of the same handle is refused meanwhile
+_PENDING: Any = object()  # an import under way: a second import of the same handle waits for it
 
 
 class Sharing:
@@ -29,6 +30,7 @@ class Sharing:
         self.rt = rt
         self.imports: dict[int, Allocation] = {}  # handle value imported here -> allocation
         self.exported: set[int] = set()  # handle values this process exported and has not freed
+        self._settled = threading.Condition(rt.lock)  # an import under way has finished (or failed)
         self._told_fabric = threading.Event()  # the FABRIC-on-GPU log line is written once
 
     def export(self, handle: int, share_type: ShareType, pid_validation: bool = True,
@@ -74,35 +76,65 @@ class Sharing:
             self.rt.node.set_remote_pids(shareable.value, shareable.share_type, server, pids)
 
     def import_handle(self, shareable: ShareableHandle, device: int) -> int:
-        """Import a handle another process exported, as memory of `device`; returns the new handle."""
-        return self.rt.memory.register(self.import_alloc(shareable, device))
-
-    def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:
-        """The allocation behind a handle another process exported, as memory of `device` (not yet registered):
-        of this node through its broker, or of another server through the cross-server transport (SPEC §8)."""
+        """Import a shareable handle as memory of `device`; returns its handle (rule 13). An import in the exporting
+        process gives a second handle to the same memory; importing a handle this process holds an import of
+        already returns that handle with a reference added, which needs its own free_physical."""
         rt = self.rt
         rt.devices.device_id(device)
-        fabric = shareable.fabric
-        remote = fabric is not None and fabric.server_id != rt.config.server_id
         value = shareable.value
-        with rt.lock:
-            if value in self.imports:
-                raise InvalidParamError(
-                    "this shareable handle is imported in this process already: free_physical that import first"
-                )
-            if value in self.exported:
-                raise InvalidParamError("this process exported the handle; use its own handle instead of importing")
-            self.imports[value] = _PENDING
+        with self._settled:
+            while self.imports.get(value) is _PENDING:  # another thread's import of it: wait for its outcome
+                self._settled.wait()
+            done = self.imports.get(value)
+            if done is not None and done.refs > 0:
+                done.refs += 1  # the reference this import adds, held while the broker is asked again
+            else:
+                done = None
+                self.imports[value] = _PENDING
+        if done is not None:
+            try:
+                self._still_admitted(shareable)  # as the driver checks the handle on each import (not under the lock)
+            except BaseException:
+                rt.memory.drop(done)
+                raise
+            return done.handle
         try:
-            alloc = self._import_remote(shareable, device, owner) if remote else self._import_here(
-                shareable, device, owner)
+            alloc = self._import_any(shareable, device, "")
+            handle = rt.memory.register(alloc)
         except BaseException:
-            with rt.lock:
+            with self._settled:
                 self.imports.pop(value, None)
+                self._settled.notify_all()
             raise
-        with rt.lock:
+        with self._settled:
             self.imports[value] = alloc
-        return alloc
+            self._settled.notify_all()
+        return handle
+
+    def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:
+        """A new import of a shareable handle as memory of `device` (not yet registered), for memory behind a
+        pointer of its own (an IPC import); the exporting process may import its own export too (rule 13)."""
+        self.rt.devices.device_id(device)
+        return self._import_any(shareable, device, owner)
+
+    def _still_admitted(self, shareable: ShareableHandle) -> None:
+        """Raise as a new import would (107017 revoked, 207006 not trusted any more); the hold it took goes again."""
+        rt = self.rt
+        fabric = shareable.fabric
+        if fabric is not None and fabric.server_id != rt.config.server_id:
+            ref = rt.node.import_remote(shareable.raw).node_ref
+        else:
+            got = rt.node.import_handle(shareable.value, shareable.share_type, fabric.secret if fabric else b"")
+            os.close(got.fd)
+            ref = got.node_ref
+        rt.safe_node_call(rt.node.release, ref)
+
+    def _import_any(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
+        """Of this node through its broker, or of another server through the cross-server transport (SPEC §8)."""
+        fabric = shareable.fabric
+        if fabric is not None and fabric.server_id != self.rt.config.server_id:
+            return self._import_remote(shareable, device, owner)
+        return self._import_here(shareable, device, owner)
 
     def _import_here(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
         rt = self.rt
@@ -131,6 +163,7 @@ class Sharing:
                           imported_from=shareable.value, owner=owner)
 
     def _adopt(self, got: Imported, device: int) -> Memory:
+        device = self.rt.devices.logical(device)  # the backends address the node's devices
         if not got.gpu:
             return self.rt.host.adopt(got.fd, got.size, device)
         if self.rt.device_backend.kind is not MemoryKind.GPU:
@@ -148,8 +181,8 @@ class Sharing:
 
     def forget(self, alloc: Allocation) -> None:
         """The last handle to `alloc` was freed: an export of it is revoked, an import of it may come again."""
-        if alloc.imported_from:
-            self.imports.pop(alloc.imported_from, None)
+        if alloc.imported_from and self.imports.get(alloc.imported_from) is alloc:
+            del self.imports[alloc.imported_from]
         elif alloc.exported is not None:
             self.exported.discard(alloc.exported.value)
             if alloc.maps:  # still mapped here: revoke now (unmapped, the node's release revokes it too)

@@ -83,7 +83,13 @@ class Vmm:
 
     def granularity(self, prop: PhysicalProp) -> int:
         self.check_prop(prop)
-        return max(prop.granularity, self.backend_for(prop.location).granularity(prop.location.id))
+        return max(prop.granularity, self.backend_for(prop.location).granularity(self._node_device(prop.location)))
+
+    def _node_device(self, location: Location) -> int:
+        """The node's number for a DEVICE location (its id is a user id, ASCEND_RT_VISIBLE_DEVICES applied)."""
+        if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
+            return self.rt.devices.logical(location.id)
+        return location.id
 
     def malloc_physical(self, size: int, prop: PhysicalProp) -> int:
         return self.register(self.create(size, prop))
@@ -93,10 +99,10 @@ class Vmm:
         self.rt.run_deferred()
         self.check_prop(prop)
         backend = self.backend_for(prop.location)
-        g = max(prop.granularity, backend.granularity(prop.location.id))
+        g = max(prop.granularity, backend.granularity(self._node_device(prop.location)))
         if size == 0 or size % g:
             raise InvalidParamError(f"size {size} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
-        device = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
+        device = self._node_device(prop.location) if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
         numa = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
         config = self.rt.config
         if device >= 0 and backend.kind is MemoryKind.HOST and size > config.device_memory:
@@ -342,7 +348,7 @@ class Vmm:
             access.update(entries)
             effective = access.get(m.alloc.prop.location, entries[-1][1])
             try:
-                m.alloc.backend.protect(ptr, size, effective, m.alloc.device)
+                m.alloc.backend.protect(ptr, size, effective, self.rt.devices.logical(m.alloc.device))
             except OSError as exc:
                 raise InternalError(f"mprotect failed: {exc.strerror}") from None
             m.access, m.effective = access, effective
@@ -381,5 +387,10 @@ def _owned_by(owner: str) -> str:
 def _check_range_size(size: int) -> None:
     """A reservation's size: whole granules, within the arena (reserve_mem_address and map_new alike)."""
     g = C.MIN_GRANULARITY
-    if size == 0 or size % g or size > ARENA_SIZE:
-        raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB), at most {ARENA_SIZE}")
+    if size > ARENA_SIZE:
+        raise InvalidParamError(
+            f"size {size} is more than one reservation holds, {ARENA_SIZE} ({ARENA_SIZE >> 40} TiB, where the "
+            "runtime's drivers other than A3's stop): reserve the size you will map, or several ranges"
+        )
+    if size == 0 or size % g:
+        raise InvalidParamError(f"size {size} must be a positive multiple of {g} ({g >> 20} MiB)")

@@ -281,9 +281,10 @@ def test_every_printed_form_of_a_handle_parses_back() -> None:
 
 FACTORY_ONLY = {  # classes that own resources and are made by factories only, and what the refusal names
     "PhysicalMemory": "Device.allocate", "Mapping": "PhysicalMemory.map", "IpcMemory": "ipc_open",
+    "PoolBuffer": "MemoryPool.allocate",
 }
 CONSTRUCTED = {  # classes whose constructors make a whole, working object from checked arguments (or none)
-    "Device", "VirtualRange", "DeviceBuffer", "ShareableHandle",
+    "Device", "VirtualRange", "DeviceBuffer", "MemoryPool", "ShareableHandle",
 }
 
 

@@ -199,3 +199,24 @@ class _Raw:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (pickle.loads, (self.data,))
+
+
+def test_a_small_pool_is_one_chunk_of_its_size() -> None:
+    with vmmshare.MemoryPool(max_size=2 * MiB) as pool:  # cuda.core's POOL_SIZE: one chunk, not 32 MiB
+        assert (pool.chunk_size, pool.capacity, pool.size) == (2 * MiB, 2 * MiB, 2 * MiB)
+        pool.allocate(64).close()
+    with vmmshare.MemoryPool() as pool:
+        assert pool.chunk_size == 32 * MiB and pool.capacity == 1 << 30 and pool.size == 32 * MiB
+
+
+def test_a_worker_pool_maps_over_pool_buffers(ctx: Any) -> None:
+    """multiprocessing.Pool.map over buffers: each worker imports the pool once; its writes land in ours."""
+    with vmmshare.MemoryPool(max_size=8 * MiB, validate_pids=False) as pool:
+        bufs = [pool.allocate(64) for _ in range(20)]
+        for i, b in enumerate(bufs):
+            b.write(bytes([i]))
+        with ctx.Pool(processes=2) as workers:
+            assert workers.map(travellers.bump, bufs) == list(range(20))
+        assert [b.read(1)[0] for b in bufs] == [i + 1 for i in range(20)]
+        for b in bufs:
+            b.close()

@@ -286,3 +286,20 @@ def test_a_grown_chunk_is_exported_as_the_first_was() -> None:
     assert second.shareable is not None and second._validate is False
     m.close()
     mem.close()
+
+
+def test_an_object_passed_on_through_a_third_process_imports_from_the_exporter(ctx: Any) -> None:
+    mem, m = filled()
+    mem.export(validate_pids=False)
+    q, onward, r = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    a = run(ctx, travellers.relay, q, onward)
+    b = run(ctx, travellers.receive_and_write, onward, r)
+    q.put(m)
+    got = r.get(timeout=60)
+    assert got["first"] == 7 and got["size"] == 4 * MiB and r.get(timeout=60) == "done"
+    q.put("finish")
+    finish(b)
+    finish(a)
+    assert m.read(3) == b"\x07\xab\x01"
+    m.close()
+    mem.close()

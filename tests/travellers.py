@@ -146,3 +146,22 @@ def import_pool(q: Any, r: Any) -> None:
         out["allocate"] = exc.code
     pool.close()
     r.put(out)
+
+
+def bump(buf: Any) -> int:
+    """A worker pool's task: add one to the buffer's first byte, return what it was."""
+    a = buf.numpy()
+    was = int(a[0])
+    a[0] = was + 1
+    del a
+    buf.close()
+    return was
+
+
+def relay(q: Any, onward: Any) -> None:
+    """Receive an object and send it on to another process (which imports it from the exporter)."""
+    obj = q.get()
+    obj.write(b"\x01", 2)
+    onward.put(obj)
+    q.get()  # hold on until the parent is done (the receiver imports from the exporter, not from here)
+    obj.close()

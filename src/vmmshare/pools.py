@@ -51,7 +51,8 @@ _imported_lock = threading.Lock()
 
 
 class MemoryPool:
-    """Buffers carved from shared chunks of `chunk_size` bytes on `device`, growing up to `max_size` bytes.
+    """Buffers carved from shared chunks of `chunk_size` bytes (default: 32 MiB, or `max_size` when smaller;
+    rounded up to the granularity) on `device`, growing up to `max_size` bytes.
 
     Every chunk is exported when it is added (``validate_pids`` and ``pids`` as for `PhysicalMemory.export`;
     `allow()` trusts more processes, for every chunk now and later). Send the pool or its buffers through
@@ -59,7 +60,7 @@ class MemoryPool:
     """
 
     def __init__(
-        self, max_size: int = DEFAULT_MAX, device: int = 0, chunk_size: int = DEFAULT_CHUNK, *, attr: str = "normal",
+        self, max_size: int = DEFAULT_MAX, device: int = 0, chunk_size: int | None = None, *, attr: str = "normal",
         location: str = "device", pids: Iterable[int] = (), validate_pids: bool = True, share_type: str = "default",
         alignment: int = DEFAULT_ALIGNMENT, access: str = "rw",
     ) -> None:
@@ -68,7 +69,8 @@ class MemoryPool:
         self._access = access
         _access(access)
         g = dev.granularity(attr, location)
-        self._chunk_size = -(-_size(chunk_size) // g) * g
+        chunk = min(DEFAULT_CHUNK, _size(max_size)) if chunk_size is None else _size(chunk_size)
+        self._chunk_size = -(-chunk // g) * g
         self._capacity = -(-_size(max_size) // self._chunk_size) * self._chunk_size
         trust = _pids(pids, allow_empty=True)
         self._id = secrets.token_hex(16)

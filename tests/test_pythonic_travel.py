@@ -24,7 +24,7 @@ MiB = 1 << 20
 NO_PERMISSION = C.ACL_ERROR_RT_NO_PERMISSION
 
 
-@pytest.fixture(params=["spawn", "forkserver"])
+@pytest.fixture(params=["spawn", "forkserver", "fork"])
 def ctx(request: pytest.FixtureRequest) -> Any:
     return mp.get_context(request.param)
 
@@ -302,4 +302,33 @@ def test_an_object_passed_on_through_a_third_process_imports_from_the_exporter(c
     finish(a)
     assert m.read(3) == b"\x07\xab\x01"
     m.close()
+    mem.close()
+
+
+# ---------------------------------------------------------------- objects inherited through fork()
+
+
+def test_an_inherited_object_never_frees_what_the_forked_child_makes() -> None:
+    """The child's runtime numbers handles afresh: closing an inherited PhysicalMemory or Mapping there lets go
+    of the parent's, and must not free the child's own allocation that got the same number."""
+    ctx = mp.get_context("fork")
+    mem, m = filled()
+    r = ctx.Queue()
+    for obj in (mem, m):
+        p = run(ctx, travellers.inherited_then_new, obj, r)
+        assert r.get(timeout=60) == (b"\x42", 1)
+        finish(p)
+    assert m.read(1) == b"\x07" and not m.closed and not mem.closed  # the parent's are untouched
+    m.close()
+    mem.close()
+
+
+def test_an_inherited_unexported_memory_says_to_export_it_first() -> None:
+    ctx = mp.get_context("fork")
+    mem = vmmshare.Device(0).allocate(2 * MiB)
+    r = ctx.Queue()
+    p = run(ctx, travellers.inherited_unexported, mem, r)
+    kind, code, message = r.get(timeout=60)
+    finish(p)
+    assert (kind, code) == ("error", C.ACL_ERROR_RT_PARAM_INVALID) and "export() it before starting" in message
     mem.close()

@@ -165,3 +165,27 @@ def relay(q: Any, onward: Any) -> None:
     onward.put(obj)
     q.get()  # hold on until the parent is done (the receiver imports from the exporter, not from here)
     obj.close()
+
+
+def inherited_then_new(obj: Any, r: Any) -> None:
+    """A forked child: allocate after the fork, then close the inherited object; the new memory must stay ours
+    (the child's runtime numbers handles afresh: the parent's handle must not free it)."""
+    try:
+        mem = vmmshare.Device(0).allocate(2 << 20)
+        obj.close()
+        m = mem.map()
+        m.write(b"\x42")
+        r.put((m.read(1), runtime().counts()["allocations"]))
+        m.close()
+        mem.close()
+    except vmmshare.AclError as exc:
+        r.put(("error", exc.code, exc.message))
+
+
+def inherited_unexported(obj: Any, r: Any) -> None:
+    try:
+        obj.map()
+        r.put("mapped")
+    except vmmshare.AclError as exc:
+        r.put(("error", exc.code, exc.message))
+    obj.close()

@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import _inherit
 from . import constants as C
 from ._process import runtime
 from .backends.base import MemoryKind
@@ -48,6 +49,11 @@ class DeviceBuffer(MemoryViews):
         self._validate = True
         self._init_views()
         self._finalizer = weakref.finalize(self, _quietly, _free_block, self._ptr)
+        self._forked = False
+        _inherit.track(self)
+
+    def _after_fork(self) -> None:
+        _let_go_in_child(self)
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.size} bytes at {self.ptr:#x} on device {self.device}{self._state()}>"
@@ -108,7 +114,8 @@ class DeviceBuffer(MemoryViews):
             return
         self._check_closable()
         self._finalizer.detach()
-        runtime().blocks.free(self.ptr)
+        if not self._forked:
+            runtime().blocks.free(self.ptr)
 
     def __enter__(self) -> DeviceBuffer:
         return self
@@ -124,6 +131,7 @@ class IpcMemory(MemoryViews):
 
     key: str
     _finalizer: weakref.finalize[Any, Any]
+    _forked: bool
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("IpcMemory cannot be instantiated directly: use ipc_open(key)")
@@ -135,6 +143,8 @@ class IpcMemory(MemoryViews):
         self.key, self._ptr, self._size, self._device, self._on_gpu = key, ptr, size, device, on_gpu
         self._init_views()
         self._finalizer = weakref.finalize(self, _quietly, _close_key, key)
+        self._forked = False
+        _inherit.track(self)
         return self
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -142,6 +152,9 @@ class IpcMemory(MemoryViews):
         if self.closed:
             raise TypeError("this IpcMemory is closed: there is nothing to send")
         return (_arrive_ipc, (self.key, self.device, os.getpid(), None, self.size))
+
+    def _after_fork(self) -> None:
+        _let_go_in_child(self)
 
     def __repr__(self) -> str:
         return f"<IpcMemory {self.size} bytes at {self.ptr:#x}, key {self.key}{', closed' if self.closed else ''}>"
@@ -155,7 +168,8 @@ class IpcMemory(MemoryViews):
             return
         self._check_closable()
         self._finalizer.detach()
-        runtime().ipc.close(self.key)
+        if not self._forked:
+            runtime().ipc.close(self.key)
 
     def __enter__(self) -> IpcMemory:
         return self
@@ -199,6 +213,14 @@ def _arrive_ipc(key: str, device: int, sender: int, validated: bool | None, size
             f"the memory sent by process {sender} cannot be imported in process {me}: {how} and {me} is not on its "
             f"trustlist. Before sending it, call ipc_allow([{me}]) on the DeviceBuffer in the exporting process, or "
             "ipc_export(validate_pids=False) it") from None
+
+
+def _let_go_in_child(obj: DeviceBuffer | IpcMemory) -> None:
+    """In a forked child: the memory stays mapped here, but it is the parent's to free."""
+    if obj._finalizer.alive:
+        obj._finalizer.detach()
+        obj._finalizer = _inherit.inherited(obj)
+        obj._forked = True
 
 
 def _free_block(ptr: int) -> None:

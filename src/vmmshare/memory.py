@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from . import _inherit
 from . import constants as C
 from ._process import runtime
 from .backends.base import MemoryKind
@@ -154,6 +155,7 @@ class PhysicalMemory:
     _trusted: list[int]
     _remote_trusted: list[tuple[int, list[int]]]
     _finalizer: weakref.finalize[Any, Any]
+    _forked = False  # inherited by a forked child: imported again there on first use
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("PhysicalMemory cannot be instantiated directly: use Device.allocate() or import_handle()")
@@ -181,7 +183,30 @@ class PhysicalMemory:
         self._trusted = []
         self._remote_trusted = []
         self._finalizer = weakref.finalize(self, _free_quietly, handle)
+        _inherit.track(self)
         return self
+
+    def _after_fork(self) -> None:
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._finalizer = _inherit.inherited(self)
+            self._forked = True
+
+    def _import_in_child(self) -> None:
+        """Inherited through fork: import the memory by its handle here (the parent's handle means nothing)."""
+        handle = self.shareable
+        if handle is None:
+            raise InvalidParamError("this PhysicalMemory was inherited through fork() and was never exported, so this "
+                                    "process cannot import it: export() it before starting the process (or start "
+                                    "it with the 'spawn' method, and it travels by pickle)")
+        try:
+            memory = import_handle(handle, self.device)
+        except NoPermissionError:
+            raise NoPermissionError(_refusal(_Ticket(handle, self.device, os.getppid(), self._validate))) from None
+        memory._finalizer.detach()
+        self._handle, self._origin, self._shareable, self._forked = memory._handle, handle, None, False
+        self.imported = True
+        self._finalizer = weakref.finalize(self, _free_quietly, memory._handle)
 
     @property
     def handle(self) -> int:
@@ -224,6 +249,8 @@ class PhysicalMemory:
     def _live(self) -> int:
         if self.closed:
             raise InvalidParamError("this PhysicalMemory is closed")
+        if self._forked:
+            self._import_in_child()
         return self._handle
 
     @property
@@ -309,7 +336,8 @@ class PhysicalMemory:
         """Free this handle; mappings of it stay valid until they are closed."""
         if self._finalizer.alive:
             self._finalizer.detach()
-            runtime().memory.free_physical(self._handle)
+            if not self._forked:
+                runtime().memory.free_physical(self._handle)
 
     def __enter__(self) -> PhysicalMemory:
         return self
@@ -399,6 +427,14 @@ class VirtualRange:
         on_gpu = _flag("gpu", gpu, allow_none=True)
         self._ptr = runtime().memory.reserve(self._size, 0, check_ptr("at", at), on_gpu)
         self._finalizer = weakref.finalize(self, _release_quietly, self._ptr)
+        self._forked = False
+        _inherit.track(self)
+
+    def _after_fork(self) -> None:
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._finalizer = _inherit.inherited(self)
+            self._forked = True
 
     @property
     def ptr(self) -> int:
@@ -438,7 +474,8 @@ class VirtualRange:
     def close(self) -> None:
         if self._finalizer.alive:
             self._finalizer.detach()
-            runtime().memory.release(self.ptr)
+            if not self._forked:
+                runtime().memory.release(self.ptr)
 
     def __enter__(self) -> VirtualRange:
         return self
@@ -488,6 +525,7 @@ class Mapping(MemoryViews):
     _owned: list[PhysicalMemory]
     _lock: threading.Lock
     _finalizer: weakref.finalize[Any, Any]
+    _forked = False  # inherited by a forked child: still mapped there; closing it only lets go
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("Mapping cannot be instantiated directly: use PhysicalMemory.map() or VirtualRange.map()")
@@ -514,7 +552,14 @@ class Mapping(MemoryViews):
         self._lock = threading.Lock()
         self._init_views()
         self._finalizer = weakref.finalize(self, _unmap_quietly, self._parts, rng, own_range, self._owned)
+        _inherit.track(self)
         return self
+
+    def _after_fork(self) -> None:
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._finalizer = _inherit.inherited(self)
+            self._forked = True
 
     def __repr__(self) -> str:
         chunks = f", {len(self._parts)} chunks" if len(self._parts) > 1 else ""
@@ -556,6 +601,9 @@ class Mapping(MemoryViews):
         with self._lock:
             if self.closed:
                 raise InvalidParamError("this Mapping is closed")
+            if self._forked:
+                raise InvalidParamError("this Mapping was inherited through fork(): only the process that made it "
+                                        "grows it")
             if not self._growable or self._range is None:
                 raise InvalidParamError("this mapping has no room to grow: map it with "
                                         "PhysicalMemory.map(max_size=...)")
@@ -608,6 +656,8 @@ class Mapping(MemoryViews):
             return
         self._check_closable()
         self._finalizer.detach()
+        if self._forked:
+            return  # the parent's: it stays mapped here until this process exits
         rt = runtime()
         if self._own_range:
             rt.memory.unmap_release(self.ptr)

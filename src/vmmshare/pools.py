@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from . import _inherit
 from ._process import runtime
 from .errors import InvalidHandleError, InvalidParamError, MemoryAllocationError
 from .memory import Device, PhysicalMemory, VirtualRange, _access, _pids, _quietly, _receive, _size, _Ticket
@@ -90,6 +91,8 @@ class MemoryPool:
             raise
         self._on_gpu, self._remote = first.on_gpu, first.remote
         self._finalizer = weakref.finalize(self, _unmap_pool, self._range, self._chunks)
+        self._forked = False
+        _inherit.track(self)
         self._add_chunk(0, first)
 
     @classmethod
@@ -109,6 +112,8 @@ class MemoryPool:
                 pool._range = VirtualRange(ticket.capacity, gpu=bool(ticket.on_gpu))
                 pool._on_gpu, pool._remote = bool(ticket.on_gpu), False
                 pool._finalizer = weakref.finalize(pool, _unmap_pool, pool._range, pool._chunks)
+                pool._forked = False
+                _inherit.track(pool)
                 _imported[ticket.pool_id] = pool
         pool._take(ticket)
         return pool
@@ -133,6 +138,13 @@ class MemoryPool:
                     raise InvalidHandleError(f"chunk {index} is not the pool's kind of memory")
                 self._remote = self._remote or memory.remote  # another server's: copies only
                 self._map(index, memory)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the pool stays mapped here, but it is the parent's (to allocate in and to free)."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._finalizer = _inherit.inherited(self)
+            self._forked = True
 
     # ------------------------------------------------------------ what a user (or a torch layer) reads
 
@@ -200,8 +212,9 @@ class MemoryPool:
         need = -(-n // self._alignment) * self._alignment  # the next buffer starts aligned too
         with self._lock:
             self._check_open()
-            if self._imported_pool:
-                raise InvalidParamError("this MemoryPool was imported: buffers are allocated by its exporter")
+            if self._imported_pool or self._forked:
+                raise InvalidParamError(f"this MemoryPool was {'imported' if self._imported_pool else 'inherited'}: "
+                                        "buffers are allocated by the process that made it")
             offset = self._fit(need, align)
             while offset is None:
                 end = self.size
@@ -311,6 +324,8 @@ class MemoryPool:
             for buf in list(self._buffers):
                 buf._detach()
             self._finalizer.detach()
+            if self._forked:
+                return  # the parent's: it stays mapped here until this process exits
             rt = runtime()
             for i in sorted(self._chunks, reverse=True):
                 rt.memory.unmap(self._range.ptr + i * self._chunk_size)

@@ -332,3 +332,18 @@ def test_an_inherited_unexported_memory_says_to_export_it_first() -> None:
     finish(p)
     assert (kind, code) == ("error", C.ACL_ERROR_RT_PARAM_INVALID) and "export() it before starting" in message
     mem.close()
+
+
+def test_the_flow_in_the_docs_runs_as_written(tmp_path: Any) -> None:
+    """docs/index.md's cuda.core-style flow: allocate, send the object, use it in the child."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "index.md").read_text()
+    code = re.search(r"```python\n# travel.py\n(.*?)```", text, re.S)
+    assert code is not None, "docs/index.md lost its travel.py snippet"
+    (tmp_path / "travel.py").write_text(code.group(1))
+    out = subprocess.run([sys.executable, "travel.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "42.0", out.stdout + out.stderr

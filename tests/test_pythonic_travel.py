@@ -347,3 +347,18 @@ def test_the_flow_in_the_docs_runs_as_written(tmp_path: Any) -> None:
     (tmp_path / "travel.py").write_text(code.group(1))
     out = subprocess.run([sys.executable, "travel.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "42.0", out.stdout + out.stderr
+
+
+def test_objects_arriving_with_one_handle_share_one_import_and_each_closes_its_own(ctx: Any) -> None:
+    mem, m = filled()
+    mem.export(validate_pids=False)
+    q, r = ctx.Queue(), ctx.Queue()
+    p = run(ctx, travellers.shared_import, q, r)
+    for obj in (m, mem, m):
+        q.put(obj)
+    got = r.get(timeout=60)
+    finish(p)
+    assert got["one_import"] == 1 and got["same"] and got["after"] == 7
+    assert got["left"]["allocations"] == got["left"]["mappings"] == got["left"]["reservations"] == 0
+    m.close()
+    mem.close()

@@ -189,3 +189,20 @@ def inherited_unexported(obj: Any, r: Any) -> None:
     except vmmshare.AclError as exc:
         r.put(("error", exc.code, exc.message))
     obj.close()
+
+
+def shared_import(q: Any, r: Any) -> None:
+    """Receive a Mapping, then its PhysicalMemory, then the Mapping again: one import serves all three; closing
+    the mappings leaves the PhysicalMemory (the receiver's to close) working, and closing it leaves nothing."""
+    first = q.get()
+    memory = q.get()
+    second = q.get()
+    out: dict[str, Any] = {"one_import": runtime().counts()["allocations"], "same": second.memory is memory}
+    first.close()
+    second.close()
+    again = memory.map()
+    out["after"] = int(again.numpy()[0])
+    again.close()
+    memory.close()
+    out["left"] = runtime().counts()
+    r.put(out)

@@ -156,6 +156,8 @@ class PhysicalMemory:
     _remote_trusted: list[tuple[int, list[int]]]
     _finalizer: weakref.finalize[Any, Any]
     _forked = False  # inherited by a forked child: imported again there on first use
+    _holders = 0  # arrived here: the mappings (and pools) that hold this import
+    _handed_out = False  # arrived here as itself: its receiver closes it, not the mappings that share it
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("PhysicalMemory cannot be instantiated directly: use Device.allocate() or import_handle()")
@@ -359,7 +361,22 @@ class _Ticket:
 
 # what this process received, by handle value: one import serves every object that arrives with the same handle
 _arrived: weakref.WeakValueDictionary[int, PhysicalMemory] = weakref.WeakValueDictionary()
-_arrived_lock = threading.Lock()
+_arrived_lock = threading.RLock()
+
+
+def _hold(memory: PhysicalMemory) -> None:
+    """A mapping (or pool) of this process uses an import that arrived here."""
+    with _arrived_lock:
+        memory._holders += 1
+
+
+def _let_go(memory: PhysicalMemory) -> None:
+    """It no longer does: the last one closes the import, unless the import was handed to a receiver as itself."""
+    with _arrived_lock:
+        memory._holders -= 1
+        last = memory._holders <= 0 and not memory._handed_out
+    if last:
+        memory.close()
 
 
 def _receive(ticket: _Ticket) -> tuple[PhysicalMemory, bool]:
@@ -389,8 +406,10 @@ def _refusal(ticket: _Ticket) -> str:
 
 
 def _arrive_memory(ticket: _Ticket) -> PhysicalMemory:
-    """Unpickling a PhysicalMemory: the import of it in this process."""
-    return _receive(ticket)[0]
+    """Unpickling a PhysicalMemory: the import of it in this process (its receiver closes it)."""
+    memory = _receive(ticket)[0]
+    memory._handed_out = True
+    return memory
 
 
 def _quietly(fn: Any, *args: Any) -> None:
@@ -491,7 +510,7 @@ def _release_quietly(ptr: int) -> None:
 
 
 def _unmap_quietly(parts: list[tuple[int, PhysicalMemory]], rng: VirtualRange | None, own_range: bool,
-                   owned: list[PhysicalMemory]) -> None:
+                   owned: list[PhysicalMemory], held: list[PhysicalMemory]) -> None:
     def unmap() -> None:
         if own_range:
             _quietly(rt.memory.unmap_release, parts[0][0])
@@ -502,6 +521,8 @@ def _unmap_quietly(parts: list[tuple[int, PhysicalMemory]], rng: VirtualRange | 
                 _quietly(rng.close)
         for memory in owned:
             _quietly(memory.close)
+        for memory in held:
+            _quietly(_let_go, memory)
 
     with contextlib.suppress(Exception):
         rt = runtime()
@@ -523,6 +544,7 @@ class Mapping(MemoryViews):
     _own_range: bool
     _growable: bool
     _owned: list[PhysicalMemory]
+    _held: list[PhysicalMemory]
     _lock: threading.Lock
     _finalizer: weakref.finalize[Any, Any]
     _forked = False  # inherited by a forked child: still mapped there; closing it only lets go
@@ -534,10 +556,12 @@ class Mapping(MemoryViews):
     def _make(
         cls, parts: list[tuple[int, PhysicalMemory]], access: str, rng: VirtualRange | None = None,
         own_range: bool = False, growable: bool = False, owned: list[PhysicalMemory] | None = None,
+        held: list[PhysicalMemory] | None = None,
     ) -> Mapping:
         """The mapping of `parts` (address, memory mapped there, back to back); `rng`: a VirtualRange it closes
         with it; `own_range`: its one part was reserved and mapped in one step (map_new); `growable`: it may map
-        more chunks into the rest of `rng`; `owned`: memory it closes with it (imports it made, chunks it grew)."""
+        more chunks into the rest of `rng`; `owned`: memory it closes with it (the chunks it grew); `held`: imports that
+        arrived here, which it lets go of (`_let_go`) when it closes."""
         self = cls.__new__(cls)
         first = parts[0][1]
         self._ptr = parts[0][0]
@@ -549,9 +573,11 @@ class Mapping(MemoryViews):
         self._own_range = own_range
         self._growable = growable
         self._owned = list(owned or [])
+        self._held = list(held or [])
         self._lock = threading.Lock()
         self._init_views()
-        self._finalizer = weakref.finalize(self, _unmap_quietly, self._parts, rng, own_range, self._owned)
+        self._finalizer = weakref.finalize(self, _unmap_quietly, self._parts, rng, own_range, self._owned,
+                                           self._held)
         _inherit.track(self)
         return self
 
@@ -668,6 +694,8 @@ class Mapping(MemoryViews):
                 self._range.close()
         for memory in self._owned:
             memory.close()
+        for memory in self._held:
+            _let_go(memory)
 
     def __enter__(self) -> Mapping:
         return self
@@ -679,11 +707,11 @@ class Mapping(MemoryViews):
 
 
 def _map_back_to_back(memories: list[PhysicalMemory], access: str, room: int = 0,
-                      owned: list[PhysicalMemory] | None = None) -> Mapping:
+                      held: list[PhysicalMemory] | None = None) -> Mapping:
     """`memories` mapped back to back in one reservation (of `room` bytes at least, to add more later)."""
     if len(memories) == 1 and not room:
         mapping = memories[0].map(access)
-        mapping._owned.extend(owned or [])
+        mapping._held.extend(held or [])
         return mapping
     total = sum(m.size for m in memories)
     rng = VirtualRange(max(total, room), gpu=memories[0].on_gpu)
@@ -700,22 +728,20 @@ def _map_back_to_back(memories: list[PhysicalMemory], access: str, room: int = 0
             _quietly(rt.memory.unmap, ptr)
         rng.close()
         raise
-    return Mapping._make(parts, access, rng=rng, growable=bool(room), owned=owned)
+    return Mapping._make(parts, access, rng=rng, growable=bool(room), held=held)
 
 
 def _arrive_mapping(tickets: list[_Ticket], access: str) -> Mapping:
     """Unpickling a Mapping: its chunks imported here (one import per handle in this process), mapped back to
-    back; the mapping closes the imports it made."""
+    back; the mapping holds the imports, and the last holder of one closes it."""
     memories: list[PhysicalMemory] = []
-    made: list[PhysicalMemory] = []
     try:
         for ticket in tickets:
-            memory, new = _receive(ticket)
+            memory = _receive(ticket)[0]
+            _hold(memory)
             memories.append(memory)
-            if new:
-                made.append(memory)
-        return _map_back_to_back(memories, access, owned=made)
+        return _map_back_to_back(memories, access, held=memories)
     except BaseException:
-        for memory in made:
-            _quietly(memory.close)
+        for memory in memories:
+            _quietly(_let_go, memory)
         raise

@@ -21,7 +21,19 @@ from typing import Any
 from . import _inherit
 from ._process import runtime
 from .errors import InvalidHandleError, InvalidParamError, MemoryAllocationError
-from .memory import Device, PhysicalMemory, VirtualRange, _access, _pids, _quietly, _receive, _size, _Ticket
+from .memory import (
+    Device,
+    PhysicalMemory,
+    VirtualRange,
+    _access,
+    _hold,
+    _let_go,
+    _pids,
+    _quietly,
+    _receive,
+    _size,
+    _Ticket,
+)
 from .props import check_int
 from .views import MemoryViews
 
@@ -90,7 +102,7 @@ class MemoryPool:
             first.close()
             raise
         self._on_gpu, self._remote = first.on_gpu, first.remote
-        self._finalizer = weakref.finalize(self, _unmap_pool, self._range, self._chunks)
+        self._finalizer = weakref.finalize(self, _unmap_pool, self._range, self._chunks, False)
         self._forked = False
         _inherit.track(self)
         self._add_chunk(0, first)
@@ -111,7 +123,7 @@ class MemoryPool:
                 pool._device = first.device if first is not None else 0
                 pool._range = VirtualRange(ticket.capacity, gpu=bool(ticket.on_gpu))
                 pool._on_gpu, pool._remote = bool(ticket.on_gpu), False
-                pool._finalizer = weakref.finalize(pool, _unmap_pool, pool._range, pool._chunks)
+                pool._finalizer = weakref.finalize(pool, _unmap_pool, pool._range, pool._chunks, True)
                 pool._forked = False
                 _inherit.track(pool)
                 _imported[ticket.pool_id] = pool
@@ -137,7 +149,12 @@ class MemoryPool:
                 if memory.on_gpu != self._on_gpu:
                     raise InvalidHandleError(f"chunk {index} is not the pool's kind of memory")
                 self._remote = self._remote or memory.remote  # another server's: copies only
-                self._map(index, memory)
+                _hold(memory)
+                try:
+                    self._map(index, memory)
+                except BaseException:
+                    _let_go(memory)
+                    raise
 
     def _after_fork(self) -> None:
         """In a forked child: the pool stays mapped here, but it is the parent's (to allocate in and to free)."""
@@ -329,7 +346,10 @@ class MemoryPool:
             rt = runtime()
             for i in sorted(self._chunks, reverse=True):
                 rt.memory.unmap(self._range.ptr + i * self._chunk_size)
-                self._chunks[i].close()
+                if self._imported_pool:
+                    _let_go(self._chunks[i])
+                else:
+                    self._chunks[i].close()
             self._chunks.clear()
             self._range.close()
 
@@ -349,14 +369,15 @@ def _check_alignment(alignment: object) -> int:
     return a
 
 
-def _unmap_pool(rng: VirtualRange, chunks: dict[int, PhysicalMemory]) -> None:
-    """A pool gone with the garbage: its chunks unmapped and freed, its reservation released."""
+def _unmap_pool(rng: VirtualRange, chunks: dict[int, PhysicalMemory], imported: bool) -> None:
+    """A pool gone with the garbage: its chunks unmapped and freed (let go of, when imported), its reservation
+    released."""
     def run() -> None:
         rt = runtime()
         for i in sorted(chunks, reverse=True):
             memory = chunks[i]
             _quietly(rt.memory.unmap, rng.ptr + i * (memory.size))
-            _quietly(memory.close)
+            _quietly(_let_go if imported else PhysicalMemory.close, memory)
         chunks.clear()
         _quietly(rng.close)
 

@@ -362,3 +362,26 @@ def test_objects_arriving_with_one_handle_share_one_import_and_each_closes_its_o
     assert got["left"]["allocations"] == got["left"]["mappings"] == got["left"]["reservations"] == 0
     m.close()
     mem.close()
+
+
+def test_threads_sending_one_unexported_memory_at_once_export_it_once() -> None:
+    import threading
+
+    mem = vmmshare.Device(0).allocate(2 * MiB)
+    barrier = threading.Barrier(8)
+    got: list[bytes | BaseException] = []
+
+    def send() -> None:
+        barrier.wait()
+        try:
+            got.append(pickle.dumps(mem))
+        except BaseException as exc:  # collected: the assertion below names it
+            got.append(exc)
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len(set(got)) == 1, got  # one export, the same handle eight times
+    mem.close()

@@ -301,9 +301,10 @@ class PhysicalMemory:
         """What a receiver imports this memory by; exports it (with pid validation) when it was not yet."""
         if self.closed:
             raise TypeError("this PhysicalMemory is closed: there is nothing to send")
-        handle = self.shareable
-        if handle is None:
-            handle = self.export()
+        with _arrived_lock:  # two threads sending it at once export it once
+            handle = self.shareable
+            if handle is None:
+                handle = self.export()
         return _Ticket(handle, self.device, os.getpid(), self._validate if self._origin is None else None)
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -671,8 +672,9 @@ class Mapping(MemoryViews):
         first = self._parts[0][1]
         tickets = []
         for _, memory in self._parts:
-            if memory.shareable is None and memory is not first:
-                memory._export_like(first)
+            with _arrived_lock:
+                if memory.shareable is None and memory is not first:
+                    memory._export_like(first)
             tickets.append(memory._ticket())
         return (_arrive_mapping, (tickets, self._access))
 

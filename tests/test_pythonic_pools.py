@@ -220,3 +220,30 @@ def test_a_worker_pool_maps_over_pool_buffers(ctx: Any) -> None:
         assert [b.read(1)[0] for b in bufs] == [i + 1 for i in range(20)]
         for b in bufs:
             b.close()
+
+
+def test_sending_and_closing_leaves_the_exporters_fds_and_tables_as_they_were() -> None:
+    import os
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    vmmshare.Device(0).allocate(CHUNK).close()  # the broker connection, opened once
+    gc.collect()
+    before, tables = fds(), runtime().counts()
+    for _ in range(3):
+        mem = vmmshare.Device(0).allocate(CHUNK)
+        m = mem.map(max_size=4 * CHUNK)
+        m.grow(4 * CHUNK)
+        pickle.dumps(m)
+        m.close()
+        mem.close()
+        pool = vmmshare.MemoryPool(max_size=8 * CHUNK, chunk_size=CHUNK)
+        for buf in [pool.allocate(3 * MiB) for _ in range(4)]:
+            pickle.dumps(buf)
+        pool.close()
+        dev = vmmshare.DeviceBuffer(4096)
+        pickle.dumps(dev)
+        dev.close()
+    gc.collect()
+    assert fds() == before and runtime().counts() == tables

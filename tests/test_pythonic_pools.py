@@ -247,3 +247,68 @@ def test_sending_and_closing_leaves_the_exporters_fds_and_tables_as_they_were() 
         dev.close()
     gc.collect()
     assert fds() == before and runtime().counts() == tables
+
+
+GPU_FLOW = '''
+import multiprocessing as mp
+import vmmshare
+import travellers
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    pool = vmmshare.MemoryPool(max_size=8 << 20, chunk_size=2 << 20, validate_pids=False)
+    buf = pool.allocate(3 << 20)  # across two chunks of GPU memory
+    buf.fill(7)
+    mem = vmmshare.Device(0).allocate(2 << 20)
+    mem.export(validate_pids=False)
+    m = mem.map(max_size=4 << 20)
+    m.grow(4 << 20)
+    m.fill(9)
+    assert buf.on_gpu and m.on_gpu and buf.__dlpack_device__() == (2, 0)
+    q, r = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=travellers.pool_buffers, args=(q, r))
+    p.start()
+    q.put(buf)
+    print("buffer", r.get(timeout=60))
+    q.put(None)
+    print("summary", r.get(timeout=60), r.get(timeout=60))
+    p.join(60)
+    q2, r2 = ctx.Queue(), ctx.Queue()
+    p2 = ctx.Process(target=travellers.receive_and_write, args=(q2, r2))
+    p2.start()
+    q2.put(m)
+    print("mapping", r2.get(timeout=60), r2.get(timeout=60))
+    p2.join(60)
+    print("back", buf.read(1), buf.read(1, buf.size - 1), m.read(2), p.exitcode, p2.exitcode)
+    buf.close()
+    pool.close()
+    m.close()
+    mem.close()
+'''
+
+
+def test_gpu_pools_and_grown_mappings_travel(tmp_path: Any) -> None:
+    """The CUDA backend (a real GPU, or the CPU stand-in libcuda of tests/fakecuda): chunks in GPU address space,
+    viewed through DLPack as CUDA memory, copies across chunk boundaries, the same travel as host memory."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import CUDA_GATE, require
+
+    require(shutil.which(os.environ.get("CC", "cc")), "a C compiler for the CUDA stand-in", CUDA_GATE)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fakecuda
+
+    env = {**os.environ, **fakecuda.build(tmp_path), "VMMSHARE_BACKEND": "cuda",
+           "VMMSHARE_SOCKET": str(tmp_path / "broker.sock"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "flow.py").write_text(GPU_FLOW)
+    out = subprocess.run([sys.executable, "flow.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "'first': 7, 'last': 7, 'imported': True, 'chunks': 2" in out.stdout, out.stdout
+    assert "'size': 4194304, 'closed': False, 'first': 9, 'last': 9" in out.stdout, out.stdout
+    assert "back b'Z' b'\\xa5' b'\\t\\xab' 0 0" in out.stdout, out.stdout

@@ -27,9 +27,11 @@ def describe(obj: Any) -> dict[str, Any]:
     """What arrived: its kind, size, state and first and last bytes (through a numpy view of it)."""
     out: dict[str, Any] = {"type": type(obj).__name__, "size": obj.size, "closed": obj.closed}
     view = obj.map() if isinstance(obj, vmmshare.PhysicalMemory) else obj
-    a = view.numpy()
-    out["first"], out["last"] = int(a[0]), int(a[-1])
-    del a
+    out["first"], out["last"] = view.read(1)[0], view.read(1, view.size - 1)[0]  # copies: GPU memory too
+    if not view.on_gpu:  # and a CPU view where there is one
+        a = view.numpy()
+        assert (int(a[0]), int(a[-1])) == (out["first"], out["last"])
+        del a
     if view is not obj:
         view.close()
     return out
@@ -108,11 +110,11 @@ def pool_buffers(q: Any, r: Any) -> None:
             buf = q.get()
             if buf is None:
                 break
-            a = buf.numpy()
-            r.put({"offset": buf.offset, "size": buf.size, "meta": buf.meta, "first": int(a[0]),
-                   "last": int(a[-1]), "imported": buf.pool.imported, "chunks": len(buf.pool.chunks)})
-            a[0], a[-1] = 0x5A, 0xA5
-            del a
+            r.put({"offset": buf.offset, "size": buf.size, "meta": buf.meta, "first": buf.read(1)[0],
+                   "last": buf.read(1, buf.size - 1)[0], "imported": buf.pool.imported,
+                   "chunks": len(buf.pool.chunks)})
+            buf.write(b"\x5a")
+            buf.write(b"\xa5", buf.size - 1)
             kept.append(buf)
         r.put({"allocations": runtime().counts()["allocations"], "pools": len({id(b.pool) for b in kept})})
         for buf in kept:

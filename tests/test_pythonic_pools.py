@@ -312,3 +312,18 @@ def test_gpu_pools_and_grown_mappings_travel(tmp_path: Any) -> None:
     assert "'first': 7, 'last': 7, 'imported': True, 'chunks': 2" in out.stdout, out.stdout
     assert "'size': 4194304, 'closed': False, 'first': 9, 'last': 9" in out.stdout, out.stdout
     assert "back b'Z' b'\\xa5' b'\\t\\xab' 0 0" in out.stdout, out.stdout
+
+
+def test_a_buffer_back_in_the_process_of_its_pool_is_a_view_of_that_pool() -> None:
+    with vmmshare.MemoryPool(max_size=4 * MiB, chunk_size=CHUNK) as pool:
+        buf = pool.allocate(100, meta={"k": 1})
+        buf.write(b"\x11")
+        assert pickle.loads(pickle.dumps(pool)) is pool
+        back = pickle.loads(pickle.dumps(buf))
+        assert back is not buf and back.pool is pool and back.ptr == buf.ptr and back.meta == {"k": 1}
+        assert back.read(1) == b"\x11" and runtime().counts()["allocations"] == 1  # no import of our own memory
+        used = pool.used
+        back.close()  # a copy: it gives nothing back
+        assert pool.used == used and not buf.closed
+        buf.close()
+        assert pool.used == 0

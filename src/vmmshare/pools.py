@@ -58,7 +58,8 @@ class _PoolTicket:
     chunks: tuple[tuple[int, _Ticket], ...]
 
 
-# the pools this process imported, by id: one import (of each chunk) serves every buffer that arrives
+# the pools of this process (made here or imported), by id: one import (of each chunk) serves every buffer that
+# arrives, and a buffer that comes back to the process that made its pool is a view of that pool
 _imported: weakref.WeakValueDictionary[str, MemoryPool] = weakref.WeakValueDictionary()
 _imported_lock = threading.Lock()
 
@@ -106,6 +107,8 @@ class MemoryPool:
         self._forked = False
         _inherit.track(self)
         self._add_chunk(0, first)
+        with _imported_lock:
+            _imported[self._id] = self
 
     @classmethod
     def _import(cls, ticket: _PoolTicket) -> MemoryPool:
@@ -127,7 +130,8 @@ class MemoryPool:
                 pool._forked = False
                 _inherit.track(pool)
                 _imported[ticket.pool_id] = pool
-        pool._take(ticket)
+        if pool._imported_pool:
+            pool._take(ticket)
         return pool
 
     def _take(self, ticket: _PoolTicket) -> None:
@@ -399,13 +403,15 @@ class PoolBuffer(MemoryViews):
         raise TypeError("PoolBuffer cannot be instantiated directly: use MemoryPool.allocate()")
 
     @classmethod
-    def _make(cls, pool: MemoryPool, offset: int, size: int, length: int, meta: dict[str, Any]) -> PoolBuffer:
+    def _make(cls, pool: MemoryPool, offset: int, size: int, length: int, meta: dict[str, Any],
+              owning: bool = True) -> PoolBuffer:
+        """A buffer of `pool`; `owning`: its close gives the bytes back (the one `allocate` made, not a copy)."""
         self = cls.__new__(cls)
         self._pool, self._offset, self._length, self.meta = pool, offset, length, meta
         self._ptr, self._size = pool.ptr + offset, size
         self._on_gpu, self._remote, self._device = pool._on_gpu, pool._remote, pool.device
         self._init_views()
-        give_back = None if pool.imported else pool._release
+        give_back = pool._release if owning and not pool.imported else None
         self._finalizer = weakref.finalize(self, _give_back, give_back, offset, length)
         return self
 
@@ -476,6 +482,6 @@ def _arrive_buffer(ticket: _PoolTicket, offset: int, size: int, length: int, met
                if i not in pool._chunks]
     if missing:
         raise InvalidHandleError(f"chunks {missing} of the buffer's pool did not come with it")
-    buf = PoolBuffer._make(pool, offset, size, length, meta)
+    buf = PoolBuffer._make(pool, offset, size, length, meta, owning=False)
     pool._buffers.add(buf)
     return buf

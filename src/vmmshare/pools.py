@@ -19,21 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _inherit
+from ._checks import _access, _pids, _size
 from ._process import runtime
 from .errors import InvalidHandleError, InvalidParamError, MemoryAllocationError
-from .memory import (
-    Device,
-    PhysicalMemory,
-    VirtualRange,
-    _access,
-    _hold,
-    _let_go,
-    _pids,
-    _quietly,
-    _receive,
-    _size,
-    _Ticket,
-)
+from .mapping import VirtualRange
+from .memory import Device, PhysicalMemory, _hold, _let_go, _quietly, _receive, _Ticket
 from .props import check_int
 from .views import MemoryViews
 

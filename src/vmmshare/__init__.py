@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .buffers import DeviceBuffer, IpcMemory, ipc_open
     from .mapping import Mapping, VirtualRange
     from .memory import Device, PhysicalMemory, ShareableHandle, import_handle
-    from .pools import MemoryPool, PoolBuffer
+    from .pool_buffers import PoolBuffer
+    from .pools import MemoryPool
 
 __version__ = "0.1.0"
 
@@ -38,7 +39,8 @@ _LAZY = {
     **dict.fromkeys(("Device", "PhysicalMemory", "ShareableHandle", "import_handle"), "memory"),
     **dict.fromkeys(("Mapping", "VirtualRange"), "mapping"),
     **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "buffers"),
-    **dict.fromkeys(("MemoryPool", "PoolBuffer"), "pools"),
+    "MemoryPool": "pools",
+    "PoolBuffer": "pool_buffers",
 }
 
 

@@ -254,6 +254,9 @@ class Mapping(MemoryViews):
         if self.closed:
             raise TypeError("this Mapping is closed: there is nothing to send")
         first = self._parts[0][1]
+        if any(m.closed for _, m in self._parts):
+            raise TypeError("this Mapping's PhysicalMemory was closed, which revoked its export (rule 14): it cannot "
+                            "be sent any more; send it before closing the memory")
         tickets = []
         for _, memory in self._parts:
             with _arrived_lock:

@@ -103,7 +103,7 @@ def test_map_is_refused_past_the_address_arena_as_reserve_is() -> None:
         assert acl.rt.reserve_mem_address(size, 0, 0, 0)[1] == C.ACL_ERROR_RT_PARAM_INVALID
         with pytest.raises(vmmshare.AclError) as err:
             mem.map(access="none")
-        assert err.value.code == C.ACL_ERROR_RT_PARAM_INVALID and "at most" in str(err.value)
+        assert err.value.code == C.ACL_ERROR_RT_PARAM_INVALID and "more than one reservation holds" in str(err.value)
     finally:
         mem.close()
 

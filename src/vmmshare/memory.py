@@ -1,4 +1,5 @@
-"""The Pythonic API: `Device`, `PhysicalMemory`, `ShareableHandle`, `VirtualRange` and `Mapping`.
+"""The Pythonic API: `Device`, `PhysicalMemory` and `import_handle` (`VirtualRange` and `Mapping` are in
+`mapping`), and how a PhysicalMemory travels to another process (pickled, it is imported there).
 
 Objects own what they wrap and give it back on `close()`, at the end of a ``with`` block, or when they
 are garbage-collected. Failures raise `AclError` subclasses carrying the ACL code and message.
@@ -7,76 +8,26 @@ are garbage-collected. Failures raise `AclError` subclasses carrying the ACL cod
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from . import _inherit
 from . import constants as C
+from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _flag, _pids, _size
 from ._process import runtime
 from .backends.base import MemoryKind
-from .errors import AclInvalidParamError, ContextNullError, InvalidHandleError, InvalidParamError
-from .handles import ShareableHandle, ShareType
-from .props import U64, Location, PhysicalProp, check_device, check_int, check_pids, check_prop, check_ptr
-from .views import MemoryViews
+from .errors import ContextNullError, InvalidHandleError, InvalidParamError, NoPermissionError
+from .handles import ShareableHandle
+from .props import U64, Location, PhysicalProp, check_device, check_int, check_prop
 
-__all__ = ["Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"]
+if TYPE_CHECKING:
+    from .mapping import Mapping
 
-_ATTRS = {
-    "normal": C.ACL_HBM_MEM_NORMAL,
-    "huge": C.ACL_HBM_MEM_HUGE,
-    "huge1g": C.ACL_HBM_MEM_HUGE1G,
-}
-_LOCATIONS = {"device": C.ACL_MEM_LOCATION_TYPE_DEVICE, "host": C.ACL_MEM_LOCATION_TYPE_HOST}
-_SHARE_TYPES = {"default": ShareType.DEFAULT, "fabric": ShareType.FABRIC}
-_ACCESS = {
-    "none": C.ACL_RT_MEM_ACCESS_FLAGS_NONE,
-    "r": C.ACL_RT_MEM_ACCESS_FLAGS_READ,
-    "rw": C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE,
-}
-
-
-def _choice(name: str, value: object, choices: dict[str, Any]) -> Any:
-    """One of the named `choices` (any other value, of any type, is refused with 107000)."""
-    if not isinstance(value, str) or value not in choices:
-        raise InvalidParamError(f"{name} {value!r}: use {' or '.join(repr(c) for c in choices)}")
-    return choices[value]
-
-
-def _attr(attr: str | int) -> int:
-    if isinstance(attr, str):
-        return int(_choice("attr", attr, _ATTRS))
-    return check_int("attr", attr, 0, 0xFFFFFFFF)
-
-
-def _access(access: object) -> int:
-    return int(_choice("access", access, _ACCESS))
-
-
-def _flag(name: str, value: object, allow_none: bool = False) -> bool | None:
-    """A bool argument (None too, where it means "the default")."""
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, bool):
-        raise InvalidParamError(f"{name} must be True or False{' (or None)' if allow_none else ''}, got {value!r}")
-    return value
-
-
-def _size(size: object) -> int:
-    """A size argument: a positive int that fits a size_t (0 is the acl layer's refusal, 100000)."""
-    n = check_int("size", size, 0, U64)
-    if n == 0:
-        raise AclInvalidParamError("size is 0: ask for a positive number of bytes")
-    return n
-
-
-def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
-    """A trustlist argument: any iterable of positive 32-bit pids."""
-    try:
-        listed = list(pids)
-    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
-        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
-    return check_pids(listed, allow_empty)
-
+__all__ = ["Device", "PhysicalMemory", "ShareableHandle", "import_handle"]
 
 class Device:
     """One (virtual or real) device: where physical memory is allocated."""
@@ -124,28 +75,117 @@ class Device:
         rounded = -(-n // g) * g
         if rounded > U64:
             raise InvalidParamError(f"size {n} rounded up to the granularity {g} does not fit a size_t")
-        return PhysicalMemory(rt.memory.malloc_physical(rounded, prop))
+        return PhysicalMemory._make(rt.memory.malloc_physical(rounded, prop))
 
 
 class PhysicalMemory:
-    """A physical allocation (made here or imported); `close()` frees this process's handle to it."""
+    """A physical allocation (made here or imported); `close()` frees this process's handle to it.
 
-    def __init__(self, handle: int) -> None:
-        rt = runtime()
-        alloc = rt.memory.allocation(check_int("handle", handle))
-        self.handle = handle
-        self.size = alloc.size
-        self.device = alloc.device
+    Made by `Device.allocate` and `import_handle` only (not instantiated directly). It travels: pickled (a
+    multiprocessing Queue, Pipe or Process argument), it is exported if it was not yet, and the receiver imports it.
+    """
+
+    _handle: int
+    _size: int
+    _device: int
+    _on_gpu: bool
+    _remote: bool
+    numa_node: int | None
+    location: dict[str, int]
+    imported: bool
+    pages: str
+    _location: Location
+    _prop: PhysicalProp
+    _origin: ShareableHandle | None
+    _shareable: ShareableHandle | None
+    _validate: bool
+    _trusted: list[int]
+    _remote_trusted: list[tuple[int, list[int]]]
+    _finalizer: weakref.finalize[Any, Any]
+    _forked = False  # inherited by a forked child: imported again there on first use
+    _holders = 0  # arrived here: the mappings (and pools) that hold this import
+    _handed_out = False  # arrived here as itself: its receiver closes it, not the mappings that share it
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("PhysicalMemory cannot be instantiated directly: use Device.allocate() or import_handle()")
+
+    @classmethod
+    def _make(cls, handle: int, origin: ShareableHandle | None = None) -> PhysicalMemory:
+        """The object owning `handle`, a live allocation of this runtime (`origin`: the handle it was imported from)."""
+        self = cls.__new__(cls)
+        alloc = runtime().memory.allocation(check_int("handle", handle))
+        self._handle = handle
+        self._size = alloc.size
+        self._device = alloc.device
         location = alloc.prop.location
         self.numa_node = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
         self._location = alloc.prop.location  # outlives close()
+        self._prop = alloc.prop
         self.location = alloc.prop.location.as_dict()
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
-        self.on_gpu = alloc.backend.kind is MemoryKind.GPU
-        self.remote = alloc.backend.kind is MemoryKind.REMOTE  # another server's: copies only (SPEC §8)
-        self._shareable: ShareableHandle | None = None
+        self._on_gpu = alloc.backend.kind is MemoryKind.GPU
+        self._remote = alloc.backend.kind is MemoryKind.REMOTE  # another server's: copies only (SPEC §8)
+        self._origin = origin
+        self._shareable = None
+        self._validate = True  # how it was exported, and whom it trusts: what a grown chunk is exported with
+        self._trusted = []
+        self._remote_trusted = []
         self._finalizer = weakref.finalize(self, _free_quietly, handle)
+        _inherit.track(self)
+        return self
+
+    def _after_fork(self) -> None:
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._finalizer = _inherit.inherited(self)
+            self._forked = True
+
+    def _import_in_child(self) -> None:
+        """Inherited through fork: import the memory by its handle here (the parent's handle means nothing)."""
+        handle = self.shareable
+        if handle is None:
+            raise InvalidParamError("this PhysicalMemory was inherited through fork() and was never exported, so this "
+                                    "process cannot import it: export() it before starting the process (or start "
+                                    "it with the 'spawn' method, and it travels by pickle)")
+        try:
+            memory = import_handle(handle, self.device)
+        except NoPermissionError:
+            raise NoPermissionError(_refusal(_Ticket(handle, self.device, os.getppid(), self._validate))) from None
+        memory._finalizer.detach()
+        self._handle, self._origin, self._shareable, self._forked = memory._handle, handle, None, False
+        self.imported = True
+        self._finalizer = weakref.finalize(self, _free_quietly, memory._handle)
+
+    @property
+    def handle(self) -> int:
+        """This process's handle of the allocation (aclrtDrvMemHandle), for the acl layer's calls."""
+        return self._handle
+
+    @property
+    def size(self) -> int:
+        """Its size in bytes (a multiple of the granularity)."""
+        return self._size
+
+    @property
+    def device(self) -> int:
+        """The device it belongs to (0 for host memory)."""
+        return self._device
+
+    @property
+    def on_gpu(self) -> bool:
+        """GPU memory (the CUDA backend's), viewed through DLPack."""
+        return self._on_gpu
+
+    @property
+    def remote(self) -> bool:
+        """Another server's memory (SPEC §8): copies only, no CPU view."""
+        return self._remote
+
+    @property
+    def shareable(self) -> ShareableHandle | None:
+        """The handle other processes import it by: its export, or the handle it was imported from."""
+        return self._shareable or self._origin
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("imported" if self.imported else "local")
@@ -158,7 +198,9 @@ class PhysicalMemory:
     def _live(self) -> int:
         if self.closed:
             raise InvalidParamError("this PhysicalMemory is closed")
-        return self.handle
+        if self._forked:
+            self._import_in_child()
+        return self._handle
 
     @property
     def properties(self) -> dict[str, Any]:
@@ -171,8 +213,12 @@ class PhysicalMemory:
         st = _choice("share_type", share_type, _SHARE_TYPES)
         trust = _pids(pids, allow_empty=True)
         validate = bool(_flag("validate_pids", validate_pids))
+        if self._shareable is not None and not self.closed:
+            raise InvalidParamError("this PhysicalMemory is exported already (a handle exports once; sending it "
+                                    "exports it): add processes to its trustlist with allow()")
         # the trustlist rides on the export
         self._shareable = runtime().sharing.export(self._live(), st, validate, trust)
+        self._validate, self._trusted = validate, list(trust)
         return self._shareable
 
     def allow(self, pids: Iterable[int], server: int | None = None) -> None:
@@ -183,29 +229,137 @@ class PhysicalMemory:
         listed = _pids(pids, allow_empty=False)
         if server is None:
             runtime().sharing.set_pids(self._shareable, listed)
+            self._trusted.extend(listed)
         else:
-            runtime().sharing.set_remote_pids(self._shareable, check_int("server", server, 0, 0xFFFFFFFF), listed)
+            srv = check_int("server", server, 0, 0xFFFFFFFF)
+            runtime().sharing.set_remote_pids(self._shareable, srv, listed)
+            self._remote_trusted.append((srv, listed))
 
-    def map(self, access: str = "rw", prepopulate: bool | None = None) -> Mapping:
-        """Reserve a range of this allocation's size and map it there; the Mapping owns both."""
+    def _export_like(self, other: PhysicalMemory) -> None:
+        """Export as `other` was, trusting whom it trusts (a chunk a grown mapping adds to its first)."""
+        first = other._shareable
+        if first is None:
+            return
+        self.export(first.share_type.label, other._trusted, other._validate)
+        for server, pids in other._remote_trusted:
+            self.allow(pids, server)
+
+    def _ticket(self) -> _Ticket:
+        """What a receiver imports this memory by; exports it (with pid validation) when it was not yet."""
+        if self.closed:
+            raise TypeError("this PhysicalMemory is closed: there is nothing to send")
+        with _arrived_lock:  # two threads sending it at once export it once
+            handle = self.shareable
+            if handle is None:
+                handle = self.export()
+        return _Ticket(handle, self.device, os.getpid(), self._validate if self._origin is None else None)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_arrive_memory, (self._ticket(),))
+
+    def map(
+        self, access: str = "rw", prepopulate: bool | None = None, max_size: int | None = None
+    ) -> Mapping:
+        """Reserve a range of this allocation's size and map it there; the Mapping owns both. With `max_size`,
+        the range is reserved that large, so that the mapping can `grow()` in place up to it."""
+        from .mapping import Mapping, VirtualRange  # (mapping imports this module)
+
         flags = _access(access)
         populate = _flag("prepopulate", prepopulate, allow_none=True)
         rt = runtime()
+        if max_size is not None:
+            wanted = _size(max_size)
+            room = -(-wanted // self._prop.granularity) * self._prop.granularity
+            if wanted < self.size:
+                raise InvalidParamError(f"max_size {max_size} is smaller than this {self.size}-byte memory")
+            self._live()
+            rng = VirtualRange(room, gpu=self.on_gpu)
+            try:
+                rt.memory.map(rng.ptr, self.size, 0, self._live(), flags, populate)
+            except BaseException:
+                rng.close()
+                raise
+            return Mapping._make([(rng.ptr, self)], access, rng=rng, growable=True)
         with rt.lock:
             ptr = rt.memory.map_new(rt.memory.allocation(self._live()), flags, populate)
-        return Mapping(ptr, self, None, own_range=True)
+        return Mapping._make([(ptr, self)], access, own_range=True)
 
     def close(self) -> None:
         """Free this handle; mappings of it stay valid until they are closed."""
         if self._finalizer.alive:
             self._finalizer.detach()
-            runtime().memory.free_physical(self.handle)
+            if not self._forked:
+                runtime().memory.free_physical(self._handle)
 
     def __enter__(self) -> PhysicalMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Ticket:
+    """A PhysicalMemory as it travels: its handle, its device and who sent it (for the receiver's errors);
+    `validated`: whether its export checks pids (None: not known here, the memory was itself imported)."""
+
+    handle: ShareableHandle
+    device: int
+    sender: int
+    validated: bool | None
+
+
+# what this process received, by handle value: one import serves every object that arrives with the same handle
+_arrived: weakref.WeakValueDictionary[int, PhysicalMemory] = weakref.WeakValueDictionary()
+_arrived_lock = threading.RLock()
+
+
+def _hold(memory: PhysicalMemory) -> None:
+    """A mapping (or pool) of this process uses an import that arrived here."""
+    with _arrived_lock:
+        memory._holders += 1
+
+
+def _let_go(memory: PhysicalMemory) -> None:
+    """It no longer does: the last one closes the import, unless the import was handed to a receiver as itself."""
+    with _arrived_lock:
+        memory._holders -= 1
+        last = memory._holders <= 0 and not memory._handed_out
+    if last:
+        memory.close()
+
+
+def _receive(ticket: _Ticket) -> tuple[PhysicalMemory, bool]:
+    """The memory a ticket names, imported here (or the live import of it this process has); True if new."""
+    with _arrived_lock:
+        known = _arrived.get(ticket.handle.value)
+        if known is not None and not known.closed:
+            return known, False
+        rt = runtime()
+        device = ticket.device if 0 <= ticket.device < rt.devices.count else 0
+        try:
+            memory = import_handle(ticket.handle, device)
+        except NoPermissionError:
+            raise NoPermissionError(_refusal(ticket)) from None
+        _arrived[ticket.handle.value] = memory
+        return memory, True
+
+
+def _refusal(ticket: _Ticket) -> str:
+    """Why a received object could not be imported here, and what the sender must do about it."""
+    me = runtime().sharing.bare_tgid()
+    how = "it was exported with pid validation" if ticket.validated is not False else "its exporter checks pids"
+    return (f"the memory sent by process {ticket.sender} cannot be imported in process {me}: {how} and {me} is not "
+            f"on its trustlist (or the pid was bound to an earlier process). Before sending it, call allow([{me}]) on "
+            "it in the exporting process (multiprocessing: after Process.start(), allow([process.pid])), or export "
+            "it with validate_pids=False")
+
+
+def _arrive_memory(ticket: _Ticket) -> PhysicalMemory:
+    """Unpickling a PhysicalMemory: the import of it in this process (its receiver closes it)."""
+    memory = _receive(ticket)[0]
+    memory._handed_out = True
+    return memory
 
 
 def _quietly(fn: Any, *args: Any) -> None:
@@ -240,123 +394,7 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
             f"handle {h.value:#x} cannot be imported: it is unknown on this node, or revoked (its exporter closed "
             "the memory, or exited)") from None
     try:
-        return PhysicalMemory(imported)
+        return PhysicalMemory._make(imported, h)
     except BaseException:
         rt.memory.free_physical(imported)
         raise
-
-
-class VirtualRange:
-    """A reserved, inaccessible range of virtual addresses (at `at` exactly, when given)."""
-
-    def __init__(self, size: int, at: int | None = None, gpu: bool | None = None) -> None:
-        """`gpu`: GPU address space (default: when the CUDA backend is on), for GPU memory."""
-        g = C.MIN_GRANULARITY
-        self.size = -(-_size(size) // g) * g
-        on_gpu = _flag("gpu", gpu, allow_none=True)
-        self.ptr = runtime().memory.reserve(self.size, 0, check_ptr("at", at), on_gpu)
-        self._finalizer = weakref.finalize(self, _release_quietly, self.ptr)
-
-    def __repr__(self) -> str:
-        return f"<VirtualRange {self.ptr:#x}+{self.size:#x}>"
-
-    def map(
-        self, memory: PhysicalMemory, offset: int = 0, access: str = "rw", prepopulate: bool | None = None,
-        owns_range: bool = False,
-    ) -> Mapping:
-        """Map `memory` at `self.ptr + offset`."""
-        flags = _access(access)
-        if not isinstance(memory, PhysicalMemory):
-            raise InvalidParamError(f"memory must be a PhysicalMemory, not {type(memory).__name__}")
-        offset = check_int("offset", offset)
-        populate = _flag("prepopulate", prepopulate, allow_none=True)
-        owns = _flag("owns_range", owns_range)
-        if offset + memory.size > self.size:
-            raise InvalidParamError(f"{memory.size} bytes at offset {offset} do not fit this {self.size}-byte range")
-        rt = runtime()
-        ptr = self.ptr + offset
-        rt.memory.map(ptr, memory.size, 0, memory._live(), flags, populate)
-        return Mapping(ptr, memory, self if owns else None)
-
-    def close(self) -> None:
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            runtime().memory.release(self.ptr)
-
-    def __enter__(self) -> VirtualRange:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _release_quietly(ptr: int) -> None:
-    with contextlib.suppress(Exception):
-        rt = runtime()
-        rt.when_safe(lambda: _quietly(rt.memory.release, ptr))
-
-
-def _unmap_quietly(ptr: int, rng: VirtualRange | None, own_range: bool) -> None:
-    def unmap() -> None:
-        if own_range:
-            _quietly(rt.memory.unmap_release, ptr)
-            return
-        _quietly(rt.memory.unmap, ptr)
-        if rng is not None:
-            _quietly(rng.close)
-
-    with contextlib.suppress(Exception):
-        rt = runtime()
-        rt.when_safe(unmap)
-
-
-class Mapping(MemoryViews):
-    """Physical memory mapped at `ptr`: views as memoryview, numpy array or DLPack tensor, zero-copy.
-
-    Like `mmap.mmap`, it refuses to close while views of it are alive (BufferError).
-    """
-
-    def __init__(self, ptr: int, memory: PhysicalMemory, rng: VirtualRange | None, own_range: bool = False) -> None:
-        """`rng`: a VirtualRange this mapping closes with it; `own_range`: the range was reserved with the mapping
-        (PhysicalMemory.map), and goes with it in one step."""
-        self.ptr = ptr
-        self.size = memory.size
-        self.memory = memory
-        self.on_gpu = memory.on_gpu
-        self.remote = memory.remote
-        self.device = memory.device
-        self._range = rng
-        self._own_range = own_range
-        self._init_views()
-        self._finalizer = weakref.finalize(self, _unmap_quietly, ptr, rng, own_range)
-
-    def __repr__(self) -> str:
-        return f"<Mapping {self.ptr:#x}+{self.size:#x}{' closed' if self.closed else ''}>"
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def set_access(self, access: str) -> None:
-        runtime().memory.set_access(self.ptr, self.size, [(self.memory._location, _access(access))])
-
-    def close(self) -> None:
-        """Unmap (and release the range it owns); BufferError while views of it are alive."""
-        if not self._finalizer.alive:
-            return
-        self._check_closable()
-        self._finalizer.detach()
-        if self._own_range:
-            runtime().memory.unmap_release(self.ptr)
-            return
-        runtime().memory.unmap(self.ptr)
-        if self._range is not None:
-            self._range.close()
-
-    def __enter__(self) -> Mapping:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return  # do not mask the error in flight; the mapping goes when its last view does
-        self.close()

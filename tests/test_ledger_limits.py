@@ -311,6 +311,30 @@ def test_quota_memory_moves_to_the_importer_that_keeps_it_alive_once_the_exporte
     assert books.free() == CAPACITY - 4 * MiB2, "only a's new charge is left"
 
 
+def test_quota_memory_stays_with_an_exporter_that_still_holds_it_after_its_own_import_goes() -> None:
+    """Rule 13 and the charge's move together: the exporter's own import released while its charge is still held
+    leaves the charge where it is (the broker raised StopIteration here, with nobody else importing); once the
+    exporter frees its charge too, the memory goes, or moves to the other importer."""
+    books = Books(quotas=Quotas(memory=4 * MiB2))
+    a, b = books.client(1, uid=1000), books.client(2, uid=2000)
+    alone, shareable, _, _ = books.export(a, flags=NO_PID_CHECK)
+    assert books.imports(a, shareable) == 0
+    (own,) = a.holds - {alone}
+    assert books.code(a, P.Release(own)) == 0
+    assert _held_memory(books, 1000) == MiB2, "the exporter still holds its charge"
+    assert books.code(a, P.Release(alone)) == 0
+    assert _held_memory(books, 1000) == 0 and books.free() == CAPACITY
+    shared, shareable, _, _ = books.export(a, flags=NO_PID_CHECK)
+    assert books.imports(a, shareable) == 0 and books.imports(b, shareable) == 0
+    (own,) = {h for h in a.holds if h != shared}
+    assert books.code(a, P.Release(own)) == 0
+    assert _held_memory(books, 1000) == MiB2 and _held_memory(books, 2000) == 0
+    assert books.code(a, P.Release(shared)) == 0
+    assert _held_memory(books, 1000) == 0 and _held_memory(books, 2000) == MiB2, "on to the importer keeping it"
+    books.ledger.disconnect(b)
+    assert _held_memory(books, 2000) == 0 and books.free() == CAPACITY
+
+
 def test_the_broker_fd_budget_covers_connections_and_exports() -> None:
     """Whatever the quotas, the broker never hands out the file descriptors it needs itself (to accept, to look a
     pid up): connections and exports past its budget are refused with 207005."""

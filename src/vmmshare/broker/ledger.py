@@ -226,8 +226,10 @@ class Ledger:
         client.holds.discard(hold)
         self.usage.drop_hold(client.uid)
         share = memory.share
+        self_import = False
         if share is not None:
-            if share.exporter is client and hold not in share.importers:
+            self_import = share.exporter is client and hold in share.importers
+            if share.exporter is client and not self_import:
                 self._revoke(share)
             share.importers.pop(hold, None)
         memory.holders -= 1
@@ -236,7 +238,11 @@ class Ledger:
             if memory.gone is not None:
                 memory.gone()
         elif share is not None and memory.charger is client and client not in share.importers.values():
-            self._recharge(memory, next(iter(share.importers.values())))
+            # the exporter's own import (rule 13) went: its charge may still be held (rare: look)
+            if not (self_import and any(self.holds[h].memory is memory for h in client.holds)):
+                heir = next(iter(share.importers.values()), None)
+                if heir is not None:
+                    self._recharge(memory, heir)
 
     def _recharge(self, memory: ChargedMemory, holder: Client) -> None:
         """The client charged for `memory` let go of it while others hold it: charge the holder that keeps it alive

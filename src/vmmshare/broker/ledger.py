@@ -237,12 +237,18 @@ class Ledger:
             self._account(memory, -1)
             if memory.gone is not None:
                 memory.gone()
-        elif share is not None and memory.charger is client and client not in share.importers.values():
-            # the exporter's own import (rule 13) went: its charge may still be held (rare: look)
-            if not (self_import and any(self.holds[h].memory is memory for h in client.holds)):
-                heir = next(iter(share.importers.values()), None)
-                if heir is not None:
-                    self._recharge(memory, heir)
+        elif share is not None and memory.charger is client and not self._still_holds(client, memory, self_import):
+            heir = next(iter(share.importers.values()), None)
+            if heir is not None:
+                self._recharge(memory, heir)
+
+    def _still_holds(self, client: Client, memory: ChargedMemory, self_import: bool) -> bool:
+        """Whether `client` keeps a hold of `memory` after one of them went: an import of it, or (when what went was
+        the exporter's own import, rule 13: rare, so looked for) its charge."""
+        share = memory.share
+        if share is not None and client in share.importers.values():
+            return True
+        return self_import and any(self.holds[h].memory is memory for h in client.holds)
 
     def _recharge(self, memory: ChargedMemory, holder: Client) -> None:
         """The client charged for `memory` let go of it while others hold it: charge the holder that keeps it alive

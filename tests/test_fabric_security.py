@@ -14,6 +14,7 @@ import pytest
 from conftest import require
 from fabric_cluster import TestCluster, cluster_problem, eventually
 from test_fabric_sharing import FABRIC, IPC, NO_PERMISSION, export, fails, ok, served_nothing
+from vmmshare.handles import Endpoint
 
 require(not cluster_problem(), cluster_problem())
 
@@ -23,6 +24,7 @@ import os, socket, struct, sys, hmac
 from vmmshare.fabric import peer_protocol as F
 KEY = open(os.environ["VMMSHARE_CLUSTER_KEY_FILE"], "rb").read()
 ME = int(os.environ["VMMSHARE_SERVER_ID"], 0)
+EP1 = F.endpoint_bytes("10.77.0.1", 17017)
 
 def dial(port=17017):
     s = socket.create_connection(("10.77.0.1", port), timeout=10)
@@ -39,10 +41,15 @@ def frames(s, want=1):
     return got
 
 def closed(s):
+    # the broker closes the connection (whatever it sent first, e.g. a challenge to a hello that came first)
     try:
-        return s.recv(1) == b""
+        while s.recv(65536):
+            pass
+        return True
     except ConnectionResetError:
         return True
+    except TimeoutError:
+        return False
 """
 
 
@@ -89,14 +96,14 @@ def test_proofs_cannot_be_reflected_or_replayed_and_nothing_passes_before_them(f
     nonce = os.urandom(32)
     s.sendall(F.encode(F.Hello(ME, nonce), 0))
     ch = frames(s)[0]
-    good = F.proof(KEY, b"initiator", ME, ch.server_id, nonce, ch.nonce)
+    good = F.proof(KEY, b"initiator", F.transcript(ME, ch.server_id, nonce, ch.nonce, EP1))
     s2 = dial()
     s2.sendall(F.encode(F.Hello(ME, nonce), 0))
     frames(s2)
     s2.sendall(F.encode(F.Proof(good), 0))
     print("replayed", closed(s2))
     s.sendall(F.encode(F.Proof(good), 0))
-    print("original", type(frames(s)[0]).__name__)
+    print("original", type(F.decode(s.recv(65536)[:12]).message).__name__)  # a sealed welcome: 12 bytes + MAC
     # requests before the proof: no answer, the link closes
     s3 = dial()
     s3.sendall(F.encode(F.Import(1, 2, bytes(32), ME, os.getpid(), 0, 0), 1))
@@ -134,13 +141,24 @@ def test_a_broker_cannot_import_for_another_servers_processes(fabric: TestCluste
     _, s, _ = export(a, flags=1)
     out = attack(fabric, f"""
     s = dial()
-    ini = F.Initiator(KEY, ME)
+    ini = F.Initiator(KEY, ME, EP1)
     s.sendall(F.encode(ini.hello(), 0))
     s.sendall(F.encode(ini.answer(frames(s)[0]), 0))
-    assert isinstance(frames(s)[0], F.Welcome)
+    r = F.FrameReader()
+    r.authenticate(ini.keys.responder_to_initiator)
+    seal = F.Sealer(ini.keys.initiator_to_responder)
+    got = []
+    while not got:
+        got = r.feed(s.recv(65536))
+    assert isinstance(got[0].message, F.Welcome)
     h = bytes.fromhex({s.hex()!r})
-    s.sendall(F.encode(F.Import(int.from_bytes(h[16:24], "little"), 2, h[64:96], {victim}, os.getpid(), 0, 0), 5))
-    r = frames(s)[0]
+    proof = F.secret_proof(h[64:96], ini.keys.session)
+    value = int.from_bytes(h[16:24], "little")
+    s.sendall(seal.seal(F.encode(F.Import(value, 2, proof, {victim}, os.getpid(), 0, 0), 5)))
+    got = []
+    while not got:
+        got = r.feed(s.recv(65536))
+    r = got[0].message
     print(type(r).__name__, r.code, r.message)
     """)
     assert f"Error {NO_PERMISSION}" in out and "its own processes" in out
@@ -161,24 +179,27 @@ KEY = open(os.environ["VMMSHARE_CLUSTER_KEY_FILE"], "rb").read()
 ls = socket.create_server(("10.77.0.1", 17018))
 print("ready", flush=True)
 c, _ = ls.accept()
-r, res = F.FrameReader(), F.Responder(KEY, int(os.environ["VMMSHARE_SERVER_ID"], 0))
+r = F.FrameReader()
+res = F.Responder(KEY, int(os.environ["VMMSHARE_SERVER_ID"], 0), F.endpoint_bytes("10.77.0.1", 17018))
+seal = None
 while True:
-    data = c.recv(65536)
-    if not data:
-        break
-    for req, m in r.feed(data):
+    r.push(c.recv(65536) or sys.exit(1))
+    while (frame := r.next()) is not None:
+        req, m = frame
         if isinstance(m, F.Hello):
             c.sendall(F.encode(res.challenge(m), 0))
         elif isinstance(m, F.Proof):
             res.verify(m)
-            c.sendall(F.encode(F.Welcome(), 0))
+            seal = F.Sealer(res.keys.responder_to_initiator)
+            r.authenticate(res.keys.initiator_to_responder)
+            c.sendall(seal.seal(F.encode(F.Welcome(), 0)))
         elif isinstance(m, F.Import):
             size, addr, seg = {{"size": (4 << 20, 4096, "10.77.0.1:1"), "address": (2 << 20, 0, "10.77.0.1:1"),
                                "segment": (2 << 20, 4096, "")}}[{lie!r}]
-            c.sendall(F.encode(F.Imported(9, size, 0, 0, 0, 5, 1, 0, addr, seg), req))
+            c.sendall(seal.seal(F.encode(F.Imported(9, size, 0, 0, 0, 5, 1, 0, addr, seg), req)))
         elif isinstance(m, F.Release):
             print("released", m.hold, flush=True)
-            c.sendall(F.encode(F.Ok(), req))
+            c.sendall(seal.seal(F.encode(F.Ok(), req)))
             sys.exit(0)
 """
     import subprocess
@@ -262,3 +283,69 @@ def test_doctor_says_where_the_engines_ports_are_reachable(fabric: TestCluster) 
     exposure = findings()["fabric exposure"]
     assert exposure["status"] == "limit" and "10.99.0.1" in exposure["detail"] and "firewall" in exposure["fix"]
     ok(b, "rt.free_physical", h)
+
+
+RELAY = """
+import socket, sys, threading
+up = socket.create_server(("10.77.0.2", 40001))
+print("ready", flush=True)
+seen = {"to exporter": 0, "to importer": 0}
+
+def pipe(src, dst, name):
+    while True:
+        try:
+            data = src.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            break
+        seen[name] += len(data)
+        try:
+            dst.sendall(data)
+        except OSError:
+            break
+    for s in (src, dst):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+broker, _ = up.accept()  # its own broker, dialing the made-up handle's endpoint
+exporter = socket.create_connection(("10.77.0.1", 17017), timeout=30)
+threads = [threading.Thread(target=pipe, args=(broker, exporter, "to exporter")),
+           threading.Thread(target=pipe, args=(exporter, broker, "to importer"))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("relayed", seen["to exporter"], seen["to importer"], flush=True)
+"""
+
+
+def test_a_handshake_relayed_between_two_brokers_by_a_keyless_user_fails(fabric: TestCluster) -> None:
+    """SPEC §8 (the relay): a user of server 2 without the key hands its broker a made-up FABRIC handle naming its
+    own TCP listener, and relays every byte between its broker and server 1's fabric port. Neither broker may end up
+    with a proved link through the relay; the import fails, saying why, and server 1 serves nothing."""
+    import subprocess
+    import sys
+
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, _ = export(a, flags=1)  # any pid may import it: only the relay stands between the attacker and the bytes
+    made_up = bytearray(s)
+    made_up[32:64] = Endpoint(4, "10.77.0.2", 40001).pack()  # the attacker's listener
+    cmd = fabric.cluster.server(2).command([sys.executable, "-c", RELAY])
+    relay = subprocess.Popen(cmd, env=fabric.env(2), stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None and relay.stdout.readline().strip() == "ready"
+        msg = fails(b, IPC, IMP, bytes(made_up), FABRIC, 0)
+        assert "relay" in msg, msg
+        relay.wait(60)
+        line = relay.stdout.readline().split()
+        assert line[0] == "relayed" and int(line[1]) > 0 and int(line[2]) > 0  # it did carry the handshake
+    finally:
+        relay.kill()
+        relay.wait(30)
+    assert served_nothing(fabric)
+    log = fabric.brokers[1].log.read_text()
+    assert "before it proved the cluster key" in log or "closed" in log
+    still_serves(fabric)

@@ -249,9 +249,17 @@ class Agent(Serving):
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"cannot reach the broker of server {handle.server_id:#x} at "
                                                      f"{ep.address}:{ep.port}: {exc.strerror}")
         tag = client.identity[1] or client.identity[0] or 0
-        request = F.Import(handle.handle, FABRIC, handle.secret, self.server_id, client.pid, client.uid, tag)
+
+        def request() -> F.Import:  # made once the link is proved: the secret's proof is bound to it
+            return F.Import(handle.handle, FABRIC, F.secret_proof(handle.secret, link.session), self.server_id,
+                            client.pid, client.uid, tag)
 
         def imported(reply: F.PeerMessage) -> None:
+            if isinstance(reply, F.Imported) and link.peer_id != handle.server_id:
+                self._release_remote(endpoint, reply.hold)
+                reply = F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, (
+                    f"this FABRIC handle names server {handle.server_id:#x}, but the broker at {ep.address}:{ep.port} "
+                    f"proved it is server {link.peer_id:#x}: the handle is forged or garbled"))
             answer(self._imported(client, endpoint, handle.size, reply))
 
         link.request(request, imported)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import selectors
 import socket
@@ -96,7 +97,8 @@ class Serving:
             sock.set_inheritable(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
-                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed)
+                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed,
+                        listening=(self.config.fabric_addr, self.config.fabric_port))
             self.accepted.add(link)
 
     def _inbound_ready(self, link: Link) -> None:
@@ -118,7 +120,7 @@ class Serving:
             if isinstance(m, F.Import):
                 reply = self._import_for(link, link.peer_id, m)
             elif isinstance(m, F.Release):
-                reply = self._release_for(link.peer_id, m.hold)
+                reply = self._release_for(link, link.peer_id, m.hold)
             elif isinstance(m, F.Adopt):
                 reply = self._adopt_for(link, link.peer_id, m.hold)
             else:  # a heartbeat
@@ -139,7 +141,7 @@ class Serving:
             client = self.remote_clients[key] = self.ledger.connect(m.pid, m.uid, (None, None), server=server)
             self.client_keys[client] = key
         try:
-            hold, share = self.ledger.admit(client, m.shareable, m.share_type, m.secret)
+            hold, share = self.ledger.admit(client, m.shareable, m.share_type, self._secret(link, m))
         except LedgerError as exc:
             self._forget_if_idle(client)
             return F.Error(exc.code, exc.message)
@@ -160,18 +162,35 @@ class Serving:
         log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
         return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.engine.segment)
 
-    def _release_for(self, server: int, hold: int) -> F.PeerMessage:
+    def _secret(self, link: Link, m: F.Import) -> bytes:
+        """The export's secret when the Import proved it for this link; otherwise something that is not it (the
+        ledger then refuses the import as it refuses a wrong secret, with the same code and message)."""
+        share = self.ledger.exports.get(m.shareable)
+        if share is not None and share.secret and hmac.compare_digest(
+                F.secret_proof(share.secret, link.session), m.secret_proof):
+            return share.secret
+        return b""
+
+    def _holds_on(self, link: Link, server: int, hold: int) -> RemoteHold | None:
+        """The remote hold `hold` if `link` may act on it: the link that took it or adopted it, or (while it waits on
+        its lease) a new link of the same server, which proved the key again."""
         rh = self.remote_holds.get(hold)
-        if rh is None or rh.server != server:
-            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"no remote hold {hold:#x} of server {server:#x} here")
+        if rh is None or rh.server != server or (rh.link is not None and rh.link is not link):
+            return None
+        return rh
+
+    def _release_for(self, link: Link, server: int, hold: int) -> F.PeerMessage:
+        if self._holds_on(link, server, hold) is None:
+            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"no remote hold {hold:#x} taken over this link of "
+                                                          f"server {server:#x} here")
         self._drop_remote(hold)
         return F.Ok()
 
     def _adopt_for(self, link: Link, server: int, hold: int) -> F.PeerMessage:
-        rh = self.remote_holds.get(hold)
-        if rh is None or rh.server != server:
+        rh = self._holds_on(link, server, hold)
+        if rh is None:
             return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"remote hold {hold:#x} of server {server:#x} is gone "
-                                                          "(released, or its lease ran out)")
+                                                          "(released, or its lease ran out) or is not this link's")
         rh.link, rh.expires = link, 0.0
         return F.Ok()
 

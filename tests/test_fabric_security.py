@@ -13,7 +13,18 @@ import pytest
 
 from conftest import require
 from fabric_cluster import TestCluster, cluster_problem, eventually
-from test_fabric_sharing import FABRIC, IPC, NO_PERMISSION, export, fails, ok, served_nothing
+from test_fabric_sharing import (
+    FABRIC,
+    IPC,
+    M2,
+    NO_PERMISSION,
+    export,
+    fails,
+    import_map,
+    ok,
+    served_nothing,
+    unmap_free,
+)
 from vmmshare.handles import Endpoint
 
 require(not cluster_problem(), cluster_problem())
@@ -349,3 +360,71 @@ def test_a_handshake_relayed_between_two_brokers_by_a_keyless_user_fails(fabric:
     log = fabric.brokers[1].log.read_text()
     assert "before it proved the cluster key" in log or "closed" in log
     still_serves(fabric)
+
+
+BARE_ENGINE = """
+import ctypes, sys
+import vmmshare.acl as acl
+from vmmshare.backends import remote
+from vmmshare.errors import IpcError
+from vmmshare.fabric.engine import Engine
+
+told = []  # what its broker told this importer: the engine segment and address of its hold
+adopt = remote.RemoteBackend.adopt_remote
+remote.RemoteBackend.adopt_remote = lambda self, seg, addr, n: told.append((seg, addr)) or adopt(self, seg, addr, n)
+acl.rt.set_device(0)
+h, ret = acl.rt.mem_import_from_shareable_handle_v2(bytes.fromhex(sys.argv[1]), 2, 0)
+assert ret == 0, acl.get_recent_err_msg()
+segment, address = told[0]
+bare = Engine("10.77.0.2", "tcp", 2.0)  # a bare engine of the importer's own, as an attacker would run
+buf = ctypes.create_string_buffer(64)
+bare.register(ctypes.addressof(buf), 64)
+
+def read():
+    try:
+        bare.read(segment, ctypes.addressof(buf), address, 16)
+        return buf.raw[:16].hex()
+    except IpcError:
+        return "refused"
+
+print("held", read(), flush=True)
+acl.rt.free_physical(h)  # the hold ends
+print("freed", flush=True)
+sys.stdin.readline()  # the test saw the exporting broker drop the hold
+print("after", read(), flush=True)
+"""
+
+
+def test_a_hold_that_ended_no_longer_reaches_the_memory_through_a_bare_engine(fabric: TestCluster) -> None:
+    """SPEC §8 (revocation reaches the data plane): an importer that freed its hold keeps a bare transfer engine and
+    the address it was told; another importer still holds the same export. The ended hold's address is unregistered:
+    the bare engine's read is refused, while the other importer keeps reading."""
+    import subprocess
+    import sys
+
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, p = export(a, flags=1)
+    ok(a, "rt.memset", p, M2, 0x5A, M2)
+    kept, kept_p = import_map(b, s)  # the other importer, of the same server
+    cmd = fabric.cluster.server(2).command([sys.executable, "-c", BARE_ENGINE, s.hex()])
+    attacker = subprocess.Popen(cmd, env=fabric.env(2), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None and attacker.stdin is not None
+        assert attacker.stdout.readline().split() == ["held", "5a" * 16]  # while it holds, it reads
+        assert attacker.stdout.readline().strip() == "freed"
+
+        def remote_holds() -> int:
+            return sum(len(r.get("remote_importers") or []) for r in fabric.brokers[1].listing()["exports"])
+
+        eventually(lambda: remote_holds() == 1, "the exporting broker kept the freed hold")
+        attacker.stdin.write("go\n")
+        attacker.stdin.flush()
+        assert attacker.stdout.readline().split() == ["after", "refused"]
+        assert attacker.wait(60) == 0
+    finally:
+        attacker.kill()
+        attacker.wait(30)
+    host = ok(b, "rt.malloc_host", 16)
+    ok(b, "rt.memcpy", host, 16, kept_p, 16, 2)  # DEVICE_TO_HOST: the other importer still reads
+    unmap_free(b, kept, kept_p)
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")

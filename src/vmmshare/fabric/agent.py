@@ -29,7 +29,6 @@ from .. import constants as C
 from .. import protocol as P
 from ..backends import mman
 from ..broker.ledger import Client, Ledger, LedgerError
-from ..broker.records import ChargedMemory
 from ..config import Config
 from ..errors import AclError
 from ..handles import Endpoint, decode_fabric
@@ -107,7 +106,7 @@ class Agent(Serving):
         self.remote_clients: dict[tuple[int, int, int, int], Client] = {}  # (server, pid, uid, tag) -> record
         self.client_keys: dict[Client, tuple[int, int, int, int]] = {}
         self.remote_holds: dict[int, RemoteHold] = {}
-        self.served: dict[ChargedMemory, Served] = {}
+        self.served: dict[int, Served] = {}  # remote hold id -> its registration with the engine
         self.unmaps: list[tuple[float, int, int]] = []  # (when, address, size) of mappings no longer served
 
     # ------------------------------------------------------------ life
@@ -147,8 +146,8 @@ class Agent(Serving):
             self.listener = None
         for link in [*self.links.values(), *self.accepted]:
             link.close("this broker is stopping")
-        for memory in list(self.served):
-            self._unserve(memory, grace=False)
+        for hold in list(self.served):
+            self._unserve(hold, grace=False)
         for _, address, size in self.unmaps:
             with contextlib.suppress(OSError):
                 mman.unmap(address, size)

@@ -2,11 +2,12 @@
 this node served to their importers.
 
 A remote import is an import like any other, by the same ledger code (rules 11-14), for a `Client` record of the
-importer's server and pid as its own broker reported them. While an export has remote importers, this broker maps
-its memfd and registers the mapping with its transfer engine, which serves their one-sided reads and writes; the
-last remote hold's release unregisters it (the mapping goes a fabric timeout later, when no transfer of an importer
-that died can still be landing). A dead link's holds wait LEASE_FACTOR fabric timeouts to be adopted on a new link
-of the same server, and are released after that.
+importer's server and pid as its own broker reported them. Each remote hold gets a registration of its own with this
+broker's transfer engine: a mapping of the export's memfd at a fresh random address, which only that hold's importer
+is told. When the hold ends (released, or its lease ran out) that registration is unregistered at once, so the
+address stops working for everyone, while other holds of the same export keep theirs; the mapping goes a fabric
+timeout later (no transfer can still be landing by then). A dead link's holds wait LEASE_FACTOR fabric timeouts to
+be adopted on a new link of the same server, and are released after that.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import contextlib
 import errno
 import hmac
 import logging
+import mmap
+import secrets
 import selectors
 import socket
 import time
@@ -37,13 +40,17 @@ MAX_HANDSHAKES = 32  # accepted links that have not proved the key yet, at once
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
 
 
+ALIAS_LOW, ALIAS_HIGH = 1 << 32, 1 << 46  # where a hold's mapping is placed: 2^34 page-aligned places at random
+ALIAS_TRIES = 32
+PAGE = mmap.PAGESIZE
+
+
 @dataclass(eq=False)
 class Served:
-    """An export this node's engine serves to other servers: its mapping in this broker, and its remote holds."""
+    """One remote hold's registration with this node's engine: a mapping of the export's memfd of its own."""
 
     address: int
     size: int
-    holds: int = 0
 
 
 @dataclass(eq=False)
@@ -72,7 +79,7 @@ class Serving:
     remote_clients: dict[tuple[int, int, int, int], Client]
     client_keys: dict[Client, tuple[int, int, int, int]]
     remote_holds: dict[int, RemoteHold]
-    served: dict[ChargedMemory, Served]
+    served: dict[int, Served]  # remote hold id -> its registration
     unmaps: list[tuple[float, int, int]]
 
     # ------------------------------------------------------------ other brokers
@@ -151,7 +158,7 @@ class Serving:
                 raise AclError("this export is GPU memory, which this node's transfer engine cannot serve to other "
                                "servers: share host or device memory of the host backend across servers",
                                C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
-            served = self._serve(memory, share.fd)
+            served = self._serve(hold, memory, share.fd)
         except (AclError, OSError) as exc:
             self.ledger.release(client, hold)
             self._forget_if_idle(client)
@@ -198,11 +205,8 @@ class Serving:
         rh = self.remote_holds.pop(hold)
         with contextlib.suppress(LedgerError):
             self.ledger.release(rh.client, hold)
-        served = self.served.get(rh.memory)
-        if served is not None:
-            served.holds -= 1
-            if served.holds == 0:
-                self._unserve(rh.memory, grace=True)
+        if hold in self.served:
+            self._unserve(hold, grace=True)
         self._forget_if_idle(rh.client)
 
     def _forget_if_idle(self, client: Client) -> None:
@@ -214,24 +218,23 @@ class Serving:
 
     # ------------------------------------------------------------ serving memory
 
-    def _serve(self, memory: ChargedMemory, fd: int) -> Served:
-        served = self.served.get(memory)
-        if served is None:
-            if self.engine is None:
-                self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
-            address = mman.map_file(fd, memory.size)
-            try:
-                self.engine.register(address, memory.size)
-            except BaseException:
-                mman.unmap(address, memory.size)
-                raise
-            served = self.served[memory] = Served(address, memory.size)
-            log.debug("fabric: serving %d bytes at %#x", memory.size, address)
-        served.holds += 1
+    def _serve(self, hold: int, memory: ChargedMemory, fd: int) -> Served:
+        """Register a mapping of `fd` for `hold` alone, at an address of its own."""
+        if self.engine is None:
+            self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
+        address = _alias(fd, memory.size)
+        try:
+            self.engine.register(address, memory.size)
+        except BaseException:
+            mman.unmap(address, memory.size)
+            raise
+        served = self.served[hold] = Served(address, memory.size)
+        log.debug("fabric: serving %d bytes at %#x for remote hold %#x", memory.size, address, hold)
         return served
 
-    def _unserve(self, memory: ChargedMemory, grace: bool) -> None:
-        served = self.served.pop(memory)
+    def _unserve(self, hold: int, grace: bool) -> None:
+        """Stop serving `hold`'s registration now; its mapping goes a fabric timeout later (`grace`) or now."""
+        served = self.served.pop(hold)
         if self.engine is not None:
             self.engine.unregister(served.address)
         if grace:
@@ -239,3 +242,24 @@ class Serving:
         else:
             with contextlib.suppress(OSError):
                 mman.unmap(served.address, served.size)
+
+
+def _alias(fd: int, size: int) -> int:
+    """A shared read-write mapping of `fd` at a random page-aligned address in [ALIAS_LOW, ALIAS_HIGH): a peer
+    that was never told it has 2^34 places to try (the kernel's own placement is predictable)."""
+    pages = (ALIAS_HIGH - ALIAS_LOW - size) // PAGE
+    for _ in range(ALIAS_TRIES):
+        want = ALIAS_LOW + secrets.randbelow(pages) * PAGE
+        if mman.ARENA_START - size < want < mman.ARENA_END:  # the runtime's own arena, in processes that have one
+            continue
+        try:
+            got = mman.mmap_call(want, size, mman.PROT_READ | mman.PROT_WRITE,
+                                 mman.MAP_SHARED | mman.MAP_FIXED_NOREPLACE, fd)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:  # something is mapped there: another place
+                continue
+            raise
+        if got == want:
+            return got
+        mman.unmap(got, size)  # a kernel that took the flag as a hint placed it elsewhere
+    return mman.map_file(fd, size)  # no free place found at random: where the kernel puts it

@@ -448,3 +448,26 @@ def test_an_import_must_prove_the_secret_for_its_own_link(cluster: Cluster) -> N
     got = frames(far)
     assert [type(m) for m in got] == [F.Error, F.Error, F.Imported], got
     assert all(m.code == 107017 and "secret" in m.message for m in got[:2])  # type: ignore[attr-defined]
+
+
+def test_each_remote_hold_has_a_registration_of_its_own_that_goes_when_the_hold_ends(cluster: Cluster) -> None:
+    """SPEC §8 (revocation reaches the data plane): two holds of one export are served at two addresses; the end of
+    one (a release; a lease that runs out) unregisters its address at once and leaves the other's."""
+    handle = cluster.export()
+    x, y = cluster.a.ledger.connect(1111, 1000, (1, 1)), cluster.a.ledger.connect(2222, 1000, (2, 2))
+    rx, ry = cluster.import_(x, handle), cluster.import_(y, handle)
+    assert isinstance(rx, P.RemoteImported) and isinstance(ry, P.RemoteImported)
+    engine = cluster.b.engine
+    assert isinstance(engine, StandInEngine)
+    assert rx.address != ry.address and engine.served == {rx.address, ry.address}
+    assert all(a % 4096 == 0 and (1 << 32) <= a < (1 << 46) for a in engine.served)
+    cluster.a.ledger.disconnect(x)
+    cluster.pump()
+    assert engine.served == {ry.address}, "the released hold's address is no longer served; the other's is"
+    for link in list(cluster.b.accepted):  # y's server goes away: its hold waits on its lease
+        link.close("the importing server went away")
+    assert engine.served == {ry.address}
+    for rh in cluster.b.remote_holds.values():
+        rh.expires = 0.0  # the lease has run out
+    cluster.b.tick()
+    assert not engine.served and not cluster.b.served and not cluster.b.remote_holds

@@ -471,3 +471,13 @@ def test_each_remote_hold_has_a_registration_of_its_own_that_goes_when_the_hold_
         rh.expires = 0.0  # the lease has run out
     cluster.b.tick()
     assert not engine.served and not cluster.b.served and not cluster.b.remote_holds
+
+
+def test_a_handle_naming_another_server_than_the_broker_that_answers_is_refused(cluster: Cluster) -> None:
+    handle = bytearray(cluster.export())
+    handle[8:12] = (9).to_bytes(4, "little")  # server 9's handle, by its bytes; the endpoint is server 2's
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    reply = cluster.import_(x, bytes(handle))
+    assert isinstance(reply, P.Error) and reply.code == 107017 and "proved it is server 0x2" in reply.message, reply
+    cluster.pump()  # the hold server 2 gave is released at once
+    assert not cluster.b.remote_holds and not cluster.b.served and not cluster.a.held

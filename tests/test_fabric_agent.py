@@ -88,7 +88,10 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
                     memfd_info=lambda fd: (MiB2, 0), quotas=quotas)
     sel = selectors.DefaultSelector()
     n = Node(Agent(Config.from_env(), ledger, sel), ledger, sel, closed)
+    n.agent.meta.start()  # the node's metadata service, where each import is described to its process's engine
+    n.agent.config = dataclasses.replace(n.agent.config, fabric="tcp")
     yield n
+    n.agent.meta.close()
     for link in [*n.agent.links.values(), *n.agent.accepted]:
         link.close("the test is over")
     for far in n.peers:
@@ -204,6 +207,8 @@ def fabric_agent(server_id: int, ep: tuple[str, int]) -> Agent:
                     memfd_info=lambda fd: (os.fstat(fd).st_size, SIZE_SEALS), endpoint=Endpoint(4, *ep))
     agent = Agent(config, ledger, selectors.DefaultSelector())
     agent.key = KEY
+    agent.meta.start()
+    agent.meta.add(agent.meta_token)
     return agent
 
 
@@ -218,6 +223,7 @@ class Cluster:
     def _exporter(self) -> Agent:
         b = fabric_agent(2, EP)
         b.engine = StandInEngine()  # type: ignore[assignment]
+        b.data_endpoint = StandInEngine.segment
         return b
 
     def _dial(self, address: str, port: int) -> socket.socket:

@@ -4,6 +4,7 @@ processes, an exporting broker that lies about the memory, a flood of links, and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import textwrap
@@ -363,42 +364,61 @@ def test_a_handshake_relayed_between_two_brokers_by_a_keyless_user_fails(fabric:
 
 
 BARE_ENGINE = """
-import ctypes, sys
+import ctypes, json, sys, urllib.error, urllib.request
 import vmmshare.acl as acl
-from vmmshare.backends import remote
+from vmmshare.broker.client import BrokerClient
 from vmmshare.errors import IpcError
 from vmmshare.fabric.engine import Engine
 
-told = []  # what its broker told this importer: the engine segment and address of its hold
-adopt = remote.RemoteBackend.adopt_remote
-remote.RemoteBackend.adopt_remote = lambda self, seg, addr, n: told.append((seg, addr)) or adopt(self, seg, addr, n)
+told = []  # what its broker told this importer: its hold's segment, address, and its metadata URL
+import_remote = BrokerClient.import_remote
+BrokerClient.import_remote = lambda self, handle: told.append(import_remote(self, handle)) or told[-1]
 acl.rt.set_device(0)
 h, ret = acl.rt.mem_import_from_shareable_handle_v2(bytes.fromhex(sys.argv[1]), 2, 0)
 assert ret == 0, acl.get_recent_err_msg()
-segment, address = told[0]
-bare = Engine("10.77.0.2", "tcp", 2.0)  # a bare engine of the importer's own, as an attacker would run
+got = told[0]
+
+def meta(key, value=None):
+    req = urllib.request.Request(f"{got.metadata}?key={key}", method="GET" if value is None else "PUT",
+                                 data=None if value is None else json.dumps(value).encode())
+    try:
+        return json.loads(urllib.request.urlopen(req, timeout=10).read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+mine = meta(f"mooncake/ram/{got.segment}")  # what this process's engine is told: its own hold, nothing else
+print("told", json.dumps([(b["addr"], b["length"]) for b in mine["buffers"]], separators=(",", ":")), got.address,
+      got.size, flush=True)
+# a bare engine of its own, in its own namespace, given a descriptor it wrote itself: the exporting engine's data
+# host and port and the address it was told (what an attacker that kept them would do)
+meta("mooncake/ram/forged", {**mine, "name": "forged", "buffers": [{"addr": got.address, "length": got.size,
+                                                                      "name": "forged"}]})
+bare = Engine("10.77.0.2", "tcp", 2.0, got.metadata)
 buf = ctypes.create_string_buffer(64)
 bare.register(ctypes.addressof(buf), 64)
 
-def read():
+def read(engine, segment):
     try:
-        bare.read(segment, ctypes.addressof(buf), address, 16)
+        engine.read(segment, ctypes.addressof(buf), got.address, 16)
         return buf.raw[:16].hex()
     except IpcError:
         return "refused"
 
-print("held", read(), flush=True)
+from vmmshare.fabric import engine as E
+process_engine = E._shared[1]  # this process's own engine, which read the hold's segment while it was held
+print("held", read(bare, "forged"), read(process_engine, got.segment), flush=True)
 acl.rt.free_physical(h)  # the hold ends
-print("freed", flush=True)
+print("freed", meta(f"mooncake/ram/{got.segment}"), flush=True)  # its description is gone at once
 sys.stdin.readline()  # the test saw the exporting broker drop the hold
-print("after", read(), flush=True)
+print("after", read(bare, "forged"), read(process_engine, got.segment), flush=True)
 """
 
 
 def test_a_hold_that_ended_no_longer_reaches_the_memory_through_a_bare_engine(fabric: TestCluster) -> None:
-    """SPEC §8 (revocation reaches the data plane): an importer that freed its hold keeps a bare transfer engine and
-    the address it was told; another importer still holds the same export. The ended hold's address is unregistered:
-    the bare engine's read is refused, while the other importer keeps reading."""
+    """SPEC §8 (revocation reaches the data plane): an importer that freed its hold keeps its engine, a bare engine
+    of its own with a descriptor it wrote itself, and the address and data port it was told; another importer of
+    the same server still holds the same export, at an address of its own that this one was never told. The ended
+    hold's address is unregistered: both engines' reads are refused, while the other importer keeps reading."""
     import subprocess
     import sys
 
@@ -410,8 +430,10 @@ def test_a_hold_that_ended_no_longer_reaches_the_memory_through_a_bare_engine(fa
     attacker = subprocess.Popen(cmd, env=fabric.env(2), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert attacker.stdout is not None and attacker.stdin is not None
-        assert attacker.stdout.readline().split() == ["held", "5a" * 16]  # while it holds, it reads
-        assert attacker.stdout.readline().strip() == "freed"
+        told, address, size = attacker.stdout.readline().split()[1:]
+        assert json.loads(told) == [[int(address), int(size)]], "its engine is told of its own hold alone"
+        assert attacker.stdout.readline().split() == ["held", "5a" * 16, "5a" * 16]  # while it holds, it reads
+        assert attacker.stdout.readline().split() == ["freed", "404"]
 
         def remote_holds() -> int:
             return sum(len(r.get("remote_importers") or []) for r in fabric.brokers[1].listing()["exports"])
@@ -419,7 +441,7 @@ def test_a_hold_that_ended_no_longer_reaches_the_memory_through_a_bare_engine(fa
         eventually(lambda: remote_holds() == 1, "the exporting broker kept the freed hold")
         attacker.stdin.write("go\n")
         attacker.stdin.flush()
-        assert attacker.stdout.readline().split() == ["after", "refused"]
+        assert attacker.stdout.readline().split() == ["after", "refused", "refused"]
         assert attacker.wait(60) == 0
     finally:
         attacker.kill()

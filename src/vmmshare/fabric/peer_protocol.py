@@ -154,7 +154,8 @@ class Error(PeerMessage):
 
 @dataclass(frozen=True, slots=True)
 class Imported(PeerMessage):
-    """A remote import: the hold, the memory's size, kind and properties, and where the engine serves it."""
+    """A remote import: the hold, the memory's size, kind and properties, the address of the hold's own
+    registration, and where the exporting engine takes transfers (`segment`: its data "<address>:<port>")."""
 
     KIND: ClassVar[Kind] = Kind.IMPORTED
     hold: int

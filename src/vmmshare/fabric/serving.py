@@ -28,10 +28,11 @@ from ..backends import mman
 from ..broker.ledger import Client, Ledger, LedgerError
 from ..broker.records import KIND_HOST, ChargedMemory
 from ..config import Config
-from ..errors import AclError
+from ..errors import AclError, InternalError
 from . import peer_protocol as F
 from .engine import Engine
 from .link import Link, State
+from .metadata import MetadataService
 
 log = logging.getLogger("vmmshare.fabric")
 LEASE_FACTOR = 4  # a dead link's remote holds wait this many fabric timeouts to be adopted on a new link
@@ -80,6 +81,9 @@ class Serving:
     client_keys: dict[Client, tuple[int, int, int, int]]
     remote_holds: dict[int, RemoteHold]
     served: dict[int, Served]  # remote hold id -> its registration
+    meta: MetadataService
+    meta_token: bytes  # this broker's engine's namespace in the metadata service
+    data_endpoint: str  # "<address>:<port>" where this broker's engine takes transfers
     unmaps: list[tuple[float, int, int]]
 
     # ------------------------------------------------------------ other brokers
@@ -165,9 +169,9 @@ class Serving:
             code = exc.code if isinstance(exc, AclError) else C.ACL_ERROR_RT_INTERNAL_ERROR
             return F.Error(code, exc.message if isinstance(exc, AclError) else f"cannot serve the memory: {exc}")
         self.remote_holds[hold] = RemoteHold(client, server, memory, link)
-        assert self.engine is not None
         log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
-        return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.engine.segment)
+        # the hold's own registration and where the engine takes transfers: all the importer learns of this engine
+        return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.data_endpoint)
 
     def _secret(self, link: Link, m: F.Import) -> bytes:
         """The export's secret when the Import proved it for this link; otherwise something that is not it (the
@@ -221,7 +225,8 @@ class Serving:
     def _serve(self, hold: int, memory: ChargedMemory, fd: int) -> Served:
         """Register a mapping of `fd` for `hold` alone, at an address of its own."""
         if self.engine is None:
-            self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
+            self._start_engine()
+        assert self.engine is not None
         address = _alias(fd, memory.size)
         try:
             self.engine.register(address, memory.size)
@@ -231,6 +236,22 @@ class Serving:
         served = self.served[hold] = Served(address, memory.size)
         log.debug("fabric: serving %d bytes at %#x for remote hold %#x", memory.size, address, hold)
         return served
+
+    def _start_engine(self) -> None:
+        """This broker's engine, in the node's metadata service under the broker's own token (its descriptor,
+        which lists every registration, is served to no one), and the data host and port importers are told."""
+        engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout, self.meta.url(self.meta_token))
+        try:
+            desc = self.meta.get(self.meta_token, f"mooncake/ram/{engine.segment}")
+            port = desc.get("tcp_data_port") if isinstance(desc, dict) else None
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise InternalError(f"the transfer engine published no data port ({desc!r})")
+        except BaseException:
+            engine.close()
+            raise
+        addr = self.config.fabric_addr
+        self.data_endpoint = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        self.engine = engine
 
     def _unserve(self, hold: int, grace: bool) -> None:
         """Stop serving `hold`'s registration now; its mapping goes a fabric timeout later (`grace`) or now."""

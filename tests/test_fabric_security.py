@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import textwrap
 from pathlib import Path
@@ -449,4 +450,105 @@ def test_a_hold_that_ended_no_longer_reaches_the_memory_through_a_bare_engine(fa
     host = ok(b, "rt.malloc_host", 16)
     ok(b, "rt.memcpy", host, 16, kept_p, 16, 2)  # DEVICE_TO_HOST: the other importer still reads
     unmap_free(b, kept, kept_p)
+    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+
+
+NEVER_HELD = """
+import json, sys, urllib.error, urllib.request
+from vmmshare.fabric.engine import load
+ports, meta_port, me = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+raw = load(2.0).TransferEngine()  # a bare engine, in the mode that asks a peer's RPC port for its descriptor
+assert raw.initialize(me, "P2PHANDSHAKE", "tcp", "") == 0
+
+def first(segment):
+    try:
+        return raw.get_first_buffer_address(segment)
+    except Exception:
+        return 0
+
+print("descriptors", json.dumps({p: first(f"10.77.0.1:{p}") for p in ports}), flush=True)
+
+def get(path, key):
+    try:
+        url = f"http://127.0.0.1:{meta_port}{path}?key={key}"
+        return urllib.request.urlopen(url, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+guesses = ["/metadata", "//metadata", "/x/metadata", "/" + "0" * 32 + "/metadata", "/../metadata", "/%2e%2e/metadata"]
+keys = ["mooncake/ram/10.77.0.1", "mooncake/ram/10.77.0.2", "mooncake/rpc_meta/10.77.0.1"]
+print("metadata", json.dumps(sorted({get(p, k) for p in guesses for k in keys})), flush=True)
+"""
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process `pid` listens on (its own sockets, in its network namespace)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[9]) in inodes:
+                    ports.add(int(cols[1].split(":")[1], 16))
+    return sorted(ports)
+
+
+def metadata_service(fabric: TestCluster, n: int) -> int:
+    """The pid of server `n`'s broker's metadata service child."""
+    pid = fabric.brokers[n].pid
+    children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    found = [c for c in children if b"vmmshare.fabric.metadata" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(found) == 1, children
+    return found[0]
+
+
+def test_a_bare_engine_that_never_held_an_export_learns_no_address(fabric: TestCluster) -> None:
+    """SPEC §8 (a peer that never held an export cannot reach it): server 2 holds an export of server 1, so server
+    1's engine serves it. A bare engine that never imported, on server 2 and as another user on server 1, asks every
+    port server 1's broker listens on for its segment descriptor, and the node's metadata service for what it holds
+    under every path but a token it was given: it learns no address (the engine answers 0, the service 404), and the
+    tokens are on no command line or environment of the service."""
+    import subprocess
+    import sys
+
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, p = export(a, pids=[b.pid])
+    ok(a, "rt.memset", p, M2, 0x5A, M2)
+    h, rp = import_map(b, s)
+    buf = ok(b, "rt.malloc_host", 16)
+    ok(b, "rt.memcpy", buf, 16, rp, 16, 2)  # server 1's engine now serves the hold
+    ports = [port for port in listening_ports(fabric.brokers[1].pid) if port != 17017]
+    assert len(ports) >= 2, ports  # the engine's RPC and data ports at least
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    for n, prefix, me in ((2, [], "10.77.0.2"), (1, nobody, "10.77.0.1")):
+        service = metadata_service(fabric, n)
+        meta_port, = listening_ports(service)
+        cmd = fabric.cluster.server(n).command(
+            [*prefix, sys.executable, "-c", NEVER_HELD, json.dumps(ports), str(meta_port), me])
+        out = subprocess.run(cmd, env=fabric.env(n), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+        assert set(json.loads(lines["descriptors"]).values()) == {0}, f"server {n}: {lines['descriptors']}"
+        assert json.loads(lines["metadata"]) == [404], f"server {n}: {lines['metadata']}"
+        cmdline = Path(f"/proc/{service}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[1:3] == [b"-m", b"vmmshare.fabric.metadata"] and len(cmdline) == 4  # nothing else
+        environ = Path(f"/proc/{service}/environ").read_bytes()
+        words = set(re.findall(rb"[0-9a-f]{32}", environ + b"".join(cmdline)))
+        for word in words:  # no path token there (a 32-hex-digit value that the service would answer under)
+            probe = subprocess.run(fabric.cluster.server(n).command(
+                [sys.executable, "-c", f"import urllib.request as u, urllib.error as e\ntry: u.urlopen("
+                 f"'http://127.0.0.1:{meta_port}/{word.decode()}/metadata?key=mooncake/ram/x', timeout=10)\n"
+                 "except e.HTTPError as x: print(x.code)"]), env=fabric.env(n), capture_output=True, text=True)
+            assert probe.stdout.strip() == "404"
+    ok(b, "rt.memcpy", buf, 16, rp, 16, 2)  # the holder still reads
+    unmap_free(b, h, rp)
     eventually(lambda: served_nothing(fabric), "remote holds left behind")

@@ -259,6 +259,12 @@ class BrokerClient:
     def set_remote_pids(self, shareable: int, share_type: int, server: int, pids: list[int]) -> None:
         self.request(P.SetRemotePids(shareable, share_type, server, tuple(pids)), P.Ok)
 
+    @property
+    def metadata_url(self) -> str:
+        """Where this process's transfer engine finds its remote holds (its namespace in the node's metadata
+        service; P2PHANDSHAKE before its first remote import)."""
+        return self._metadata
+
     def transfers(self) -> Transfers:
         from ..fabric.engine import process_engine
 

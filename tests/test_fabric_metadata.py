@@ -136,3 +136,39 @@ def test_a_brokers_metadata_service_goes_with_it(fabric: TestCluster) -> None:
         child = metadata_service(fabric, n)
         fabric.brokers[n].signal(sig)
         eventually(lambda child=child: gone(child), f"server {n}'s metadata service outlived its broker")
+
+
+def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(service: MetadataService) -> None:
+    """A local user holds every connection slot open by sending its requests a byte at a time: each is cut off once
+    its request has taken REQUEST_TIMEOUT, and an engine's GET is answered (rather than waiting while they trickle)."""
+    import socket
+    import threading
+
+    from vmmshare.fabric.metadata import MAX_CONNECTIONS, REQUEST_TIMEOUT
+
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    done = threading.Event()
+    cut = []
+
+    def trickle() -> None:
+        with socket.create_connection(("127.0.0.1", service.port)) as s:
+            try:
+                for byte in b"GET /" + b"a" * 10_000:
+                    s.sendall(bytes([byte]))
+                    if done.wait(REQUEST_TIMEOUT / 10):  # the attack's own pace
+                        return
+            except OSError:
+                cut.append(1)
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_CONNECTIONS + 8)]
+    for t in threads:
+        t.start()
+    try:
+        assert http(service, "GET", path(mine), KEY)[0] == 200
+        eventually(lambda: len(cut) >= MAX_CONNECTIONS, "trickling connections were not cut off")
+    finally:
+        done.set()
+        for t in threads:
+            t.join(HANG_GUARD)

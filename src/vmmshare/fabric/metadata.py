@@ -30,9 +30,11 @@ import os
 import secrets
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 from typing import Any
 
@@ -94,6 +96,16 @@ def _handler(store: Store) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT
         protocol_version = "HTTP/1.1"
+        server: _Server
+
+        def handle_one_request(self) -> None:
+            """One request, which must arrive and be answered within REQUEST_TIMEOUT in all (a client that trickles
+            its bytes is cut off by the server's reaper, not kept for as long as it trickles)."""
+            self.server.deadlines[self.connection] = time.monotonic() + REQUEST_TIMEOUT
+            try:
+                super().handle_one_request()
+            finally:
+                self.server.deadlines.pop(self.connection, None)
 
         def log_message(self, format: str, *args: Any) -> None:
             """Quiet: a request is nothing to log."""
@@ -162,7 +174,19 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def __init__(self, store: Store) -> None:
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.deadlines: dict[socket.socket, float] = {}  # connections in a request, and when it must be done
+        self.stopping = threading.Event()
         super().__init__(("127.0.0.1", 0), _handler(store))
+        threading.Thread(target=self._reap, name="vmmshare-metadata-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        """Cut off every connection whose request ran past its deadline (its handler then ends)."""
+        while not self.stopping.wait(REQUEST_TIMEOUT / 5):
+            now = time.monotonic()
+            for conn, deadline in list(self.deadlines.items()):
+                if deadline <= now:
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         self.slots.acquire()
@@ -198,6 +222,7 @@ def main() -> int:
             answer = "bad command"
         out.write(answer.replace("\n", " ") + "\n")
         out.flush()
+    server.stopping.set()
     server.shutdown()
     return 0
 

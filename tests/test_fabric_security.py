@@ -178,9 +178,10 @@ def test_a_broker_cannot_import_for_another_servers_processes(fabric: TestCluste
     assert served_nothing(fabric)
 
 
-@pytest.mark.parametrize("lie", ["size", "address", "segment"])
+@pytest.mark.parametrize("lie", ["size", "address", "segment", "data host"])
 def test_an_exporting_broker_that_lies_about_the_memory_is_refused(fabric: TestCluster, lie: str) -> None:
-    """A fake exporting broker (it has the key) answers an import with memory that does not match the handle."""
+    """A fake exporting broker (it has the key) answers an import with memory that does not match the handle, or
+    with a data endpoint on another host than its own (the importer's engine would send its transfers there)."""
     a, b = fabric.actor(1), fabric.actor(2)
     _, s, _ = export(a, flags=1)
     fake = bytearray(s)
@@ -208,7 +209,8 @@ while True:
             c.sendall(seal.seal(F.encode(F.Welcome(), 0)))
         elif isinstance(m, F.Import):
             size, addr, seg = {{"size": (4 << 20, 4096, "10.77.0.1:1"), "address": (2 << 20, 0, "10.77.0.1:1"),
-                               "segment": (2 << 20, 4096, "")}}[{lie!r}]
+                               "segment": (2 << 20, 4096, ""), "data host": (2 << 20, 4096, "127.0.0.1:15001")
+                               }}[{lie!r}]
             c.sendall(seal.seal(F.encode(F.Imported(9, size, 0, 0, 0, 5, 1, 0, addr, seg), req)))
         elif isinstance(m, F.Release):
             print("released", m.hold, flush=True)

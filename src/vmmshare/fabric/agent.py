@@ -286,7 +286,9 @@ class Agent(Serving):
         if not isinstance(reply, F.Imported):
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"the exporting broker answered {reply.KIND.name} to an import")
         self.held.setdefault(endpoint, set()).add(reply.hold)
-        data = _data_endpoint(reply.segment)
+        data = _data_endpoint(reply.segment)  # on the exporting broker's own address: nowhere else on the network
+        if data is not None and ipaddress.ip_address(data[0]) != ipaddress.ip_address(endpoint[0]):
+            data = None
         if reply.size != size or reply.address == 0 or data is None:
             self._release_remote(endpoint, reply.hold)
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, (

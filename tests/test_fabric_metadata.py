@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -141,7 +142,6 @@ def test_a_brokers_metadata_service_goes_with_it(fabric: TestCluster) -> None:
 def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(service: MetadataService) -> None:
     """A local user holds every connection slot open by sending its requests a byte at a time: each is cut off once
     its request has taken REQUEST_TIMEOUT, and an engine's GET is answered (rather than waiting while they trickle)."""
-    import socket
     import threading
 
     from vmmshare.fabric.metadata import MAX_CONNECTIONS, REQUEST_TIMEOUT
@@ -172,3 +172,38 @@ def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(ser
         done.set()
         for t in threads:
             t.join(HANG_GUARD)
+
+
+def raw(m: MetadataService, data: bytes) -> bytes:
+    """What the service answers to `data` sent on a connection of its own, up to its close."""
+    with socket.create_connection(("127.0.0.1", m.port), timeout=HANG_GUARD) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(1 << 16):
+            got += chunk
+        return got
+
+
+def test_garbled_oversized_and_pipelined_requests(service: MetadataService) -> None:
+    """Garbage is answered 400 and the connection closed; an unknown method 405; two requests sent at once are both
+    answered in order; a PUT that asks for 100 Continue gets it; the service serves on after each."""
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    where = f"{path(mine)}?key={KEY}".encode()
+    assert raw(service, b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw(service, b"GET / HTTP/1.1\r\nX: " + b"a" * 20_000).startswith(b"HTTP/1.1 400 ")
+    assert raw(service, b"GET " + where + b" HTTP/1.1\r\nContent-Length: -5\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw(service, b"POST " + where + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+    big = f"PUT {path(mine)}?key=k HTTP/1.1\r\nContent-Length: {MAX_VALUE + 1}\r\n\r\n".encode()
+    assert raw(service, big).startswith(b"HTTP/1.1 413 ")
+    two = raw(service, b"GET " + where + b" HTTP/1.1\r\n\r\nGET " + where + b" HTTP/1.0\r\n\r\n")
+    assert two.count(b"HTTP/1.1 200 OK") == 2 and two.count(json.dumps(DESC, separators=(",", ":")).encode()) == 2
+    put = (f"PUT {path(mine)}?key=own HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", service.port), timeout=HANG_GUARD) as s:
+        s.sendall(put)
+        assert s.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(b"{}")
+        assert s.recv(256).startswith(b"HTTP/1.1 200 OK")
+    assert http(service, "GET", path(mine), "own") == (200, b"{}")

@@ -23,17 +23,16 @@ would deadlock on its first request.
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import logging
 import os
 import secrets
 import select
+import selectors
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 from typing import Any
@@ -44,8 +43,8 @@ log = logging.getLogger("vmmshare.fabric")
 TOKEN_BYTES = 16  # 128 bits: a path token is guessed with probability 2^-128 per try
 MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with a few hundred buffers)
 MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
-REQUEST_TIMEOUT = 5.0  # seconds a connection may take to send its request (a slow client holds only its thread)
-MAX_CONNECTIONS = 64  # connections served at once; more wait in the listen queue
+REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
+MAX_CONNECTIONS = 64  # connections open at once; more wait in the listen queue
 
 
 def new_token() -> bytes:
@@ -60,170 +59,242 @@ class Store:
     """The keys of each token: those the broker installed, and those the token's engine PUT itself."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.tokens: dict[str, dict[str, bytes]] = {}
         self.put_keys: dict[str, set[str]] = {}
 
     def command(self, cmd: list[Any]) -> str:
         """One command of the broker's (add, drop, put, del, get); the answer line."""
         op, token = cmd[0], str(cmd[1])
-        with self.lock:
-            if op == "add":
-                self.tokens.setdefault(token, {})
-                self.put_keys.setdefault(token, set())
-                return "ok"
-            if op == "drop":
-                self.tokens.pop(token, None)
-                self.put_keys.pop(token, None)
-                return "ok"
-            keys = self.tokens.get(token)
-            if keys is None:
-                return "no such token"
-            if op == "put":
-                keys[str(cmd[2])] = str(cmd[3]).encode()
-                return "ok"
-            if op == "del":
-                keys.pop(str(cmd[2]), None)
-                self.put_keys[token].discard(str(cmd[2]))
-                return "ok"
-            if op == "get":
-                value = keys.get(str(cmd[2]))
-                return "none" if value is None else "value " + value.decode(errors="replace")
+        if op == "add":
+            self.tokens.setdefault(token, {})
+            self.put_keys.setdefault(token, set())
+            return "ok"
+        if op == "drop":
+            self.tokens.pop(token, None)
+            self.put_keys.pop(token, None)
+            return "ok"
+        keys = self.tokens.get(token)
+        if keys is None:
+            return "no such token"
+        if op == "put":
+            keys[str(cmd[2])] = str(cmd[3]).encode()
+            return "ok"
+        if op == "del":
+            keys.pop(str(cmd[2]), None)
+            self.put_keys[token].discard(str(cmd[2]))
+            return "ok"
+        if op == "get":
+            value = keys.get(str(cmd[2]))
+            return "none" if value is None else "value " + value.decode(errors="replace")
         return f"unknown command {op!r}"
 
-
-def _handler(store: Store) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT
-        protocol_version = "HTTP/1.1"
-        server: _Server
-
-        def handle_one_request(self) -> None:
-            """One request, which must arrive and be answered within REQUEST_TIMEOUT in all (a client that trickles
-            its bytes is cut off by the server's reaper, not kept for as long as it trickles)."""
-            self.server.deadlines[self.connection] = time.monotonic() + REQUEST_TIMEOUT
-            try:
-                super().handle_one_request()
-            finally:
-                self.server.deadlines.pop(self.connection, None)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """Quiet: a request is nothing to log."""
-
-        def _where(self) -> tuple[dict[str, bytes], str, str] | None:
-            url = urllib.parse.urlsplit(self.path)
-            parts = url.path.split("/")
-            key = urllib.parse.parse_qs(url.query).get("key", [""])[0]
-            if len(parts) != 3 or parts[0] or parts[2] != "metadata" or not key:
-                return None
-            keys = store.tokens.get(parts[1])
-            return None if keys is None else (keys, parts[1], key)
-
-        def _answer(self, code: int, body: bytes = b"") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json" if code == 200 and body else "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            with store.lock:
-                where = self._where()
-                value = None if where is None else where[0].get(where[2])
-            if value is None:
-                self._answer(404, b"metadata not found")
-            else:
-                self._answer(200, value)
-
-        def do_PUT(self) -> None:
-            try:
-                length = int(self.headers.get("Content-Length", "-1"))
-            except ValueError:
-                length = -1
-            if not 0 <= length <= MAX_VALUE:
-                self.close_connection = True
-                self._answer(413, b"too large")
-                return
-            body = self.rfile.read(length)
-            with store.lock:
-                where = self._where()
-                if where is not None:
-                    keys, token, key = where
-                    mine = store.put_keys[token]
-                    if key not in keys and len(mine) >= MAX_PUT_KEYS:
-                        where = None
-                    elif key not in keys or key in mine:  # the broker's entries are not the engine's to change
-                        keys[key] = body
-                        mine.add(key)
-            self._answer(200 if where is not None else 404)
-
-        def do_DELETE(self) -> None:
-            with store.lock:
-                where = self._where()
-                if where is not None and where[2] in store.put_keys[where[1]]:
-                    where[0].pop(where[2], None)
-                    store.put_keys[where[1]].discard(where[2])
-            self._answer(200 if where is not None else 404)
-
-    return Handler
+    def request(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
+        """An engine's request: (status, body). Anything not under a known token's path is 404."""
+        url = urllib.parse.urlsplit(target)
+        parts = url.path.split("/")
+        key = urllib.parse.parse_qs(url.query).get("key", [""])[0]
+        keys = self.tokens.get(parts[1]) if len(parts) == 3 and not parts[0] and parts[2] == "metadata" else None
+        if keys is None or not key:
+            return 404, b"metadata not found"
+        token = parts[1]
+        mine = self.put_keys[token]
+        if method == "GET":
+            value = keys.get(key)
+            return (404, b"metadata not found") if value is None else (200, value)
+        if method == "PUT":
+            if key not in keys:
+                if len(mine) >= MAX_PUT_KEYS:
+                    return 404, b"too many keys"
+                mine.add(key)
+            if key in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
+                keys[key] = body
+            return 200, b""
+        if method == "DELETE":
+            if key in mine:
+                mine.discard(key)
+                keys.pop(key, None)
+            return 200, b""
+        return 405, b"method not allowed"
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large"}
+MAX_HEAD = 8 << 10  # bytes of a request line and headers
 
-    def __init__(self, store: Store) -> None:
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.deadlines: dict[socket.socket, float] = {}  # connections in a request, and when it must be done
-        self.stopping = threading.Event()
-        super().__init__(("127.0.0.1", 0), _handler(store))
-        threading.Thread(target=self._reap, name="vmmshare-metadata-reaper", daemon=True).start()
 
-    def _reap(self) -> None:
-        """Cut off every connection whose request ran past its deadline (its handler then ends)."""
-        while not self.stopping.wait(REQUEST_TIMEOUT / 5):
+class _Connection:
+    """One engine's connection: what it sent so far, what is left to send it, and when its request must be done."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.deadline = time.monotonic() + REQUEST_TIMEOUT
+        self.closing = False
+        self.continued = False  # "100 Continue" sent for the request in the inbox
+
+
+class Service:
+    """The HTTP side, one thread and one selector: the listener, the broker's pipe and every connection. Each
+    request must arrive and be answered within REQUEST_TIMEOUT of the connection's last answer (or its start), so
+    a client that trickles its bytes or sits idle is cut off; at most MAX_CONNECTIONS are open at once."""
+
+    def __init__(self, store: Store, commands: int, answers: Any) -> None:
+        self.store, self.commands, self.answers = store, commands, answers
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ)
+        self.sel.register(commands, selectors.EVENT_READ)
+        self.conns: dict[socket.socket, _Connection] = {}
+        self.pending = b""
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
             now = time.monotonic()
-            for conn, deadline in list(self.deadlines.items()):
-                if deadline <= now:
-                    with contextlib.suppress(OSError):
-                        conn.shutdown(socket.SHUT_RDWR)
+            wait = min((c.deadline for c in self.conns.values()), default=now + 60.0) - now
+            for key, mask in self.sel.select(max(0.0, wait)):
+                if key.fileobj is self.listener:
+                    self._accept()
+                elif key.fileobj == self.commands:
+                    self._commands()
+                else:
+                    conn = self.conns.get(key.fileobj)  # type: ignore[call-overload]
+                    if conn is not None:
+                        self._serve(conn, mask)
+            now = time.monotonic()
+            for conn in [c for c in self.conns.values() if c.deadline <= now]:
+                self._close(conn)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self.slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
+    def _accept(self) -> None:
+        while len(self.conns) < MAX_CONNECTIONS:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of fds: the connection waits in the queue
+                return
+            sock.setblocking(False)
+            self.conns[sock] = _Connection(sock)
+            self.sel.register(sock, selectors.EVENT_READ)
+        if len(self.conns) >= MAX_CONNECTIONS:
+            self.sel.unregister(self.listener)  # taken again when a connection closes
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def _commands(self) -> None:
+        data = os.read(self.commands, 1 << 20)
+        if not data:
+            self.running = False
+            return
+        self.pending += data
+        while b"\n" in self.pending:
+            line, _, self.pending = self.pending.partition(b"\n")
+            try:
+                cmd = json.loads(line)
+                answer = self.store.command(cmd) if isinstance(cmd, list) and len(cmd) >= 2 else "bad command"
+            except (ValueError, IndexError, TypeError):
+                answer = "bad command"
+            self.answers.write((answer.replace("\n", " ") + "\n").encode())
+            self.answers.flush()
+
+    def _serve(self, conn: _Connection, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            try:
+                data = conn.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                self._close(conn)
+                return
+            if data:
+                conn.inbox += data
+                while not conn.closing and self._one(conn):
+                    pass
+        self._flush(conn)
+
+    def _one(self, conn: _Connection) -> bool:
+        """Answer the first whole request in the inbox; False when there is none yet."""
+        end = conn.inbox.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.inbox) > MAX_HEAD:
+                self._answer(conn, 400, b"bad request", close=True)
+            return False
+        lines = bytes(conn.inbox[:end]).decode("latin-1").split("\r\n")
+        request = lines[0].split(" ")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            length = int(headers.get("content-length", "0"))
+        except ValueError:
+            length = -1
+        if len(request) != 3 or not request[2].startswith("HTTP/1.") or length < 0:
+            self._answer(conn, 400, b"bad request", close=True)
+            return False
+        if length > MAX_VALUE:
+            self._answer(conn, 413, b"too large", close=True)
+            return False
+        if len(conn.inbox) < end + 4 + length:
+            if headers.get("expect", "").lower() == "100-continue" and not conn.continued:
+                conn.outbox += b"HTTP/1.1 100 Continue\r\n\r\n"  # the engine's HTTP client waits for it (1 s)
+                conn.continued = True
+            return False
+        conn.continued = False
+        body = bytes(conn.inbox[end + 4 : end + 4 + length])
+        del conn.inbox[: end + 4 + length]
+        status, reply = self.store.request(request[0], request[1], body)
+        close = headers.get("connection", "").lower() == "close" or request[2] == "HTTP/1.0"
+        self._answer(conn, status, reply, close)
+        conn.deadline = time.monotonic() + REQUEST_TIMEOUT
+        return True
+
+    def _answer(self, conn: _Connection, status: int, body: bytes, close: bool = False) -> None:
+        kind = "application/json" if status == 200 and body else "text/plain"
+        last = "Connection: close\r\n" if close else ""
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: {kind}\r\n"
+                f"Content-Length: {len(body)}\r\n{last}\r\n")
+        conn.outbox += head.encode() + body
+        conn.closing = conn.closing or close
+
+    def _flush(self, conn: _Connection) -> None:
+        while conn.outbox:
+            try:
+                sent = conn.sock.send(conn.outbox)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            del conn.outbox[:sent]
+        if conn.closing and not conn.outbox:
+            self._close(conn)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        self.sel.modify(conn.sock, want)
+
+    def _close(self, conn: _Connection) -> None:
+        if self.conns.pop(conn.sock, None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        conn.sock.close()
+        if len(self.conns) == MAX_CONNECTIONS - 1:
+            self.sel.register(self.listener, selectors.EVENT_READ)
 
 
 def main() -> int:
     """The child: serve on 127.0.0.1 (the port goes to stdout first), obey the broker's commands on stdin, one JSON
     list a line, each answered with one line; stop at end of input."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker's ^C is the broker's to handle: the pipe says when
-    store = Store()
-    server = _Server(store)
-    server.socket.set_inheritable(False)
-    threading.Thread(target=server.serve_forever, name="vmmshare-metadata", daemon=True).start()
-    out = sys.stdout
-    out.write(f"{server.server_address[1]}\n")
-    out.flush()
-    for line in sys.stdin:
-        try:
-            cmd = json.loads(line)
-            answer = store.command(cmd) if isinstance(cmd, list) and len(cmd) >= 2 else "bad command"
-        except (ValueError, IndexError, TypeError):
-            answer = "bad command"
-        out.write(answer.replace("\n", " ") + "\n")
-        out.flush()
-    server.stopping.set()
-    server.shutdown()
+    answers = os.fdopen(1, "wb", buffering=0)
+    service = Service(Store(), 0, answers)
+    answers.write(f"{service.port}\n".encode())
+    service.run()
     return 0
 
 

@@ -75,7 +75,7 @@ class Store:
             return "ok"
         keys = self.tokens.get(token)
         if keys is None:
-            return "no such token"
+            return "none" if op == "get" else "no such token"
         if op == "put":
             keys[str(cmd[2])] = str(cmd[3]).encode()
             return "ok"
@@ -183,11 +183,17 @@ class Service:
             self.sel.unregister(self.listener)  # taken again when a connection closes
 
     def _commands(self) -> None:
-        data = os.read(self.commands, 1 << 20)
-        if not data:
-            self.running = False
-            return
-        self.pending += data
+        """Carry out the broker's commands that have arrived (also before each request is answered: a command the
+        broker wrote before it replied to a process is in force when that process's engine asks)."""
+        while True:
+            try:
+                data = os.read(self.commands, 1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                self.running = False
+                break
+            self.pending += data
         while b"\n" in self.pending:
             line, _, self.pending = self.pending.partition(b"\n")
             try:
@@ -195,8 +201,10 @@ class Service:
                 answer = self.store.command(cmd) if isinstance(cmd, list) and len(cmd) >= 2 else "bad command"
             except (ValueError, IndexError, TypeError):
                 answer = "bad command"
-            self.answers.write((answer.replace("\n", " ") + "\n").encode())
-            self.answers.flush()
+            if isinstance(cmd, list) and cmd and cmd[0] == "get":  # the one command the broker waits on
+                self.answers.write((answer.replace("\n", " ") + "\n").encode())
+            elif answer != "ok":
+                print(f"vmmshare metadata service: {answer}", file=sys.stderr, flush=True)
 
     def _serve(self, conn: _Connection, mask: int) -> None:
         if mask & selectors.EVENT_READ:
@@ -247,6 +255,7 @@ class Service:
         conn.continued = False
         body = bytes(conn.inbox[end + 4 : end + 4 + length])
         del conn.inbox[: end + 4 + length]
+        self._commands()
         status, reply = self.store.request(request[0], request[1], body)
         close = headers.get("connection", "").lower() == "close" or request[2] == "HTTP/1.0"
         self._answer(conn, status, reply, close)
@@ -292,6 +301,7 @@ def main() -> int:
     list a line, each answered with one line; stop at end of input."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker's ^C is the broker's to handle: the pipe says when
     answers = os.fdopen(1, "wb", buffering=0)
+    os.set_blocking(0, False)
     service = Service(Store(), 0, answers)
     answers.write(f"{service.port}\n".encode())
     service.run()
@@ -313,7 +323,9 @@ class MetadataService:
     def start(self) -> None:
         """Start the child and learn its port (IpcError if it does not come up within the fabric timeout)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "vmmshare.fabric.metadata"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
+                                     stdout=subprocess.PIPE, close_fds=True, start_new_session=True, bufsize=0)
+        assert self.proc.stdin is not None
+        os.set_blocking(self.proc.stdin.fileno(), False)
         try:
             self.port = int(self._line())
         except (IpcError, ValueError) as exc:
@@ -325,36 +337,48 @@ class MetadataService:
         """The engine's metadata URL under `token`."""
         return f"http://127.0.0.1:{self.port}/{token.hex()}/metadata"
 
+    # add, drop, put and delete are not answered: the service carries out what the broker wrote before it answers
+    # any engine's request, so a process told of an entry finds it (no round trip in the broker's loop)
+
     def add(self, token: bytes) -> None:
-        self._call("add", token.hex())
+        self._send("add", token.hex())
 
     def drop(self, token: bytes) -> None:
-        self._call("drop", token.hex())
+        self._send("drop", token.hex())
 
     def put(self, token: bytes, key: str, value: dict[str, Any]) -> None:
-        self._call("put", token.hex(), key, json.dumps(value, separators=(",", ":")))
+        self._send("put", token.hex(), key, json.dumps(value, separators=(",", ":")))
 
     def delete(self, token: bytes, key: str) -> None:
-        self._call("del", token.hex(), key)
+        self._send("del", token.hex(), key)
 
     def get(self, token: bytes, key: str) -> Any:
         """The JSON value under `token`'s `key` (None if absent)."""
-        answer = self._call("get", token.hex(), key, ok=("none", "value "))
+        self._send("get", token.hex(), key)
+        answer = self._line()
+        if not answer.startswith(("none", "value ")):
+            raise IpcError(f"the node's metadata service refused get: {answer}")
         return None if answer == "none" else json.loads(answer[6:])
 
-    def _call(self, *cmd: str, ok: tuple[str, ...] = ("ok",)) -> str:
+    def _send(self, *cmd: str) -> None:
         proc = self.proc
         if proc is None or proc.stdin is None:
             raise IpcError("the node's metadata service for the transfer engines is not running")
+        line = json.dumps(list(cmd)).encode() + b"\n"
+        fd = proc.stdin.fileno()
         try:
-            proc.stdin.write(json.dumps(list(cmd)).encode() + b"\n")
-            proc.stdin.flush()
+            done = os.write(fd, line)  # non-blocking: a service that stopped reading never stalls the broker
+            if done < len(line):  # only a line longer than the pipe's atomic size is split: the rest waits
+                os.set_blocking(fd, True)
+                try:
+                    while done < len(line):
+                        done += os.write(fd, line[done:])
+                finally:
+                    os.set_blocking(fd, False)
+        except BlockingIOError:
+            raise IpcError("the node's metadata service for the transfer engines is not keeping up") from None
         except OSError as exc:
             raise IpcError(f"the node's metadata service for the transfer engines is gone ({exc.strerror})") from None
-        answer = self._line()
-        if not answer.startswith(ok):
-            raise IpcError(f"the node's metadata service refused {cmd[0]}: {answer}")
-        return answer
 
     def _line(self) -> str:
         """One line from the child, waited for at most the fabric timeout."""

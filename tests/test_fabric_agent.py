@@ -487,3 +487,31 @@ def test_a_handle_naming_another_server_than_the_broker_that_answers_is_refused(
     assert isinstance(reply, P.Error) and reply.code == 107017 and "proved it is server 0x2" in reply.message, reply
     cluster.pump()  # the hold server 2 gave is released at once
     assert not cluster.b.remote_holds and not cluster.b.served and not cluster.a.held
+
+
+def test_each_importing_process_is_described_its_own_holds_under_its_own_token(cluster: Cluster) -> None:
+    """SPEC §8: two processes of the importing node, each with a hold of the same export: each gets a metadata token
+    of its own, under which its hold's segment alone is described (the exporting engine's data endpoint and that
+    hold's address); the description goes when the hold ends, and the token when its process leaves."""
+    meta = cluster.a.meta
+    handle = cluster.export()
+    x, y = cluster.a.ledger.connect(1111, 1000, (1, 1)), cluster.a.ledger.connect(2222, 1000, (2, 2))
+    rx, ry = cluster.import_(x, handle), cluster.import_(y, handle)
+    assert isinstance(rx, P.RemoteImported) and isinstance(ry, P.RemoteImported)
+    assert rx.metadata_port == ry.metadata_port == meta.port and rx.metadata_token != ry.metadata_token
+    assert rx.segment != ry.segment
+    desc = meta.get(rx.metadata_token, f"mooncake/ram/{rx.segment}")
+    assert (desc["tcp_data_host"], desc["tcp_data_port"]) == ("10.0.0.2", 15000)  # the exporter's data endpoint
+    assert desc["buffers"] == [{"addr": rx.address, "length": MiB2, "name": rx.segment}]
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{ry.segment}") is None  # y's hold is not x's to see
+    assert meta.get(ry.metadata_token, f"mooncake/ram/{rx.segment}") is None
+    again = cluster.import_(x, handle)
+    assert isinstance(again, P.RemoteImported) and again.metadata_token == rx.metadata_token
+    cluster.a.ledger.handle(x, P.Release(again.hold))  # that hold ends: its description goes, the first stays
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{again.segment}") is None
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{rx.segment}") == desc
+    cluster.a.ledger.disconnect(x)  # x leaves: its holds' descriptions go, and its token with the next sweep
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{rx.segment}") is None
+    cluster.a.tick()
+    assert x not in cluster.a.client_tokens and y in cluster.a.client_tokens
+    assert meta.get(ry.metadata_token, f"mooncake/ram/{ry.segment}") is not None

@@ -218,6 +218,8 @@ class Agent(Serving):
                 log.info("fabric: remote hold of pid %d of server %#x not adopted within its lease: released",
                          rh.client.pid, rh.server)
                 self._drop_remote(hold)
+        if self.client_tokens:
+            self._forget_tokens()
         while self.unmaps and min(self.unmaps)[0] <= now:
             self.unmaps.sort()
             _, address, size = self.unmaps.pop(0)

@@ -35,6 +35,20 @@ IPC_ERROR, RESOURCE = 507022, 207005
 KEY = b"k" * 32
 
 
+class Far:
+    """The far end of a proved link: the peer broker's socket, sealing and checking frames as a proved link does."""
+
+    def __init__(self, sock: socket.socket, send: bytes, receive: bytes) -> None:
+        self.sock, self.sealer, self.reader = sock, F.Sealer(send), F.FrameReader()
+        self.reader.authenticate(receive)
+
+    def send(self, *frames: tuple[F.PeerMessage, int]) -> None:
+        self.sock.sendall(b"".join(self.sealer.seal(F.encode(m, req)) for m, req in frames))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 @dataclass
 class Node:
     """An agent with its ledger and selector, and the far ends of the links made for it."""
@@ -43,9 +57,9 @@ class Node:
     ledger: Ledger
     sel: selectors.BaseSelector
     closed_fds: list[int] = field(default_factory=list)
-    peers: list[socket.socket] = field(default_factory=list)
+    peers: list[Far] = field(default_factory=list)
 
-    def link(self, outbound: bool) -> tuple[Link, socket.socket]:
+    def link(self, outbound: bool) -> tuple[Link, Far]:
         """A proved link to EP (outbound: this node imports over it; else EP's broker connected to this one)."""
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
@@ -56,11 +70,14 @@ class Node:
             a.links[EP] = link
         else:
             link = Link(near, self.sel, KEY, 1, a.timeout, False, EP, on_ready=lambda _: None,
-                        on_request=a._request, on_closed=a._inbound_closed)
+                        on_request=a._request, on_closed=a._inbound_closed, listening=EP_A)
             a.accepted.add(link)
-        link.state, link.peer_id = State.READY, 2
-        self.peers.append(far)
-        return link, far
+        mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)  # the keys a handshake would have given
+        link.state, link.peer_id, link.sealer, link.session = State.READY, 2, F.Sealer(mine), secrets.token_bytes(32)
+        link.reader.authenticate(theirs)
+        peer = Far(far, theirs, mine)
+        self.peers.append(peer)
+        return link, peer
 
 
 @pytest.fixture
@@ -71,7 +88,10 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
                     memfd_info=lambda fd: (MiB2, 0), quotas=quotas)
     sel = selectors.DefaultSelector()
     n = Node(Agent(Config.from_env(), ledger, sel), ledger, sel, closed)
+    n.agent.meta.start()  # the node's metadata service, where each import is described to its process's engine
+    n.agent.config = dataclasses.replace(n.agent.config, fabric="tcp")
     yield n
+    n.agent.meta.close()
     for link in [*n.agent.links.values(), *n.agent.accepted]:
         link.close("the test is over")
     for far in n.peers:
@@ -79,18 +99,18 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
     sel.close()
 
 
-def frames(far: socket.socket) -> list[F.PeerMessage]:
+def frames(far: Far) -> list[F.PeerMessage]:
     """The frames waiting at the far end of a link (none: an empty list)."""
-    far.setblocking(False)
-    reader, got = F.FrameReader(), list[F.PeerMessage]()
+    far.sock.setblocking(False)
+    got = list[F.PeerMessage]()
     while True:
         try:
-            data = far.recv(1 << 16)
+            data = far.sock.recv(1 << 16)
         except BlockingIOError:
             return got
         if not data:
             return got
-        got += [m for _, m in reader.feed(data)]
+        got += [m for _, m in far.reader.feed(data)]
 
 
 def release_of(node: Node, hold: int) -> Callable[[], None]:
@@ -129,7 +149,7 @@ def test_releasing_on_a_link_whose_peer_reset_neither_raises_nor_stops_the_clien
 
 def test_a_peer_import_the_ledger_refuses_gets_an_error_and_the_link_serves_on(node: Node) -> None:
     link, far = node.link(outbound=False)
-    far.sendall(F.encode(F.Import(5, 2, bytes(32), 2, 0, 1000, 0), 1) + F.encode(F.Heartbeat(), 2))
+    far.send((F.Import(5, 2, bytes(32), 2, 0, 1000, 0), 1), (F.Heartbeat(), 2))
     link.on_event(selectors.EVENT_READ)  # pid 0: the ledger refuses such a client
     got = frames(far)
     assert len(got) == 2 and isinstance(got[0], F.Error) and "pid 0" in got[0].message
@@ -187,6 +207,8 @@ def fabric_agent(server_id: int, ep: tuple[str, int]) -> Agent:
                     memfd_info=lambda fd: (os.fstat(fd).st_size, SIZE_SEALS), endpoint=Endpoint(4, *ep))
     agent = Agent(config, ledger, selectors.DefaultSelector())
     agent.key = KEY
+    agent.meta.start()
+    agent.meta.add(agent.meta_token)
     return agent
 
 
@@ -201,6 +223,7 @@ class Cluster:
     def _exporter(self) -> Agent:
         b = fabric_agent(2, EP)
         b.engine = StandInEngine()  # type: ignore[assignment]
+        b.data_endpoint = StandInEngine.segment
         return b
 
     def _dial(self, address: str, port: int) -> socket.socket:
@@ -209,7 +232,7 @@ class Cluster:
         far.setblocking(False)
         b = self.b
         b.accepted.add(Link(far, b.sel, KEY, b.server_id, b.timeout, False, EP_A, on_ready=b._inbound_ready,
-                            on_request=b._request, on_closed=b._inbound_closed))
+                            on_request=b._request, on_closed=b._inbound_closed, listening=EP))
         return near
 
     def pump(self) -> None:
@@ -343,3 +366,152 @@ def test_one_client_cannot_make_the_broker_dial_without_bound(monkeypatch: pytes
         a.close()
         for far in peers:
             far.close()
+
+
+# ---------------------------------------------------------------- attackers between and beside the brokers (SPEC §8)
+
+
+def accepted_link(agent: Agent, peer_id: int) -> tuple[Link, Far]:
+    """A link `agent` accepted and that proved the key as server `peer_id` (keys as a handshake gives them)."""
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    near.setblocking(False)
+    link = Link(near, agent.sel, KEY, agent.server_id, agent.timeout, False, EP_A, on_ready=agent._inbound_ready,
+                on_request=agent._request, on_closed=agent._inbound_closed, listening=EP)
+    agent.accepted.add(link)
+    mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
+    link.state, link.peer_id, link.sealer, link.session = State.READY, peer_id, F.Sealer(mine), secrets.token_bytes(32)
+    link.reader.authenticate(theirs)
+    return link, Far(far, theirs, mine)
+
+
+def test_a_handshake_relayed_through_an_attackers_listener_gets_no_link(cluster: Cluster) -> None:
+    """A keyless user gives its broker a made-up handle naming its own listener, which relays every byte to the
+    exporting broker: the importing broker checks the proof for the endpoint it dialed and refuses."""
+    handle = bytearray(cluster.export())
+    handle[32:64] = Endpoint(4, "10.0.0.1", 40001).pack()  # the attacker's listener on the importer's server
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    reply = cluster.import_(x, bytes(handle))  # the stand-in dial connects to b: a relay that copies every byte
+    assert isinstance(reply, P.Error) and reply.code == IPC_ERROR and "relay" in reply.message, reply
+    cluster.pump()
+    assert not cluster.b.remote_holds and not cluster.b.served
+    assert all(link.state is not State.READY for link in cluster.b.accepted)
+
+
+def test_a_frame_injected_into_a_proved_link_closes_it_and_releases_nothing(cluster: Cluster) -> None:
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)
+    (hold,) = cluster.b.remote_holds
+    forged = secrets.token_bytes(32)  # a MAC guessed by whoever holds the TCP connection (a relay, the network)
+    cluster.a.links[EP].sock.sendall(F.encode(F.Release(hold), 99) + forged)
+    cluster.pump()
+    assert hold in cluster.b.remote_holds and cluster.b.remote_holds[hold].link is None, "kept, on its lease"
+    assert not any(link.state is State.READY for link in cluster.b.accepted)
+
+
+def test_a_hold_is_released_or_adopted_only_over_the_link_that_took_it(cluster: Cluster) -> None:
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)
+    (hold,) = cluster.b.remote_holds
+    _, other = accepted_link(cluster.b, 1)  # another proved link naming the same server
+    other.send((F.Release(hold), 1), (F.Adopt(hold), 2))
+    cluster.pump()
+    got = frames(other)
+    assert [type(m) for m in got] == [F.Error, F.Error] and all(m.code == 107017 for m in got)  # type: ignore[attr-defined]
+    taker = cluster.b.remote_holds[hold].link
+    assert taker is not None and taker in cluster.b.accepted and taker.state is State.READY
+    other.close()
+    cluster.pump()
+    cluster.a.ledger.disconnect(x)  # the link that took it releases it
+    cluster.pump()
+    assert not cluster.b.remote_holds and not cluster.b.served
+
+
+def test_remote_holds_count_against_the_server_and_uid_not_a_local_user(cluster: Cluster) -> None:
+    """Uid 1000 of server 1 imports from server 2, where uid 1000 is at its quota of holds: neither is charged for the
+    other (a peer naming another uid could otherwise spend that local user's quota)."""
+    cluster.b.ledger.usage.quotas = Quotas(holds=1)
+    handle = cluster.export()  # b's uid 1000 now holds its one allocation
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    assert isinstance(cluster.import_(x, handle), P.RemoteImported)
+    assert cluster.b.ledger.usage.users[1000].holds == 1 and cluster.b.ledger.usage.remote_holds[(1, 1000)] == 1
+    y = cluster.a.ledger.connect(2222, 1000, (2, 2))
+    refused = cluster.import_(y, handle)  # the same (server, uid) past its own quota
+    assert isinstance(refused, P.Error) and refused.code == RESOURCE and "server 0x1" in refused.message
+    cluster.a.ledger.disconnect(x)
+    cluster.pump()
+    assert not cluster.b.ledger.usage.remote_holds
+
+
+def test_an_import_must_prove_the_secret_for_its_own_link(cluster: Cluster) -> None:
+    raw = cluster.export()
+    value, secret = int.from_bytes(raw[16:24], "little"), raw[64:96]
+    link, far = accepted_link(cluster.b, 1)
+    other_session = secrets.token_bytes(32)
+    far.send((F.Import(value, FABRIC, secret, 1, 1111, 1000, 1), 1),  # the secret itself, as version 1 sent it
+             (F.Import(value, FABRIC, F.secret_proof(secret, other_session), 1, 1111, 1000, 1), 2),  # another link's
+             (F.Import(value, FABRIC, F.secret_proof(secret, link.session), 1, 1111, 1000, 1), 3))
+    cluster.pump()
+    got = frames(far)
+    assert [type(m) for m in got] == [F.Error, F.Error, F.Imported], got
+    assert all(m.code == 107017 and "secret" in m.message for m in got[:2])  # type: ignore[attr-defined]
+
+
+def test_each_remote_hold_has_a_registration_of_its_own_that_goes_when_the_hold_ends(cluster: Cluster) -> None:
+    """SPEC §8 (revocation reaches the data plane): two holds of one export are served at two addresses; the end of
+    one (a release; a lease that runs out) unregisters its address at once and leaves the other's."""
+    handle = cluster.export()
+    x, y = cluster.a.ledger.connect(1111, 1000, (1, 1)), cluster.a.ledger.connect(2222, 1000, (2, 2))
+    rx, ry = cluster.import_(x, handle), cluster.import_(y, handle)
+    assert isinstance(rx, P.RemoteImported) and isinstance(ry, P.RemoteImported)
+    engine = cluster.b.engine
+    assert isinstance(engine, StandInEngine)
+    assert rx.address != ry.address and engine.served == {rx.address, ry.address}
+    assert all(a % 4096 == 0 and (1 << 32) <= a < (1 << 46) for a in engine.served)
+    cluster.a.ledger.disconnect(x)
+    cluster.pump()
+    assert engine.served == {ry.address}, "the released hold's address is no longer served; the other's is"
+    for link in list(cluster.b.accepted):  # y's server goes away: its hold waits on its lease
+        link.close("the importing server went away")
+    assert engine.served == {ry.address}
+    for rh in cluster.b.remote_holds.values():
+        rh.expires = 0.0  # the lease has run out
+    cluster.b.tick()
+    assert not engine.served and not cluster.b.served and not cluster.b.remote_holds
+
+
+def test_a_handle_naming_another_server_than_the_broker_that_answers_is_refused(cluster: Cluster) -> None:
+    handle = bytearray(cluster.export())
+    handle[8:12] = (9).to_bytes(4, "little")  # server 9's handle, by its bytes; the endpoint is server 2's
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    reply = cluster.import_(x, bytes(handle))
+    assert isinstance(reply, P.Error) and reply.code == 107017 and "proved it is server 0x2" in reply.message, reply
+    cluster.pump()  # the hold server 2 gave is released at once
+    assert not cluster.b.remote_holds and not cluster.b.served and not cluster.a.held
+
+
+def test_each_importing_process_is_described_its_own_holds_under_its_own_token(cluster: Cluster) -> None:
+    """SPEC §8: two processes of the importing node, each with a hold of the same export: each gets a metadata token
+    of its own, under which its hold's segment alone is described (the exporting engine's data endpoint and that
+    hold's address); the description goes when the hold ends, and the token when its process leaves."""
+    meta = cluster.a.meta
+    handle = cluster.export()
+    x, y = cluster.a.ledger.connect(1111, 1000, (1, 1)), cluster.a.ledger.connect(2222, 1000, (2, 2))
+    rx, ry = cluster.import_(x, handle), cluster.import_(y, handle)
+    assert isinstance(rx, P.RemoteImported) and isinstance(ry, P.RemoteImported)
+    assert rx.metadata_port == ry.metadata_port == meta.port and rx.metadata_token != ry.metadata_token
+    assert rx.segment != ry.segment
+    desc = meta.get(rx.metadata_token, f"mooncake/ram/{rx.segment}")
+    assert (desc["tcp_data_host"], desc["tcp_data_port"]) == ("10.0.0.2", 15000)  # the exporter's data endpoint
+    assert desc["buffers"] == [{"addr": rx.address, "length": MiB2, "name": rx.segment}]
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{ry.segment}") is None  # y's hold is not x's to see
+    assert meta.get(ry.metadata_token, f"mooncake/ram/{rx.segment}") is None
+    again = cluster.import_(x, handle)
+    assert isinstance(again, P.RemoteImported) and again.metadata_token == rx.metadata_token
+    cluster.a.ledger.handle(x, P.Release(again.hold))  # that hold ends: its description goes, the first stays
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{again.segment}") is None
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{rx.segment}") == desc
+    cluster.a.ledger.disconnect(x)  # x leaves: its holds' descriptions go, and its token with the next sweep
+    assert meta.get(rx.metadata_token, f"mooncake/ram/{rx.segment}") is None
+    cluster.a.tick()
+    assert x not in cluster.a.client_tokens and y in cluster.a.client_tokens
+    assert meta.get(ry.metadata_token, f"mooncake/ram/{ry.segment}") is not None

@@ -93,3 +93,22 @@ def test_what_an_importer_held_is_released_when_it_or_its_server_goes(fabric: Te
     ok(a, "rt.unmap_mem", ap)
     ok(a, "rt.free_physical", h)
     assert fabric.brokers[1].listing()["exports"] == []
+
+
+def test_after_its_broker_restarts_a_process_imports_and_copies_again(fabric: TestCluster) -> None:
+    """The importing broker restarts under a process that imported: the process's next remote import comes with a
+    new metadata namespace (the new broker's service), and its copies use an engine started there."""
+    a, b = fabric.actor(1), fabric.actor(2)
+    _, s, ap = export(a, pids=[b.pid])
+    a.call("!write", ap, 0x33, M2)
+    h, rp = import_map(b, s)
+    buf = ok(b, "rt.malloc_host", M2)
+    ok(b, "rt.memcpy", buf, M2, rp, M2, 2)
+    fabric.brokers[2].signal(signal.SIGKILL)
+    fabric.brokers[2].start()
+    unmap_free(b, h, rp)  # that import went with the broker (the exporter's hold waits on its lease)
+    h, rp = import_map(b, s)
+    ok(b, "rt.memcpy", buf, M2, rp, M2, 2)
+    assert b.call("!sha256", buf, M2) == hashlib.sha256(b"\x33" * M2).hexdigest()
+    unmap_free(b, h, rp)
+    eventually(lambda: served_nothing(fabric), "the memory is still served")

@@ -91,3 +91,36 @@ def test_stacked_byte_changes_to_valid_frames(message: F.PeerMessage, changes: l
         if at < len(data):
             data[at] = value
     check(bytes(data))
+
+
+def test_a_sealed_stream_with_any_change_yields_only_the_frames_before_it() -> None:
+    """After the handshake (SPEC §8): a stream of sealed frames with bytes changed, dropped or inserted anywhere gives
+    back, at most, the untouched frames before the change; nothing after it is ever decoded."""
+    rng = random.Random(SEED + 2)
+    key = rng.randbytes(32)
+    for _ in range(300):
+        sealer = F.Sealer(key)
+        frames = [rng.choice(SAMPLES) for _ in range(rng.randrange(1, 6))]
+        sealed = [sealer.seal(F.encode(m, i)) for i, m in enumerate(frames)]
+        stream = bytearray(b"".join(sealed))
+        at = rng.randrange(len(stream))
+        how = rng.randrange(3)
+        if how == 0:
+            stream[at] ^= rng.randrange(1, 256)
+        elif how == 1:
+            del stream[at]
+        else:
+            stream.insert(at, rng.randrange(256))
+        intact = 0  # frames wholly before the change
+        while intact < len(sealed) and sum(map(len, sealed[: intact + 1])) <= at:
+            intact += 1
+        reader = FrameReader()
+        reader.authenticate(key)
+        got: list[F.Frame] = []
+        try:
+            for i in range(0, len(stream), 7):
+                got += reader.feed(bytes(stream[i : i + 7]))
+        except PeerProtocolError:
+            pass
+        assert got[:intact] == [F.Frame(i, m) for i, m in enumerate(frames[:intact])]
+        assert len(got) <= intact, "a frame after the change was accepted"

@@ -238,4 +238,6 @@ class RemoteImported(Message):
     location_type: int
     location_id: int
     address: int  # the memory's address in the serving engine
-    segment: str  # the serving engine's name, "<address>:<port>"
+    metadata_port: int  # the node's metadata service (127.0.0.1) ...
+    metadata_token: bytes  # ... and this process's namespace there, where its engine finds `segment`
+    segment: str  # the hold's segment, named only under this process's token

@@ -31,6 +31,7 @@ class RemoteImported:
     prop: PhysicalProp
     segment: str
     address: int
+    metadata: str = ""  # the metadata service URL this process's engine finds `segment` in
 
 
 class Node(Protocol):

@@ -176,7 +176,7 @@ LAYOUTS: dict[Msg, Layout] = {
     Msg.IMPORTED: Layout(Imported, "<QQB" + PROP, fds=1),
     Msg.PID: Layout(Pid, "<I"),
     Msg.LISTING: Layout(Listing, "<", Tail.TEXT, max_tail=MAX_BODY),
-    Msg.REMOTE_IMPORTED: Layout(RemoteImported, "<QQB" + PROP + "Q", Tail.TEXT, max_tail=255),
+    Msg.REMOTE_IMPORTED: Layout(RemoteImported, "<QQB" + PROP + "QH16s", Tail.TEXT, max_tail=255),
 }
 _BY_NUMBER: dict[int, Layout] = {int(k): v for k, v in LAYOUTS.items()}
 _BY_CLASS: dict[type[Message], Layout] = {v.message: v for v in LAYOUTS.values()}

@@ -10,7 +10,6 @@ memory by dropping the connection. A remote-to-remote copy goes through a bounce
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,17 +53,14 @@ class RemoteBackend:
 
     def __init__(self, transfers: Callable[[], Transfers]) -> None:
         self._transfers = transfers  # this process's engine, made on first use
-        self._engine: tuple[int, Transfers] | None = None  # (the pid it was made in, the engine)
         self._mapped: Intervals[RemoteMemory] = Intervals()  # the runtime's lock is held around every use
         self._bounce = 0
         self._bounce_lock = threading.Lock()
 
     def engine(self) -> Transfers:
-        """This process's engine (kept: every copy needs it, and a forked child asks for its own)."""
-        got = self._engine
-        if got is None or got[0] != os.getpid():
-            got = self._engine = (os.getpid(), self._transfers())
-        return got[1]
+        """This process's engine, asked for at each copy: a forked child gets its own, and a process whose broker
+        restarted one made with the new broker's metadata URL (the node's answer is kept, so this costs a lock)."""
+        return self._transfers()
 
     def granularity(self, device: int) -> int:
         return C.MIN_GRANULARITY

@@ -51,6 +51,7 @@ class BrokerClient:
         self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # token -> its charge, to repeat on a new broker
         self._waiter = _Waiter()
         self._owner: int | None = None  # the thread in a request, if any
+        self._metadata = "P2PHANDSHAKE"  # this process's metadata URL, from its first remote import's reply
 
     # ------------------------------------------------------------ connection
 
@@ -251,17 +252,25 @@ class BrokerClient:
         self._holds[token] = reply.hold
         prop = prop_of(reply.handle_type, reply.allocation_type, reply.mem_attr, reply.location_type,
                        reply.location_id)
-        return RemoteImported(token, reply.size, prop, reply.segment, reply.address)
+        # the process's own namespace in the node's metadata service: its engine finds its holds' segments there
+        self._metadata = f"http://127.0.0.1:{reply.metadata_port}/{reply.metadata_token.hex()}/metadata"
+        return RemoteImported(token, reply.size, prop, reply.segment, reply.address, self._metadata)
 
     def set_remote_pids(self, shareable: int, share_type: int, server: int, pids: list[int]) -> None:
         self.request(P.SetRemotePids(shareable, share_type, server, tuple(pids)), P.Ok)
+
+    @property
+    def metadata_url(self) -> str:
+        """Where this process's transfer engine finds its remote holds (its namespace in the node's metadata
+        service; P2PHANDSHAKE before its first remote import)."""
+        return self._metadata
 
     def transfers(self) -> Transfers:
         from ..fabric.engine import process_engine
 
         config = self.config
         return process_engine(config.fabric_addr or "127.0.0.1", "tcp" if config.fabric == "off" else config.fabric,
-                              config.fabric_timeout)
+                              config.fabric_timeout, self._metadata)
 
     def listing(self) -> dict[str, Any]:
         """Every export on the node (what `vmmshare ls` shows), following the broker's pages."""

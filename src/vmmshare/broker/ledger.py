@@ -199,7 +199,7 @@ class Ledger:
 
     def _new_hold(self, client: Client, memory: ChargedMemory) -> int:
         """A hold id: a count, not a secret (a hold is only ever honoured for the client that holds it)."""
-        self.usage.add_hold(client.uid)
+        self.usage.add_hold(client.uid, client.server)
         hold = next(self._hold_ids)
         self.holds[hold] = Hold(client, memory)
         client.holds.add(hold)
@@ -224,7 +224,7 @@ class Ledger:
         """Drop a hold; the exporter's own hold revokes the export, and the last one uncharges the memory."""
         memory = self.holds.pop(hold).memory
         client.holds.discard(hold)
-        self.usage.drop_hold(client.uid)
+        self.usage.drop_hold(client.uid, client.server)
         share = memory.share
         self_import = False
         if share is not None:

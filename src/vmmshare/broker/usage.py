@@ -48,6 +48,7 @@ class Usage:
         self.fd_budget = fd_budget
         self.fds = 0  # held for clients: connections and exports
         self.users: dict[int, Tally] = {}
+        self.remote_holds: Counter[tuple[int, int]] = Counter()  # (server id, uid) -> holds of another server's user
 
     def trust_entries(self) -> int:
         """Trustlist entries held by all users."""
@@ -101,13 +102,27 @@ class Usage:
 
     # ---------------------------------------------------------------- holds and memory
 
-    def add_hold(self, uid: int) -> None:
+    def add_hold(self, uid: int, server: int | None = None) -> None:
+        """One more hold of `uid` (of another server's `uid`, with `server`: a user of this node is not charged
+        for what a same-numbered user elsewhere imports)."""
+        if server is not None:
+            held = self.remote_holds[(server, uid)]
+            if held >= self.quotas.holds:
+                raise self._refuse(uid, f"imports from server {server:#x}", held, self.quotas.holds,
+                                   "VMMSHARE_QUOTA_HOLDS")
+            self.remote_holds[(server, uid)] += 1
+            return
         tally = self.of(uid)
         if tally.holds >= self.quotas.holds:
             raise self._refuse(uid, "allocations and imports", tally.holds, self.quotas.holds, "VMMSHARE_QUOTA_HOLDS")
         tally.holds += 1
 
-    def drop_hold(self, uid: int) -> None:
+    def drop_hold(self, uid: int, server: int | None = None) -> None:
+        if server is not None:
+            self.remote_holds[(server, uid)] -= 1
+            if not self.remote_holds[(server, uid)]:
+                del self.remote_holds[(server, uid)]
+            return
         self.of(uid).holds -= 1
         self._tidy(uid)
 

@@ -16,8 +16,10 @@ adopted by then is released, so nothing stays behind a server that went away.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
+import secrets
 import selectors
 import socket
 import stat
@@ -29,13 +31,13 @@ from .. import constants as C
 from .. import protocol as P
 from ..backends import mman
 from ..broker.ledger import Client, Ledger, LedgerError
-from ..broker.records import ChargedMemory
 from ..config import Config
-from ..errors import AclError
+from ..errors import AclError, FeatureNotSupportedError
 from ..handles import Endpoint, decode_fabric
 from . import peer_protocol as F
 from .engine import Engine, missing
 from .link import Link, State, dial
+from .metadata import MetadataService, new_token
 from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving
 
 log = logging.getLogger("vmmshare.fabric")
@@ -97,6 +99,10 @@ class Agent(Serving):
         self.key = b""
         self.listener: socket.socket | None = None
         self.engine: Engine | None = None
+        self.meta = MetadataService(self.timeout)  # the node's metadata service for every engine here
+        self.meta_token = new_token()
+        self.data_endpoint = ""
+        self.client_tokens: dict[Client, bytes] = {}  # each importing process's namespace in the metadata service
         # importing side
         self.links: dict[Endpoint_, Link] = {}
         self.held: dict[Endpoint_, set[int]] = {}  # remote holds this node's clients have, by exporting broker
@@ -107,7 +113,7 @@ class Agent(Serving):
         self.remote_clients: dict[tuple[int, int, int, int], Client] = {}  # (server, pid, uid, tag) -> record
         self.client_keys: dict[Client, tuple[int, int, int, int]] = {}
         self.remote_holds: dict[int, RemoteHold] = {}
-        self.served: dict[ChargedMemory, Served] = {}
+        self.served: dict[int, Served] = {}  # remote hold id -> its registration with the engine
         self.unmaps: list[tuple[float, int, int]] = []  # (when, address, size) of mappings no longer served
 
     # ------------------------------------------------------------ life
@@ -123,6 +129,12 @@ class Agent(Serving):
             raise FabricSetupError("VMMSHARE_FABRIC is on but VMMSHARE_FABRIC_ADDR is not set: give this node's "
                                    "address on the fabric network")
         self.key = read_cluster_key(self.config.cluster_key_file)
+        try:
+            self.meta.start()
+            self.meta.add(self.meta_token)
+        except AclError as exc:
+            self.meta.close()
+            raise FabricSetupError(exc.message) from None
         addr, port = self.endpoint.address, self.endpoint.port
         family = socket.AF_INET6 if self.endpoint.family == 6 else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
@@ -132,6 +144,7 @@ class Agent(Serving):
             sock.listen(128)
         except OSError as exc:
             sock.close()
+            self.meta.close()
             raise FabricSetupError(f"cannot listen for other brokers on {addr}:{port}: {exc.strerror} (check "
                                    "VMMSHARE_FABRIC_ADDR and VMMSHARE_FABRIC_PORT)") from None
         self.listener = sock
@@ -147,8 +160,8 @@ class Agent(Serving):
             self.listener = None
         for link in [*self.links.values(), *self.accepted]:
             link.close("this broker is stopping")
-        for memory in list(self.served):
-            self._unserve(memory, grace=False)
+        for hold in list(self.served):
+            self._unserve(hold, grace=False)
         for _, address, size in self.unmaps:
             with contextlib.suppress(OSError):
                 mman.unmap(address, size)
@@ -156,6 +169,8 @@ class Agent(Serving):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        self.client_tokens.clear()
+        self.meta.close()
 
     # ------------------------------------------------------------ the event loop's side
 
@@ -203,6 +218,8 @@ class Agent(Serving):
                 log.info("fabric: remote hold of pid %d of server %#x not adopted within its lease: released",
                          rh.client.pid, rh.server)
                 self._drop_remote(hold)
+        if self.client_tokens:
+            self._forget_tokens()
         while self.unmaps and min(self.unmaps)[0] <= now:
             self.unmaps.sort()
             _, address, size = self.unmaps.pop(0)
@@ -249,9 +266,17 @@ class Agent(Serving):
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"cannot reach the broker of server {handle.server_id:#x} at "
                                                      f"{ep.address}:{ep.port}: {exc.strerror}")
         tag = client.identity[1] or client.identity[0] or 0
-        request = F.Import(handle.handle, FABRIC, handle.secret, self.server_id, client.pid, client.uid, tag)
+
+        def request() -> F.Import:  # made once the link is proved: the secret's proof is bound to it
+            return F.Import(handle.handle, FABRIC, F.secret_proof(handle.secret, link.session), self.server_id,
+                            client.pid, client.uid, tag)
 
         def imported(reply: F.PeerMessage) -> None:
+            if isinstance(reply, F.Imported) and link.peer_id != handle.server_id:
+                self._release_remote(endpoint, reply.hold)
+                reply = F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, (
+                    f"this FABRIC handle names server {handle.server_id:#x}, but the broker at {ep.address}:{ep.port} "
+                    f"proved it is server {link.peer_id:#x}: the handle is forged or garbled"))
             answer(self._imported(client, endpoint, handle.size, reply))
 
         link.request(request, imported)
@@ -263,21 +288,66 @@ class Agent(Serving):
         if not isinstance(reply, F.Imported):
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"the exporting broker answered {reply.KIND.name} to an import")
         self.held.setdefault(endpoint, set()).add(reply.hold)
-        if reply.size != size or reply.address == 0 or ":" not in reply.segment:
+        data = _data_endpoint(reply.segment)  # on the exporting broker's own address: nowhere else on the network
+        if data is not None and ipaddress.ip_address(data[0]) != ipaddress.ip_address(endpoint[0]):
+            data = None
+        if reply.size != size or reply.address == 0 or data is None:
             self._release_remote(endpoint, reply.hold)
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, (
                 f"the exporting broker at {endpoint[0]}:{endpoint[1]} answered with a size ({reply.size}), address or "
-                f"segment ({reply.segment!r}) that does not match the handle ({size} bytes): refused"))
+                f"data endpoint ({reply.segment!r}) that does not match the handle ({size} bytes): refused"))
         if client not in self.ledger.clients:  # it left while we waited
             self._release_remote(endpoint, reply.hold)
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, "the importer left")
         try:
-            hold = self.ledger.adopt_remote(client, reply.size, lambda: self._release_remote(endpoint, reply.hold))
-        except LedgerError as exc:  # e.g. the user's quota of holds: the exporter's hold goes at once
+            token, segment = self._install(client, data, reply.address, reply.size)
+        except AclError as exc:
             self._release_remote(endpoint, reply.hold)
             return P.Error(exc.code, exc.message)
+        key = f"mooncake/ram/{segment}"
+
+        def gone() -> None:
+            self._release_remote(endpoint, reply.hold)
+            if self.client_tokens.get(client) == token:
+                with contextlib.suppress(AclError):
+                    self.meta.delete(token, key)
+
+        try:
+            hold = self.ledger.adopt_remote(client, reply.size, gone)
+        except LedgerError as exc:  # e.g. the user's quota of holds: the exporter's hold goes at once
+            gone()
+            return P.Error(exc.code, exc.message)
         return P.RemoteImported(hold, reply.size, reply.memory_kind, reply.handle_type, reply.allocation_type,
-                                reply.mem_attr, reply.location_type, reply.location_id, reply.address, reply.segment)
+                                reply.mem_attr, reply.location_type, reply.location_id, reply.address,
+                                self.meta.port, token, segment)
+
+    def _install(self, client: Client, data: Endpoint_, address: int, size: int) -> tuple[bytes, str]:
+        """Describe one remote hold to its importing process's engine alone: a segment of a fresh name under that
+        process's token, listing only the hold's registration and the exporting engine's data host and port."""
+        if self.config.fabric != "tcp":
+            raise FeatureNotSupportedError(
+                f"VMMSHARE_FABRIC={self.config.fabric}: remote imports describe each hold to its process's engine "
+                "for the tcp transport only (rdma would need the exporting engine's devices and keys per hold); "
+                "use VMMSHARE_FABRIC=tcp")
+        self._forget_tokens()
+        token = self.client_tokens.get(client)
+        if token is None:
+            token = new_token()
+            self.meta.add(token)
+            self.client_tokens[client] = token
+        segment = f"vmmshare-{secrets.token_hex(8)}"
+        self.meta.put(token, f"mooncake/ram/{segment}", {
+            "name": segment, "protocol": "tcp", "rdma_server_name": "", "tcp_data_host": data[0],
+            "tcp_data_port": data[1], "tcp_proto_version": 2, "timestamp": "",
+            "buffers": [{"addr": address, "length": size, "name": segment}]})
+        return token, segment
+
+    def _forget_tokens(self) -> None:
+        """Drop the metadata namespaces of importing processes that left."""
+        for client in [c for c in self.client_tokens if c not in self.ledger.clients]:
+            token = self.client_tokens.pop(client)
+            with contextlib.suppress(AclError):
+                self.meta.drop(token)
 
     def _release_remote(self, endpoint: Endpoint_, hold: int) -> None:
         """This node's client is done with a remote hold: tell the exporting broker (if the link is down, the hold
@@ -341,6 +411,18 @@ class Agent(Serving):
 
     def _retry_later(self, endpoint: Endpoint_) -> None:
         self.reconnect_at[endpoint] = time.monotonic() + max(0.2, HEARTBEAT_FACTOR * self.timeout)
+
+def _data_endpoint(text: str) -> Endpoint_ | None:
+    """(address, port) of an exporting engine's data endpoint "<address>:<port>" ("[v6]:port"); None if garbled."""
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        return None
+    return (host, number) if 0 < number < 65536 and port.isdigit() else None
+
 
 def _ignore(reply: F.PeerMessage) -> None:
     if isinstance(reply, F.Error):

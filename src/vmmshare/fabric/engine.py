@@ -74,19 +74,23 @@ def missing() -> str:
 class Engine:
     """One initialised engine: the segment peers name it by, memory registration, and one-sided transfers."""
 
-    def __init__(self, address: str, protocol: str = "tcp", timeout: float = 5.0) -> None:
+    def __init__(self, address: str, protocol: str = "tcp", timeout: float = 5.0,
+                 metadata: str = "P2PHANDSHAKE") -> None:
+        """`metadata`: the node's metadata service URL (this node's engines are all started with one, see
+        metadata.py), or P2PHANDSHAKE, where the engine serves its descriptor to any peer that asks."""
         module = load(timeout)
-        self.address, self.protocol, self.timeout = address, protocol, timeout
+        self.address, self.protocol, self.timeout, self.metadata = address, protocol, timeout, metadata
         before = set(_socket_fds())
         self._engine: Any = module.TransferEngine()
         with _quiet_stderr():  # "Local segment descriptor not found", always, and harmless
-            rc = self._engine.initialize(address, "P2PHANDSHAKE", protocol, "")
+            rc = self._engine.initialize(address, metadata, protocol, "")
         if rc != 0:
             raise IpcError(f"the transfer engine would not start on {address} over {protocol} (code {rc}); its "
                            "reason is in this process's log")
         self.listening = _close_on_exec_listeners(before)  # (address, port) of its listening sockets
         host = f"[{address}]" if ":" in address else address
-        self.segment = f"{host}:{self._engine.get_rpc_port()}"
+        # the name peers know it by: its address and RPC port (P2PHANDSHAKE), or its name in the metadata service
+        self.segment = f"{host}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else address
         self._contacted: set[str] = set()
         self._first_contact: dict[str, threading.Thread] = {}
         self._scratch = ctypes.create_string_buffer(1)  # a first contact's one byte lands here, never freed
@@ -159,8 +163,25 @@ class Engine:
         with self._lock:
             self._contacted.discard(segment)  # a peer that went away may come back under the same name
         amount = f" {size} bytes of" if size else ""
-        raise IpcError(f"the transfer engine could not {what}{amount} the memory served at {segment}: that node's "
-                       "broker is down or unreachable, or no longer serves the memory")
+        raise IpcError(f"the transfer engine could not {what}{amount} the memory served at {self._where(segment)}: "
+                       "that node's broker is down or unreachable, or no longer serves the memory")
+
+    def _where(self, segment: str) -> str:
+        """Where `segment`'s engine takes transfers ("<address>:<port>"), as this node's metadata service describes
+        it to this process; the segment's name if it does not (any more)."""
+        if self.metadata == "P2PHANDSHAKE":
+            return segment
+        import json
+        import urllib.parse
+        import urllib.request
+
+        url = f"{self.metadata}?key={urllib.parse.quote('mooncake/ram/' + segment, safe='')}"
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout) as reply:
+                desc = json.loads(reply.read())
+            return f"{desc['tcp_data_host']}:{desc['tcp_data_port']} (segment {segment})"
+        except (OSError, ValueError, KeyError, TypeError):
+            return segment
 
     def close(self) -> None:
         """Stop the engine (its threads and ports go)."""
@@ -193,12 +214,13 @@ _shared: tuple[int, Engine] | None = None
 _shared_lock = threading.Lock()
 
 
-def process_engine(address: str, protocol: str, timeout: float) -> Engine:
-    """This process's engine for moving bytes, made on first use; a forked child makes its own."""
+def process_engine(address: str, protocol: str, timeout: float, metadata: str = "P2PHANDSHAKE") -> Engine:
+    """This process's engine for moving bytes, made on first use with the metadata URL its broker gave it; a forked
+    child makes its own, and a new URL (its broker restarted) a new one."""
     global _shared
     with _shared_lock:
-        if _shared is None or _shared[0] != os.getpid():
-            _shared = (os.getpid(), Engine(address, protocol, timeout))
+        if _shared is None or _shared[0] != os.getpid() or _shared[1].metadata != metadata:
+            _shared = (os.getpid(), Engine(address, protocol, timeout, metadata))
         return _shared[1]
 
 

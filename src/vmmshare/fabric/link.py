@@ -1,10 +1,12 @@
 """One TCP connection between two brokers, driven by the broker's event loop (non-blocking, no threads).
 
-A link first proves the cluster key both ways (peer_protocol's Initiator/Responder), and carries nothing else
-until then. The connecting side then sends requests and matches the replies to them; the accepting side hands
-each request to the agent, which replies on the link. A request not answered within the fabric timeout, a
-handshake not done within it, a frame that breaks the protocol or a peer that does not read what it is sent
-closes the link, and every request waiting on it fails with 507022 naming the peer.
+A link first proves the cluster key both ways (peer_protocol's Initiator/Responder, bound to the endpoint the
+connecting side dialed), and carries nothing else until then; every frame after that is sealed with its direction's
+key and sequence number, and one that fails its check closes the link. The connecting side then sends requests
+and matches the replies to them; the accepting side hands each request to the agent, which replies on the link. A
+request not answered within the fabric timeout, a handshake not done within it, a frame that breaks the protocol
+or a peer that does not read what it is sent closes the link, and every request waiting on it fails with 507022
+naming the peer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ MAX_UNSENT = 1 << 20  # bytes queued for a peer that does not read: past this th
 RECV = 1 << 16
 
 Reply = Callable[[F.PeerMessage], None]  # gets the peer's reply, or an Error(507022) when none came
+Request = F.PeerMessage | Callable[[], F.PeerMessage]  # a message, or one made when the link is proved
 
 
 class State(enum.Enum):
@@ -48,12 +51,20 @@ class Link:
     def __init__(self, sock: socket.socket, sel: selectors.BaseSelector, key: bytes, server_id: int,
                  timeout: float, outbound: bool, endpoint: tuple[str, int], *,
                  on_ready: Callable[[Link], None], on_request: Callable[[Link, int, F.PeerMessage], None],
-                 on_closed: Callable[[Link], None]) -> None:
+                 on_closed: Callable[[Link], None], listening: tuple[str, int] | None = None) -> None:
+        """`endpoint`: where we connected (outbound) or who connected; `listening`: for an accepted link, the
+        endpoint this broker listens on, which the connecting broker's handshake must name."""
         self.sock, self.sel, self.timeout, self.outbound, self.endpoint = sock, sel, timeout, outbound, endpoint
         self.on_ready, self.on_request, self.on_closed = on_ready, on_request, on_closed
         self.state = State.CONNECTING if outbound else State.HANDSHAKE
-        self.initiator = F.Initiator(key, server_id) if outbound else None
-        self.responder = None if outbound else F.Responder(key, server_id)
+        named = endpoint if outbound else listening
+        if named is None:
+            raise ValueError("an accepted link needs the endpoint this broker listens on")
+        own = F.endpoint_bytes(*named)
+        self.initiator = F.Initiator(key, server_id, own) if outbound else None
+        self.responder = None if outbound else F.Responder(key, server_id, own)
+        self.sealer: F.Sealer | None = None  # once the proofs are through: frames we send are sealed
+        self.session = b""  # the link's id once proved (what an Import's secret proof is bound to)
         self.challenged = False  # the accepting side sent its challenge
         self.peer_id: int | None = None
         self.reader = F.FrameReader()
@@ -62,7 +73,7 @@ class Link:
         self.deadline = now + timeout  # for the handshake
         self.last_heard = self.last_sent = now
         self.pending: dict[int, Pending] = {}
-        self.queued: list[tuple[F.PeerMessage, Pending]] = []  # requests made before the link was ready
+        self.queued: list[tuple[Request, Pending]] = []  # requests made before the link was ready
         self._ids = itertools.count(1)
         self._mask = 0
         self._watch()
@@ -74,9 +85,9 @@ class Link:
 
     # ------------------------------------------------------------ requests and replies
 
-    def request(self, message: F.PeerMessage, reply: Reply) -> None:
-        """Send a request (queued until the link is ready); `reply` gets the answer or, after the fabric timeout,
-        an Error(507022)."""
+    def request(self, message: Request, reply: Reply) -> None:
+        """Send a request (queued until the link is ready; a callable makes it then, for a request bound to the
+        proved link); `reply` gets the answer or, after the fabric timeout, an Error(507022)."""
         pending = Pending(time.monotonic() + self.timeout, reply)
         if self.state is State.READY:
             self._send_request(message, pending)
@@ -85,15 +96,16 @@ class Link:
         else:
             self.queued.append((message, pending))
 
-    def _send_request(self, message: F.PeerMessage, pending: Pending) -> None:
+    def _send_request(self, message: Request, pending: Pending) -> None:
         req = next(self._ids) & 0xFFFFFFFF
         self.pending[req] = pending
-        self.send(message, req)
+        self.send(message if isinstance(message, F.PeerMessage) else message(), req)
 
     def send(self, message: F.PeerMessage, req: int) -> None:
         if self.state is State.CLOSED:
             return
-        self.unsent += F.encode(message, req)
+        frame = F.encode(message, req)
+        self.unsent += self.sealer.seal(frame) if self.sealer is not None else frame
         self.last_sent = time.monotonic()
         if len(self.unsent) > MAX_UNSENT:
             self.close("it does not read what it is sent")
@@ -149,10 +161,9 @@ class Link:
             self.close("it closed the connection")
             return
         self.last_heard = time.monotonic()
-        for req, message in self.reader.feed(data):
-            if self.state is State.CLOSED:
-                return
-            self._frame(req, message)
+        self.reader.push(data)
+        while self.state is not State.CLOSED and (frame := self.reader.next()) is not None:
+            self._frame(*frame)  # one at a time: the handshake switches the reader to sealed frames mid-stream
 
     def _frame(self, req: int, message: F.PeerMessage) -> None:
         if self.state is State.READY:
@@ -172,6 +183,8 @@ class Link:
                 self.challenged = True
             elif isinstance(message, F.Proof) and self.challenged and self.peer_id is None:
                 self.peer_id = self.responder.verify(message)
+                assert self.responder.keys is not None
+                self._seal(self.responder.keys.responder_to_initiator, self.responder.keys.initiator_to_responder)
                 self.send(F.Welcome(), 0)
                 self._ready()
             else:
@@ -180,6 +193,8 @@ class Link:
             assert self.initiator is not None
             if isinstance(message, F.Challenge) and self.initiator.peer_id is None:
                 self.send(self.initiator.answer(message), 0)
+                assert self.initiator.keys is not None
+                self._seal(self.initiator.keys.initiator_to_responder, self.initiator.keys.responder_to_initiator)
             elif isinstance(message, F.Welcome) and self.initiator.peer_id is not None:
                 self.peer_id = self.initiator.peer_id
                 self._ready()
@@ -187,6 +202,14 @@ class Link:
                 raise F.AuthError(message.message)
             else:
                 raise F.PeerProtocolError(f"{message.KIND.name} during the key handshake")
+
+    def _seal(self, send: bytes, receive: bytes) -> None:
+        """From here on, frames are sealed both ways (the welcome is the first one)."""
+        self.sealer = F.Sealer(send)
+        self.reader.authenticate(receive)
+        side = self.initiator if self.initiator is not None else self.responder
+        assert side is not None and side.keys is not None
+        self.session = side.keys.session
 
     def _ready(self) -> None:
         self.state = State.READY

@@ -5,28 +5,39 @@ fixed struct and, for some types, a UTF-8 text tail. A TCP stream carries frames
 cuts them out, refusing a bad header before it buffers the body. Decoding is strict, like protocol.py's.
 
 Before any request, the two brokers prove the cluster key to each other (`Initiator`, `Responder`): each sends a
-fresh 32-byte nonce, and each proof is HMAC-SHA256 under the key over both server ids, both nonces and the
-prover's role, so a proof is good for one connection, one direction and one pair of servers only.
+fresh 32-byte nonce, and each proof is HMAC-SHA256 under the key over the handshake's transcript (both server ids,
+both nonces, and the endpoint the connecting broker dialed, which the accepting one checks against its own) and the
+prover's role. A proof is therefore good for one connection, one direction, one pair of servers and one endpoint:
+a handshake relayed through a listener of someone else's (another endpoint), reflected or replayed fails.
+
+The handshake's transcript and the key give a key per direction (`session_keys`); every frame after the proofs
+carries HMAC-SHA256 under its direction's key over its sequence number (counted, never sent) and its bytes
+(`Sealer`, `FrameReader.authenticate`), so a frame tampered with, replayed, reordered, dropped, sent back the way it
+came or moved to another link fails its check and closes the link. Frames are authenticated, not encrypted: the
+one secret a request carries (a FABRIC handle's) travels as a proof bound to the link (`secret_proof`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import hmac
+import ipaddress
 import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 MAGIC = b"VF"
-VERSION = 1
+VERSION = 2  # 2: endpoint-bound proofs, authenticated frames, secrets proved, not sent
 HEADER = struct.Struct("<2sBBII")
 MAX_BODY = 4096
 NONCE = 32
 MAX_SEGMENT = 255  # bytes of an engine segment name ("<address>:<port>")
 MAX_TEXT = 1024  # bytes of an error message
-_LABEL = b"vmmshare-fabric/1"
+TAG = 32  # bytes of the MAC after each frame once the handshake is done
+_LABEL = b"vmmshare-fabric/2"
 
 
 class PeerProtocolError(ValueError):
@@ -94,13 +105,14 @@ class Welcome(PeerMessage):
 
 @dataclass(frozen=True, slots=True)
 class Import(PeerMessage):
-    """Import an export of the receiving node for a process of the sending one: the handle's value, share type and
-    secret, and the importer as its own broker learnt it from its kernel (server, pid, uid, an identity tag)."""
+    """Import an export of the receiving node for a process of the sending one: the handle's value, share type,
+    a proof of its secret bound to this link (`secret_proof`), and the importer as its own broker learnt it from its
+    kernel (server, pid, uid, an identity tag)."""
 
     KIND: ClassVar[Kind] = Kind.IMPORT
     shareable: int
     share_type: int
-    secret: bytes
+    secret_proof: bytes
     server_id: int
     pid: int
     uid: int
@@ -142,7 +154,8 @@ class Error(PeerMessage):
 
 @dataclass(frozen=True, slots=True)
 class Imported(PeerMessage):
-    """A remote import: the hold, the memory's size, kind and properties, and where the engine serves it."""
+    """A remote import: the hold, the memory's size, kind and properties, the address of the hold's own
+    registration, and where the exporting engine takes transfers (`segment`: its data "<address>:<port>")."""
 
     KIND: ClassVar[Kind] = Kind.IMPORTED
     hold: int
@@ -252,48 +265,132 @@ def decode(frame: bytes) -> Frame:
 
 
 class FrameReader:
-    """Cuts frames out of a byte stream; a bad header is refused as soon as its 12 bytes are in."""
+    """Cuts frames out of a byte stream; a bad header is refused as soon as its 12 bytes are in. Once
+    `authenticate` is called, every further frame must carry its MAC (TAG bytes after the body), checked before
+    the body is decoded."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._need = 0  # the whole frame's length once its header is read
+        self._need = 0  # the whole frame's length (with its MAC) once its header is read
+        self._key: bytes | None = None
+        self._seq = 0
+
+    def authenticate(self, key: bytes) -> None:
+        """From the next frame on, each must carry HMAC-SHA256 under `key` over its sequence number and bytes."""
+        if self._need:
+            raise PeerProtocolError("the frames' authentication cannot start in the middle of a frame")
+        self._key, self._seq = key, 0
+
+    def push(self, data: bytes) -> None:
+        self._buf += data
+
+    def next(self) -> Frame | None:
+        """The next whole frame in the buffer (None until one is in); PeerProtocolError (AuthError for a MAC that
+        does not check) when it breaks the protocol."""
+        tag = TAG if self._key is not None else 0
+        if not self._need:
+            if len(self._buf) < HEADER.size:
+                return None
+            self._need = HEADER.size + _header(self._buf)[2] + tag
+        if len(self._buf) < self._need:
+            return None
+        frame, self._need = bytes(self._buf[: self._need]), 0
+        del self._buf[: len(frame)]
+        if self._key is not None:
+            frame, mac = frame[:-TAG], frame[-TAG:]
+            if not hmac.compare_digest(mac, _mac(self._key, self._seq, frame)):
+                raise AuthError(f"frame {self._seq} after the handshake failed its check: tampered with, replayed, "
+                                "reordered, or made for another link or direction")
+            self._seq += 1
+        return decode(frame)
 
     def feed(self, data: bytes) -> list[Frame]:
-        self._buf += data
+        """Buffer `data` and return every whole frame it completes."""
+        self.push(data)
         out: list[Frame] = []
-        while True:
-            if not self._need:
-                if len(self._buf) < HEADER.size:
-                    return out
-                self._need = HEADER.size + _header(self._buf)[2]
-            if len(self._buf) < self._need:
-                return out
-            frame, self._need = bytes(self._buf[: self._need]), 0
-            del self._buf[: len(frame)]
-            out.append(decode(frame))
+        while (frame := self.next()) is not None:
+            out.append(frame)
+        return out
 
     @property
     def buffered(self) -> int:
         return len(self._buf)
 
 
+def _mac(key: bytes, seq: int, frame: bytes) -> bytes:
+    return hmac.new(key, struct.pack("<Q", seq) + frame, "sha256").digest()
+
+
+class Sealer:
+    """The sending side of one direction of a link: each frame gets its MAC under `key` and the next sequence
+    number (the receiver counts the same numbers, so none is sent)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key, self._seq = key, 0
+
+    def seal(self, frame: bytes) -> bytes:
+        mac = _mac(self._key, self._seq, frame)
+        self._seq += 1
+        return frame + mac
+
+
 # ---------------------------------------------------------------- proving the cluster key
 
 
-def proof(key: bytes, role: bytes, initiator: int, responder: int, initiator_nonce: bytes,
-          responder_nonce: bytes) -> bytes:
-    """HMAC-SHA256 under the cluster key over the role, both server ids and both nonces."""
-    text = _LABEL + b" " + role + struct.pack("<II", initiator, responder) + initiator_nonce + responder_nonce
-    return hmac.new(key, text, "sha256").digest()
+def endpoint_bytes(address: str, port: int) -> bytes:
+    """An endpoint as the transcript names it: the address's 16 bytes (IPv4 zero-padded) and the port."""
+    try:
+        raw = ipaddress.ip_address(address).packed
+    except ValueError:
+        raise PeerProtocolError(f"{address!r} is not an IP address") from None
+    if not 0 <= port <= 0xFFFF:
+        raise PeerProtocolError(f"port {port} is out of range")
+    return raw.ljust(16, b"\0") + struct.pack("<H", port)
+
+
+def transcript(initiator: int, responder: int, initiator_nonce: bytes, responder_nonce: bytes,
+               endpoint: bytes) -> bytes:
+    """What both proofs and both session keys are bound to: the servers, the nonces and the dialed endpoint."""
+    return (_LABEL + struct.pack("<II", initiator, responder) + initiator_nonce + responder_nonce
+            + struct.pack("<B", len(endpoint)) + endpoint)
+
+
+def proof(key: bytes, role: bytes, text: bytes) -> bytes:
+    """HMAC-SHA256 under the cluster key over the prover's role and the transcript."""
+    return hmac.new(key, _LABEL + b" proof " + role + b" " + text, "sha256").digest()
+
+
+class SessionKeys(NamedTuple):
+    """The keys of one link, one per direction, and the link's id (a hash of its transcript)."""
+
+    initiator_to_responder: bytes
+    responder_to_initiator: bytes
+    session: bytes
+
+
+def session_keys(key: bytes, text: bytes) -> SessionKeys:
+    """The link's keys: HMAC-SHA256 under the cluster key over a label naming the direction and the transcript."""
+    digest = hashlib.sha256(text).digest()
+    return SessionKeys(hmac.new(key, _LABEL + b" key initiator->responder " + digest, "sha256").digest(),
+                       hmac.new(key, _LABEL + b" key responder->initiator " + digest, "sha256").digest(),
+                       digest)
+
+
+def secret_proof(secret: bytes, session: bytes) -> bytes:
+    """What an Import carries instead of a FABRIC handle's secret: HMAC-SHA256 under the secret over the link's id,
+    so the secret never crosses the network and a proof seen on one link is worthless on any other."""
+    return hmac.new(secret, _LABEL + b" secret " + session, "sha256").digest()
 
 
 class Initiator:
-    """The connecting broker's side of the handshake: hello, then check the challenge and answer it."""
+    """The connecting broker's side of the handshake: hello, then check the challenge and answer it. `endpoint`
+    is the one it dialed (`endpoint_bytes`): the responder's proof must be for that endpoint."""
 
-    def __init__(self, key: bytes, server_id: int, nonce: bytes | None = None) -> None:
-        self.key, self.server_id = key, server_id
+    def __init__(self, key: bytes, server_id: int, endpoint: bytes, nonce: bytes | None = None) -> None:
+        self.key, self.server_id, self.endpoint = key, server_id, endpoint
         self.nonce = nonce if nonce is not None else secrets.token_bytes(NONCE)
         self.peer_id: int | None = None
+        self.keys: SessionKeys | None = None
 
     def hello(self) -> Hello:
         return Hello(self.server_id, self.nonce)
@@ -302,36 +399,44 @@ class Initiator:
         """The proof to send, once the responder proved the key for this connection (AuthError if it did not)."""
         if challenge.server_id == self.server_id:
             raise AuthError(f"the peer claims this server's own id {self.server_id:#x}")
-        want = proof(self.key, b"responder", self.server_id, challenge.server_id, self.nonce, challenge.nonce)
-        if not hmac.compare_digest(want, challenge.proof):
-            raise AuthError("the peer did not prove the cluster key (another VMMSHARE_CLUSTER_KEY_FILE?)")
+        text = transcript(self.server_id, challenge.server_id, self.nonce, challenge.nonce, self.endpoint)
+        if not hmac.compare_digest(proof(self.key, b"responder", text), challenge.proof):
+            raise AuthError("the peer did not prove the cluster key for the endpoint dialed (another "
+                            "VMMSHARE_CLUSTER_KEY_FILE, or a relay: the broker that answered listens elsewhere)")
         self.peer_id = challenge.server_id
-        return Proof(proof(self.key, b"initiator", self.server_id, challenge.server_id, self.nonce, challenge.nonce))
+        self.keys = session_keys(self.key, text)
+        return Proof(proof(self.key, b"initiator", text))
 
 
 class Responder:
-    """The accepting broker's side: answer the hello with a challenge, then check the initiator's proof."""
+    """The accepting broker's side: answer the hello with a challenge, then check the initiator's proof.
+    `endpoint` is the one this broker listens on (`endpoint_bytes`)."""
 
-    def __init__(self, key: bytes, server_id: int, nonce: bytes | None = None) -> None:
-        self.key, self.server_id = key, server_id
+    def __init__(self, key: bytes, server_id: int, endpoint: bytes, nonce: bytes | None = None) -> None:
+        self.key, self.server_id, self.endpoint = key, server_id, endpoint
         self.nonce = nonce if nonce is not None else secrets.token_bytes(NONCE)
+        self._text: bytes | None = None
         self._hello: Hello | None = None
         self.peer_id: int | None = None
+        self.keys: SessionKeys | None = None
 
     def challenge(self, hello: Hello) -> Challenge:
         if hello.server_id == self.server_id:
             raise AuthError(f"the peer claims this server's own id {self.server_id:#x}")
+        if self._hello is not None:
+            raise AuthError("a second hello on one connection")
         self._hello = hello
-        mine = proof(self.key, b"responder", hello.server_id, self.server_id, hello.nonce, self.nonce)
-        return Challenge(self.server_id, self.nonce, mine)
+        self._text = transcript(hello.server_id, self.server_id, hello.nonce, self.nonce, self.endpoint)
+        return Challenge(self.server_id, self.nonce, proof(self.key, b"responder", self._text))
 
     def verify(self, answer: Proof) -> int:
         """The peer's server id once its proof checks out (AuthError otherwise)."""
-        if self._hello is None:
+        if self._hello is None or self._text is None:
             raise AuthError("a proof before the hello")
-        hello = self._hello
-        want = proof(self.key, b"initiator", hello.server_id, self.server_id, hello.nonce, self.nonce)
-        if not hmac.compare_digest(want, answer.proof):
-            raise AuthError(f"server {hello.server_id:#x} did not prove the cluster key")
-        self.peer_id = hello.server_id
-        return hello.server_id
+        if self.peer_id is not None:
+            raise AuthError("a second proof on one connection")
+        if not hmac.compare_digest(proof(self.key, b"initiator", self._text), answer.proof):
+            raise AuthError(f"server {self._hello.server_id:#x} did not prove the cluster key for this connection")
+        self.peer_id = self._hello.server_id
+        self.keys = session_keys(self.key, self._text)
+        return self.peer_id

@@ -2,18 +2,22 @@
 this node served to their importers.
 
 A remote import is an import like any other, by the same ledger code (rules 11-14), for a `Client` record of the
-importer's server and pid as its own broker reported them. While an export has remote importers, this broker maps
-its memfd and registers the mapping with its transfer engine, which serves their one-sided reads and writes; the
-last remote hold's release unregisters it (the mapping goes a fabric timeout later, when no transfer of an importer
-that died can still be landing). A dead link's holds wait LEASE_FACTOR fabric timeouts to be adopted on a new link
-of the same server, and are released after that.
+importer's server and pid as its own broker reported them. Each remote hold gets a registration of its own with this
+broker's transfer engine: a mapping of the export's memfd at a fresh random address, which only that hold's importer
+is told. When the hold ends (released, or its lease ran out) that registration is unregistered at once, so the
+address stops working for everyone, while other holds of the same export keep theirs; the mapping goes a fabric
+timeout later (no transfer can still be landing by then). A dead link's holds wait LEASE_FACTOR fabric timeouts to
+be adopted on a new link of the same server, and are released after that.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
+import mmap
+import secrets
 import selectors
 import socket
 import time
@@ -24,10 +28,11 @@ from ..backends import mman
 from ..broker.ledger import Client, Ledger, LedgerError
 from ..broker.records import KIND_HOST, ChargedMemory
 from ..config import Config
-from ..errors import AclError
+from ..errors import AclError, InternalError
 from . import peer_protocol as F
 from .engine import Engine
 from .link import Link, State
+from .metadata import MetadataService
 
 log = logging.getLogger("vmmshare.fabric")
 LEASE_FACTOR = 4  # a dead link's remote holds wait this many fabric timeouts to be adopted on a new link
@@ -36,13 +41,17 @@ MAX_HANDSHAKES = 32  # accepted links that have not proved the key yet, at once
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
 
 
+ALIAS_LOW, ALIAS_HIGH = 1 << 32, 1 << 46  # where a hold's mapping is placed: 2^34 page-aligned places at random
+ALIAS_TRIES = 32
+PAGE = mmap.PAGESIZE
+
+
 @dataclass(eq=False)
 class Served:
-    """An export this node's engine serves to other servers: its mapping in this broker, and its remote holds."""
+    """One remote hold's registration with this node's engine: a mapping of the export's memfd of its own."""
 
     address: int
     size: int
-    holds: int = 0
 
 
 @dataclass(eq=False)
@@ -71,7 +80,10 @@ class Serving:
     remote_clients: dict[tuple[int, int, int, int], Client]
     client_keys: dict[Client, tuple[int, int, int, int]]
     remote_holds: dict[int, RemoteHold]
-    served: dict[ChargedMemory, Served]
+    served: dict[int, Served]  # remote hold id -> its registration
+    meta: MetadataService
+    meta_token: bytes  # this broker's engine's namespace in the metadata service
+    data_endpoint: str  # "<address>:<port>" where this broker's engine takes transfers
     unmaps: list[tuple[float, int, int]]
 
     # ------------------------------------------------------------ other brokers
@@ -96,7 +108,8 @@ class Serving:
             sock.set_inheritable(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
-                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed)
+                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed,
+                        listening=(self.config.fabric_addr, self.config.fabric_port))
             self.accepted.add(link)
 
     def _inbound_ready(self, link: Link) -> None:
@@ -118,7 +131,7 @@ class Serving:
             if isinstance(m, F.Import):
                 reply = self._import_for(link, link.peer_id, m)
             elif isinstance(m, F.Release):
-                reply = self._release_for(link.peer_id, m.hold)
+                reply = self._release_for(link, link.peer_id, m.hold)
             elif isinstance(m, F.Adopt):
                 reply = self._adopt_for(link, link.peer_id, m.hold)
             else:  # a heartbeat
@@ -139,7 +152,7 @@ class Serving:
             client = self.remote_clients[key] = self.ledger.connect(m.pid, m.uid, (None, None), server=server)
             self.client_keys[client] = key
         try:
-            hold, share = self.ledger.admit(client, m.shareable, m.share_type, m.secret)
+            hold, share = self.ledger.admit(client, m.shareable, m.share_type, self._secret(link, m))
         except LedgerError as exc:
             self._forget_if_idle(client)
             return F.Error(exc.code, exc.message)
@@ -149,29 +162,46 @@ class Serving:
                 raise AclError("this export is GPU memory, which this node's transfer engine cannot serve to other "
                                "servers: share host or device memory of the host backend across servers",
                                C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
-            served = self._serve(memory, share.fd)
+            served = self._serve(hold, memory, share.fd)
         except (AclError, OSError) as exc:
             self.ledger.release(client, hold)
             self._forget_if_idle(client)
             code = exc.code if isinstance(exc, AclError) else C.ACL_ERROR_RT_INTERNAL_ERROR
             return F.Error(code, exc.message if isinstance(exc, AclError) else f"cannot serve the memory: {exc}")
         self.remote_holds[hold] = RemoteHold(client, server, memory, link)
-        assert self.engine is not None
         log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
-        return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.engine.segment)
+        # the hold's own registration and where the engine takes transfers: all the importer learns of this engine
+        return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.data_endpoint)
 
-    def _release_for(self, server: int, hold: int) -> F.PeerMessage:
+    def _secret(self, link: Link, m: F.Import) -> bytes:
+        """The export's secret when the Import proved it for this link; otherwise something that is not it (the
+        ledger then refuses the import as it refuses a wrong secret, with the same code and message)."""
+        share = self.ledger.exports.get(m.shareable)
+        if share is not None and share.secret and hmac.compare_digest(
+                F.secret_proof(share.secret, link.session), m.secret_proof):
+            return share.secret
+        return b""
+
+    def _holds_on(self, link: Link, server: int, hold: int) -> RemoteHold | None:
+        """The remote hold `hold` if `link` may act on it: the link that took it or adopted it, or (while it waits on
+        its lease) a new link of the same server, which proved the key again."""
         rh = self.remote_holds.get(hold)
-        if rh is None or rh.server != server:
-            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"no remote hold {hold:#x} of server {server:#x} here")
+        if rh is None or rh.server != server or (rh.link is not None and rh.link is not link):
+            return None
+        return rh
+
+    def _release_for(self, link: Link, server: int, hold: int) -> F.PeerMessage:
+        if self._holds_on(link, server, hold) is None:
+            return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"no remote hold {hold:#x} taken over this link of "
+                                                          f"server {server:#x} here")
         self._drop_remote(hold)
         return F.Ok()
 
     def _adopt_for(self, link: Link, server: int, hold: int) -> F.PeerMessage:
-        rh = self.remote_holds.get(hold)
-        if rh is None or rh.server != server:
+        rh = self._holds_on(link, server, hold)
+        if rh is None:
             return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"remote hold {hold:#x} of server {server:#x} is gone "
-                                                          "(released, or its lease ran out)")
+                                                          "(released, or its lease ran out) or is not this link's")
         rh.link, rh.expires = link, 0.0
         return F.Ok()
 
@@ -179,11 +209,8 @@ class Serving:
         rh = self.remote_holds.pop(hold)
         with contextlib.suppress(LedgerError):
             self.ledger.release(rh.client, hold)
-        served = self.served.get(rh.memory)
-        if served is not None:
-            served.holds -= 1
-            if served.holds == 0:
-                self._unserve(rh.memory, grace=True)
+        if hold in self.served:
+            self._unserve(hold, grace=True)
         self._forget_if_idle(rh.client)
 
     def _forget_if_idle(self, client: Client) -> None:
@@ -195,24 +222,40 @@ class Serving:
 
     # ------------------------------------------------------------ serving memory
 
-    def _serve(self, memory: ChargedMemory, fd: int) -> Served:
-        served = self.served.get(memory)
-        if served is None:
-            if self.engine is None:
-                self.engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout)
-            address = mman.map_file(fd, memory.size)
-            try:
-                self.engine.register(address, memory.size)
-            except BaseException:
-                mman.unmap(address, memory.size)
-                raise
-            served = self.served[memory] = Served(address, memory.size)
-            log.debug("fabric: serving %d bytes at %#x", memory.size, address)
-        served.holds += 1
+    def _serve(self, hold: int, memory: ChargedMemory, fd: int) -> Served:
+        """Register a mapping of `fd` for `hold` alone, at an address of its own."""
+        if self.engine is None:
+            self._start_engine()
+        assert self.engine is not None
+        address = _alias(fd, memory.size)
+        try:
+            self.engine.register(address, memory.size)
+        except BaseException:
+            mman.unmap(address, memory.size)
+            raise
+        served = self.served[hold] = Served(address, memory.size)
+        log.debug("fabric: serving %d bytes at %#x for remote hold %#x", memory.size, address, hold)
         return served
 
-    def _unserve(self, memory: ChargedMemory, grace: bool) -> None:
-        served = self.served.pop(memory)
+    def _start_engine(self) -> None:
+        """This broker's engine, in the node's metadata service under the broker's own token (its descriptor,
+        which lists every registration, is served to no one), and the data host and port importers are told."""
+        engine = Engine(self.config.fabric_addr, self.config.fabric, self.timeout, self.meta.url(self.meta_token))
+        try:
+            desc = self.meta.get(self.meta_token, f"mooncake/ram/{engine.segment}")
+            port = desc.get("tcp_data_port") if isinstance(desc, dict) else None
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise InternalError(f"the transfer engine published no data port ({desc!r})")
+        except BaseException:
+            engine.close()
+            raise
+        addr = self.config.fabric_addr
+        self.data_endpoint = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        self.engine = engine
+
+    def _unserve(self, hold: int, grace: bool) -> None:
+        """Stop serving `hold`'s registration now; its mapping goes a fabric timeout later (`grace`) or now."""
+        served = self.served.pop(hold)
         if self.engine is not None:
             self.engine.unregister(served.address)
         if grace:
@@ -220,3 +263,24 @@ class Serving:
         else:
             with contextlib.suppress(OSError):
                 mman.unmap(served.address, served.size)
+
+
+def _alias(fd: int, size: int) -> int:
+    """A shared read-write mapping of `fd` at a random page-aligned address in [ALIAS_LOW, ALIAS_HIGH): a peer
+    that was never told it has 2^34 places to try (the kernel's own placement is predictable)."""
+    pages = (ALIAS_HIGH - ALIAS_LOW - size) // PAGE
+    for _ in range(ALIAS_TRIES):
+        want = ALIAS_LOW + secrets.randbelow(pages) * PAGE
+        if mman.ARENA_START - size < want < mman.ARENA_END:  # the runtime's own arena, in processes that have one
+            continue
+        try:
+            got = mman.mmap_call(want, size, mman.PROT_READ | mman.PROT_WRITE,
+                                 mman.MAP_SHARED | mman.MAP_FIXED_NOREPLACE, fd)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:  # something is mapped there: another place
+                continue
+            raise
+        if got == want:
+            return got
+        mman.unmap(got, size)  # a kernel that took the flag as a hint placed it elsewhere
+    return mman.map_file(fd, size)  # no free place found at random: where the kernel puts it

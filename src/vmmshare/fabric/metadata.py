@@ -1,0 +1,416 @@
+"""The node's metadata service for its transfer engines (the engine's HTTP metadata mode), run by the broker in a
+child process of its own.
+
+Every engine on a node (the broker's, and each importing process's) is started with a URL of this service,
+``http://127.0.0.1:<port>/<token>/metadata``, instead of answering peers' descriptor requests itself
+(P2PHANDSHAKE): an engine in that mode no longer hands its segment descriptor, which lists every registered
+address, to whoever asks its RPC port. Each token is a namespace of its own: an engine reads and writes only the
+keys under the token of its URL, and a request under any other path is answered 404 like a missing key.
+
+- The broker's engine has a token of its own; what that engine publishes (its descriptor) is never served under
+  any other token, so no peer and no local process learns the exporting side's addresses from it.
+- Each importing process gets a token of its own, made by its broker and told only to it (in its RemoteImported
+  reply). Under it the broker installs one descriptor per remote hold of that process: the hold's own registration
+  (address, length) and the exporting engine's data host and port, removed when the hold ends.
+
+Tokens travel from the broker to this process over a pipe, never on a command line or in the environment (both of
+which other users can read in /proc). The service stops when the pipe closes (the broker stopped or died).
+
+The engine does its HTTP calls holding Python's GIL, so the service cannot run in an engine's own process: it
+would deadlock on its first request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from typing import Any
+
+from ..errors import IpcError
+
+log = logging.getLogger("vmmshare.fabric")
+TOKEN_BYTES = 16  # 128 bits: a path token is guessed with probability 2^-128 per try
+MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with a few hundred buffers)
+MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
+REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
+MAX_CONNECTIONS = 64  # connections open at once; more wait in the listen queue
+
+
+def new_token() -> bytes:
+    """A fresh path token."""
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+# ---------------------------------------------------------------- the service (the child process)
+
+
+class Store:
+    """The keys of each token: those the broker installed, and those the token's engine PUT itself."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, dict[str, bytes]] = {}
+        self.put_keys: dict[str, set[str]] = {}
+
+    def command(self, cmd: list[Any]) -> str:
+        """One command of the broker's (add, drop, put, del, get); the answer line."""
+        op, token = cmd[0], str(cmd[1])
+        if op == "add":
+            self.tokens.setdefault(token, {})
+            self.put_keys.setdefault(token, set())
+            return "ok"
+        if op == "drop":
+            self.tokens.pop(token, None)
+            self.put_keys.pop(token, None)
+            return "ok"
+        keys = self.tokens.get(token)
+        if keys is None:
+            return "none" if op == "get" else "no such token"
+        if op == "put":
+            keys[str(cmd[2])] = str(cmd[3]).encode()
+            return "ok"
+        if op == "del":
+            keys.pop(str(cmd[2]), None)
+            self.put_keys[token].discard(str(cmd[2]))
+            return "ok"
+        if op == "get":
+            value = keys.get(str(cmd[2]))
+            return "none" if value is None else "value " + value.decode(errors="replace")
+        return f"unknown command {op!r}"
+
+    def request(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
+        """An engine's request: (status, body). Anything not under a known token's path is 404."""
+        url = urllib.parse.urlsplit(target)
+        parts = url.path.split("/")
+        key = urllib.parse.parse_qs(url.query).get("key", [""])[0]
+        keys = self.tokens.get(parts[1]) if len(parts) == 3 and not parts[0] and parts[2] == "metadata" else None
+        if keys is None or not key:
+            return 404, b"metadata not found"
+        token = parts[1]
+        mine = self.put_keys[token]
+        if method == "GET":
+            value = keys.get(key)
+            return (404, b"metadata not found") if value is None else (200, value)
+        if method == "PUT":
+            if key not in keys:
+                if len(mine) >= MAX_PUT_KEYS:
+                    return 404, b"too many keys"
+                mine.add(key)
+            if key in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
+                keys[key] = body
+            return 200, b""
+        if method == "DELETE":
+            if key in mine:
+                mine.discard(key)
+                keys.pop(key, None)
+            return 200, b""
+        return 405, b"method not allowed"
+
+
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large"}
+MAX_HEAD = 8 << 10  # bytes of a request line and headers
+
+
+class _Connection:
+    """One engine's connection: what it sent so far, what is left to send it, and when its request must be done."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.deadline = time.monotonic() + REQUEST_TIMEOUT
+        self.closing = False
+        self.continued = False  # "100 Continue" sent for the request in the inbox
+
+
+class Service:
+    """The HTTP side, one thread and one selector: the listener, the broker's pipe and every connection. Each
+    request must arrive and be answered within REQUEST_TIMEOUT of the connection's last answer (or its start), so
+    a client that trickles its bytes or sits idle is cut off; at most MAX_CONNECTIONS are open at once."""
+
+    def __init__(self, store: Store, commands: int, answers: Any) -> None:
+        self.store, self.commands, self.answers = store, commands, answers
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ)
+        self.sel.register(commands, selectors.EVENT_READ)
+        self.conns: dict[socket.socket, _Connection] = {}
+        self.pending = b""
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            now = time.monotonic()
+            wait = min((c.deadline for c in self.conns.values()), default=now + 60.0) - now
+            for key, mask in self.sel.select(max(0.0, wait)):
+                if key.fileobj is self.listener:
+                    self._accept()
+                elif key.fileobj == self.commands:
+                    self._commands()
+                else:
+                    conn = self.conns.get(key.fileobj)  # type: ignore[call-overload]
+                    if conn is not None:
+                        self._serve(conn, mask)
+            now = time.monotonic()
+            for conn in [c for c in self.conns.values() if c.deadline <= now]:
+                self._close(conn)
+
+    def _accept(self) -> None:
+        while len(self.conns) < MAX_CONNECTIONS:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of fds: the connection waits in the queue
+                return
+            sock.setblocking(False)
+            self.conns[sock] = _Connection(sock)
+            self.sel.register(sock, selectors.EVENT_READ)
+        if len(self.conns) >= MAX_CONNECTIONS:
+            self.sel.unregister(self.listener)  # taken again when a connection closes
+
+    def _commands(self) -> None:
+        """Carry out the broker's commands that have arrived (also before each request is answered: a command the
+        broker wrote before it replied to a process is in force when that process's engine asks)."""
+        while True:
+            try:
+                data = os.read(self.commands, 1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                self.running = False
+                break
+            self.pending += data
+        while b"\n" in self.pending:
+            line, _, self.pending = self.pending.partition(b"\n")
+            try:
+                cmd = json.loads(line)
+                answer = self.store.command(cmd) if isinstance(cmd, list) and len(cmd) >= 2 else "bad command"
+            except (ValueError, IndexError, TypeError):
+                answer = "bad command"
+            if isinstance(cmd, list) and cmd and cmd[0] == "get":  # the one command the broker waits on
+                self.answers.write((answer.replace("\n", " ") + "\n").encode())
+            elif answer != "ok":
+                print(f"vmmshare metadata service: {answer}", file=sys.stderr, flush=True)
+
+    def _serve(self, conn: _Connection, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            try:
+                data = conn.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                self._close(conn)
+                return
+            if data:
+                conn.inbox += data
+                while not conn.closing and self._one(conn):
+                    pass
+        self._flush(conn)
+
+    def _one(self, conn: _Connection) -> bool:
+        """Answer the first whole request in the inbox; False when there is none yet."""
+        end = conn.inbox.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.inbox) > MAX_HEAD:
+                self._answer(conn, 400, b"bad request", close=True)
+            return False
+        lines = bytes(conn.inbox[:end]).decode("latin-1").split("\r\n")
+        request = lines[0].split(" ")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        try:
+            length = int(headers.get("content-length", "0"))
+        except ValueError:
+            length = -1
+        if len(request) != 3 or not request[2].startswith("HTTP/1.") or length < 0:
+            self._answer(conn, 400, b"bad request", close=True)
+            return False
+        if length > MAX_VALUE:
+            self._answer(conn, 413, b"too large", close=True)
+            return False
+        if len(conn.inbox) < end + 4 + length:
+            if headers.get("expect", "").lower() == "100-continue" and not conn.continued:
+                conn.outbox += b"HTTP/1.1 100 Continue\r\n\r\n"  # the engine's HTTP client waits for it (1 s)
+                conn.continued = True
+            return False
+        conn.continued = False
+        body = bytes(conn.inbox[end + 4 : end + 4 + length])
+        del conn.inbox[: end + 4 + length]
+        self._commands()
+        status, reply = self.store.request(request[0], request[1], body)
+        close = headers.get("connection", "").lower() == "close" or request[2] == "HTTP/1.0"
+        self._answer(conn, status, reply, close)
+        conn.deadline = time.monotonic() + REQUEST_TIMEOUT
+        return True
+
+    def _answer(self, conn: _Connection, status: int, body: bytes, close: bool = False) -> None:
+        kind = "application/json" if status == 200 and body else "text/plain"
+        last = "Connection: close\r\n" if close else ""
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: {kind}\r\n"
+                f"Content-Length: {len(body)}\r\n{last}\r\n")
+        conn.outbox += head.encode() + body
+        conn.closing = conn.closing or close
+
+    def _flush(self, conn: _Connection) -> None:
+        while conn.outbox:
+            try:
+                sent = conn.sock.send(conn.outbox)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            del conn.outbox[:sent]
+        if conn.closing and not conn.outbox:
+            self._close(conn)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        self.sel.modify(conn.sock, want)
+
+    def _close(self, conn: _Connection) -> None:
+        if self.conns.pop(conn.sock, None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        conn.sock.close()
+        if len(self.conns) == MAX_CONNECTIONS - 1:
+            self.sel.register(self.listener, selectors.EVENT_READ)
+
+
+def main() -> int:
+    """The child: serve on 127.0.0.1 (the port goes to stdout first), obey the broker's commands on stdin, one JSON
+    list a line, each answered with one line; stop at end of input."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker's ^C is the broker's to handle: the pipe says when
+    answers = os.fdopen(1, "wb", buffering=0)
+    os.set_blocking(0, False)
+    service = Service(Store(), 0, answers)
+    answers.write(f"{service.port}\n".encode())
+    service.run()
+    return 0
+
+
+# ---------------------------------------------------------------- the broker's side
+
+
+class MetadataService:
+    """The broker's handle on its metadata service child: start it, install and remove entries, stop it."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self._buffer = b""
+
+    def start(self) -> None:
+        """Start the child and learn its port (IpcError if it does not come up within the fabric timeout)."""
+        self.proc = subprocess.Popen([sys.executable, "-m", "vmmshare.fabric.metadata"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, close_fds=True, start_new_session=True, bufsize=0)
+        assert self.proc.stdin is not None
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        try:
+            self.port = int(self._line())
+        except (IpcError, ValueError) as exc:
+            self.close()
+            raise IpcError(f"the node's metadata service for the transfer engines did not start: {exc}") from None
+        log.debug("fabric: metadata service (pid %d) on 127.0.0.1:%d", self.proc.pid, self.port)
+
+    def url(self, token: bytes) -> str:
+        """The engine's metadata URL under `token`."""
+        return f"http://127.0.0.1:{self.port}/{token.hex()}/metadata"
+
+    # add, drop, put and delete are not answered: the service carries out what the broker wrote before it answers
+    # any engine's request, so a process told of an entry finds it (no round trip in the broker's loop)
+
+    def add(self, token: bytes) -> None:
+        self._send("add", token.hex())
+
+    def drop(self, token: bytes) -> None:
+        self._send("drop", token.hex())
+
+    def put(self, token: bytes, key: str, value: dict[str, Any]) -> None:
+        self._send("put", token.hex(), key, json.dumps(value, separators=(",", ":")))
+
+    def delete(self, token: bytes, key: str) -> None:
+        self._send("del", token.hex(), key)
+
+    def get(self, token: bytes, key: str) -> Any:
+        """The JSON value under `token`'s `key` (None if absent)."""
+        self._send("get", token.hex(), key)
+        answer = self._line()
+        if not answer.startswith(("none", "value ")):
+            raise IpcError(f"the node's metadata service refused get: {answer}")
+        return None if answer == "none" else json.loads(answer[6:])
+
+    def _send(self, *cmd: str) -> None:
+        proc = self.proc
+        if proc is None or proc.stdin is None:
+            raise IpcError("the node's metadata service for the transfer engines is not running")
+        line = json.dumps(list(cmd)).encode() + b"\n"
+        fd = proc.stdin.fileno()
+        try:
+            done = os.write(fd, line)  # non-blocking: a service that stopped reading never stalls the broker
+            if done < len(line):  # only a line longer than the pipe's atomic size is split: the rest waits
+                os.set_blocking(fd, True)
+                try:
+                    while done < len(line):
+                        done += os.write(fd, line[done:])
+                finally:
+                    os.set_blocking(fd, False)
+        except BlockingIOError:
+            raise IpcError("the node's metadata service for the transfer engines is not keeping up") from None
+        except OSError as exc:
+            raise IpcError(f"the node's metadata service for the transfer engines is gone ({exc.strerror})") from None
+
+    def _line(self) -> str:
+        """One line from the child, waited for at most the fabric timeout."""
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([fd], [], [], self.timeout)
+            if not ready:
+                raise IpcError(f"the node's metadata service did not answer within {self.timeout:g} s")
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise IpcError("the node's metadata service exited")
+            self._buffer += data
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode(errors="replace")
+
+    def close(self) -> None:
+        """Stop the child: its input closed (it exits), killed if it does not within the fabric timeout."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        try:
+            proc.wait(self.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The node's metadata service for the transfer engines (fabric/metadata.py), a child process of the broker: what it
+answers under which path, what an engine may and may not change there, and that it never outlives its broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fabric_cluster import HANG_GUARD, TestCluster, cluster_problem, eventually
+from vmmshare.errors import IpcError
+from vmmshare.fabric.metadata import MAX_PUT_KEYS, MAX_VALUE, MetadataService, new_token
+
+KEY = "mooncake/ram/vmmshare-0123456789abcdef"
+DESC = {"name": "vmmshare-0123456789abcdef", "protocol": "tcp", "tcp_data_host": "10.0.0.1", "tcp_data_port": 15001,
+        "buffers": [{"addr": 1 << 40, "length": 4096, "name": "vmmshare-0123456789abcdef"}]}
+
+
+@pytest.fixture
+def service() -> Iterator[MetadataService]:
+    m = MetadataService(5.0)
+    m.start()
+    yield m
+    m.close()
+
+
+def http(m: MetadataService, method: str, path: str, key: str, body: bytes | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{m.port}{path}?key={key}", data=body, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=HANG_GUARD) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def path(token: bytes) -> str:
+    return f"/{token.hex()}/metadata"
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def test_an_entry_is_served_under_its_token_alone(service: MetadataService) -> None:
+    mine, other = new_token(), new_token()
+    service.add(mine)
+    service.add(other)
+    service.put(mine, KEY, DESC)
+    status, body = http(service, "GET", path(mine), KEY)
+    assert status == 200 and json.loads(body) == DESC
+    assert service.get(mine, KEY) == DESC
+    for where in (path(other), path(new_token()), "/metadata", "//metadata", f"/{mine.hex()}/metadata/x",
+                  f"/{mine.hex()[:-1]}/metadata", f"/{mine.hex().upper()}/metadata", f"/x/../{mine.hex()}/metadata"):
+        assert http(service, "GET", where, KEY)[0] == 404, where
+    service.delete(mine, KEY)  # the hold ended
+    assert http(service, "GET", path(mine), KEY)[0] == 404
+    assert service.get(mine, KEY) is None
+    service.put(mine, KEY, DESC)
+    service.drop(mine)  # the process left
+    assert http(service, "GET", path(mine), KEY)[0] == 404
+    service.put(mine, KEY, DESC)  # under a token dropped: nothing is made
+    assert http(service, "GET", path(mine), KEY)[0] == 404 and service.get(mine, KEY) is None
+
+
+def test_an_engine_cannot_change_what_its_broker_installed_nor_write_without_bounds(
+        service: MetadataService) -> None:
+    """An importing process may write its own engine's keys under its token, not replace or remove the
+    descriptions its broker installed there (it could only hurt itself, but the broker's entries stay the broker's),
+    and neither a large value nor many keys are taken."""
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    forged = json.dumps({**DESC, "tcp_data_port": 1}).encode()
+    assert http(service, "PUT", path(mine), KEY, forged)[0] == 200  # answered as the engine expects ...
+    assert service.get(mine, KEY) == DESC  # ... and nothing changed
+    assert http(service, "DELETE", path(mine), KEY)[0] == 200
+    assert service.get(mine, KEY) == DESC
+    own = "mooncake/ram/10.0.0.2"
+    assert http(service, "PUT", path(mine), own, b'{"buffers":[]}')[0] == 200
+    assert http(service, "GET", path(mine), own) == (200, b'{"buffers":[]}')
+    assert http(service, "PUT", path(mine), own, b"x" * (MAX_VALUE + 1))[0] == 413
+    for i in range(MAX_PUT_KEYS - 1):
+        assert http(service, "PUT", path(mine), f"k{i}", b"{}")[0] == 200
+    assert http(service, "PUT", path(mine), "one-too-many", b"{}")[0] == 404
+    assert http(service, "DELETE", path(mine), own)[0] == 200
+    assert http(service, "GET", path(mine), own)[0] == 404
+    assert http(service, "PUT", path(new_token()), own, b"{}")[0] == 404  # no namespace made by a PUT
+
+
+def test_the_service_stops_with_the_broker_even_when_it_is_killed() -> None:
+    """A broker killed with SIGKILL closes its end of the pipe: the service exits, nothing is left listening."""
+    code = ("from vmmshare.fabric.metadata import MetadataService\nm = MetadataService(5.0)\nm.start()\n"
+            "print(m.proc.pid, m.port, flush=True)\nimport sys\nsys.stdin.readline()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child, _ = map(int, parent.stdout.readline().split())
+        assert not gone(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(HANG_GUARD)
+        eventually(lambda: gone(child), "the metadata service outlived its broker")
+    finally:
+        parent.kill()
+        parent.wait(HANG_GUARD)
+
+
+def test_close_stops_the_service_and_later_calls_are_clear_errors(service: MetadataService) -> None:
+    assert service.proc is not None
+    proc = service.proc
+    service.close()
+    assert proc.returncode == 0
+    with pytest.raises(IpcError, match="not running"):
+        service.add(new_token())
+    service.close()  # twice is harmless
+
+
+@pytest.mark.skipif(bool(cluster_problem()), reason=cluster_problem() or "")
+def test_a_brokers_metadata_service_goes_with_it(fabric: TestCluster) -> None:
+    """Each broker with the fabric on runs one, in its own network namespace (127.0.0.1 is the node's own), and it
+    goes when the broker stops (SIGTERM) or is killed (SIGKILL)."""
+    from test_fabric_security import metadata_service
+
+    for n, sig in ((1, signal.SIGTERM), (2, signal.SIGKILL)):
+        child = metadata_service(fabric, n)
+        fabric.brokers[n].signal(sig)
+        eventually(lambda child=child: gone(child), f"server {n}'s metadata service outlived its broker")
+
+
+def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(service: MetadataService) -> None:
+    """A local user holds every connection slot open by sending its requests a byte at a time: each is cut off once
+    its request has taken REQUEST_TIMEOUT, and an engine's GET is answered (rather than waiting while they trickle)."""
+    import threading
+
+    from vmmshare.fabric.metadata import MAX_CONNECTIONS, REQUEST_TIMEOUT
+
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    done = threading.Event()
+    cut = []
+
+    def trickle() -> None:
+        with socket.create_connection(("127.0.0.1", service.port)) as s:
+            try:
+                for byte in b"GET /" + b"a" * 10_000:
+                    s.sendall(bytes([byte]))
+                    if done.wait(REQUEST_TIMEOUT / 10):  # the attack's own pace
+                        return
+            except OSError:
+                cut.append(1)
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_CONNECTIONS + 8)]
+    for t in threads:
+        t.start()
+    try:
+        assert http(service, "GET", path(mine), KEY)[0] == 200
+        eventually(lambda: len(cut) >= MAX_CONNECTIONS, "trickling connections were not cut off")
+    finally:
+        done.set()
+        for t in threads:
+            t.join(HANG_GUARD)
+
+
+def raw(m: MetadataService, data: bytes) -> bytes:
+    """What the service answers to `data` sent on a connection of its own, up to its close."""
+    with socket.create_connection(("127.0.0.1", m.port), timeout=HANG_GUARD) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(1 << 16):
+            got += chunk
+        return got
+
+
+def test_garbled_oversized_and_pipelined_requests(service: MetadataService) -> None:
+    """Garbage is answered 400 and the connection closed; an unknown method 405; two requests sent at once are both
+    answered in order; a PUT that asks for 100 Continue gets it; the service serves on after each."""
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    where = f"{path(mine)}?key={KEY}".encode()
+    assert raw(service, b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw(service, b"GET / HTTP/1.1\r\nX: " + b"a" * 20_000).startswith(b"HTTP/1.1 400 ")
+    assert raw(service, b"GET " + where + b" HTTP/1.1\r\nContent-Length: -5\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw(service, b"POST " + where + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+    big = f"PUT {path(mine)}?key=k HTTP/1.1\r\nContent-Length: {MAX_VALUE + 1}\r\n\r\n".encode()
+    assert raw(service, big).startswith(b"HTTP/1.1 413 ")
+    two = raw(service, b"GET " + where + b" HTTP/1.1\r\n\r\nGET " + where + b" HTTP/1.0\r\n\r\n")
+    assert two.count(b"HTTP/1.1 200 OK") == 2 and two.count(json.dumps(DESC, separators=(",", ":")).encode()) == 2
+    put = (f"PUT {path(mine)}?key=own HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", service.port), timeout=HANG_GUARD) as s:
+        s.sendall(put)
+        assert s.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(b"{}")
+        assert s.recv(256).startswith(b"HTTP/1.1 200 OK")
+    assert http(service, "GET", path(mine), "own") == (200, b"{}")

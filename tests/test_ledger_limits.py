@@ -18,6 +18,7 @@ from test_ledger import (
     BAD_HANDLE,
     CAPACITY,
     DEFAULT,
+    ENDPOINT,
     FABRIC,
     NO_MEMORY,
     NO_PERMISSION,
@@ -332,6 +333,32 @@ def test_quota_memory_stays_with_an_exporter_that_still_holds_it_after_its_own_i
     assert books.code(a, P.Release(shared)) == 0
     assert _held_memory(books, 1000) == 0 and _held_memory(books, 2000) == MiB2, "on to the importer keeping it"
     books.ledger.disconnect(b)
+    assert _held_memory(books, 2000) == 0 and books.free() == CAPACITY
+
+
+def test_quota_memory_kept_alive_only_by_another_servers_importer_stays_with_its_exporter() -> None:
+    """The charge moves to an importer of this node only: a user of another server has no memory tally here (its
+    holds are counted by (server id, uid)), so charging it would charge the same-numbered local user, and charging
+    nobody would let an exporter escape its quota through another server."""
+    books = Books(quotas=Quotas(memory=4 * MiB2))
+    books.ledger.endpoint = ENDPOINT
+    a, local = books.client(1, uid=1000), books.client(2, uid=2000)
+    far = books.ledger.connect(77, 2000, (None, None), server=OTHER)  # uid 2000 of another server
+    hold, shareable, secret, _ = books.export(a, FABRIC, flags=NO_PID_CHECK)
+    books.ledger.admit(far, shareable, FABRIC, secret)
+    assert books.code(a, P.Release(hold)) == 0
+    assert _held_memory(books, 1000) == MiB2 and _held_memory(books, 2000) == 0, "no local user keeps it: unmoved"
+    assert books.free() == CAPACITY - MiB2
+    books.ledger.disconnect(far)
+    assert _held_memory(books, 1000) == 0 and books.free() == CAPACITY
+    far = books.ledger.connect(78, 2000, (None, None), server=OTHER)
+    hold, shareable, secret, _ = books.export(a, FABRIC, flags=NO_PID_CHECK)
+    books.ledger.admit(far, shareable, FABRIC, secret)
+    assert books.imports(local, shareable, FABRIC, secret) == 0
+    assert books.code(a, P.Release(hold)) == 0
+    assert _held_memory(books, 1000) == 0 and _held_memory(books, 2000) == MiB2, "the local importer is charged"
+    books.ledger.disconnect(local)
+    books.ledger.disconnect(far)
     assert _held_memory(books, 2000) == 0 and books.free() == CAPACITY
 
 

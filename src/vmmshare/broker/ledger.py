@@ -238,7 +238,9 @@ class Ledger:
             if memory.gone is not None:
                 memory.gone()
         elif share is not None and memory.charger is client and not self._still_holds(client, memory, self_import):
-            heir = next(iter(share.importers.values()), None)
+            # the earliest remaining importer of this node: another server's user has no memory tally here, and
+            # memory only another server keeps alive stays charged where it was (no quota is escaped that way)
+            heir = next((c for c in share.importers.values() if c.server is None), None)
             if heir is not None:
                 self._recharge(memory, heir)
 

@@ -32,6 +32,7 @@ from vmmshare.handles import Endpoint
 require(not cluster_problem(), cluster_problem())
 
 IMP = "rt.mem_import_from_shareable_handle_v2"
+BAD_HANDLE = 107017
 ATTACK = """
 import os, socket, struct, sys, hmac
 from vmmshare.fabric import peer_protocol as F
@@ -224,7 +225,7 @@ while True:
     proc = subprocess.Popen(cmd, env=fabric.env(1), stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        msg = fails(b, IPC, IMP, bytes(fake), FABRIC, 0)
+        msg = fails(b, BAD_HANDLE if lie == "size" else IPC, IMP, bytes(fake), FABRIC, 0)
         assert "does not match" in msg
         assert proc.stdout.readline().strip() == "released 9"  # and the hold it was given goes back
     finally:

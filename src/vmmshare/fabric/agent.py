@@ -291,11 +291,17 @@ class Agent(Serving):
         data = _data_endpoint(reply.segment)  # on the exporting broker's own address: nowhere else on the network
         if data is not None and ipaddress.ip_address(data[0]) != ipaddress.ip_address(endpoint[0]):
             data = None
-        if reply.size != size or reply.address == 0 or data is None:
+        if reply.size != size:  # the handle's size field is not the exported memory's: not that handle (rule 16)
+            self._release_remote(endpoint, reply.hold)
+            return P.Error(C.ACL_ERROR_RT_INVALID_HANDLE, (
+                f"this FABRIC handle says {size} bytes but the exporting broker at {endpoint[0]}:{endpoint[1]} "
+                f"exported {reply.size}: it does not match what was exported (pass the 128 bytes the exporter "
+                "produced)"))
+        if reply.address == 0 or data is None:
             self._release_remote(endpoint, reply.hold)
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, (
-                f"the exporting broker at {endpoint[0]}:{endpoint[1]} answered with a size ({reply.size}), address or "
-                f"data endpoint ({reply.segment!r}) that does not match the handle ({size} bytes): refused"))
+                f"the exporting broker at {endpoint[0]}:{endpoint[1]} answered with an address or data endpoint "
+                f"({reply.segment!r}) that does not match the handle ({size} bytes): refused"))
         if client not in self.ledger.clients:  # it left while we waited
             self._release_remote(endpoint, reply.hold)
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, "the importer left")

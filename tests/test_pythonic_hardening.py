@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import vmmshare
+from conftest import run_child
 from vmmshare._process import runtime
 from vmmshare.handles import ShareableHandle, ShareType
 
@@ -82,7 +83,6 @@ CALLS: list[tuple[str, Callable[[dict[str, Any], Any], Any]]] = [
     ("allocate(attr=x)", lambda o, x: o["dev"].allocate(2 * MiB, x)),
     ("allocate(location=x)", lambda o, x: o["dev"].allocate(2 * MiB, "normal", x)),
     ("allocate(numa_node=x)", lambda o, x: o["dev"].allocate(2 * MiB, "normal", "host", x)),
-    ("PhysicalMemory(x)", lambda o, x: vmmshare.PhysicalMemory(x)),
     ("export(share_type=x)", lambda o, x: o["new_mem"].export(x)),
     ("export(pids=x)", lambda o, x: o["new_mem"].export("default", x)),
     ("export(validate_pids=x)", lambda o, x: o["new_mem"].export("default", (), x)),
@@ -274,3 +274,66 @@ def test_every_printed_form_of_a_handle_parses_back() -> None:
         for bad in ("0x", "0x0", "0", "vmm:default:", str(h)[:-1], str(h) + "0", "vmm:fabric:00", "-1", "0x-1"):
             with pytest.raises(vmmshare.InvalidParamError):
                 ShareableHandle.parse(bad)
+
+
+# ---------------------------------------------------------------- no public way to build a broken object
+
+
+FACTORY_ONLY = {  # classes that own resources and are made by factories only, and what the refusal names
+    "PhysicalMemory": "Device.allocate", "Mapping": "PhysicalMemory.map", "IpcMemory": "ipc_open",
+    "PoolBuffer": "MemoryPool.allocate",
+}
+CONSTRUCTED = {  # classes whose constructors make a whole, working object from checked arguments (or none)
+    "Device", "VirtualRange", "DeviceBuffer", "MemoryPool", "ShareableHandle",
+}
+
+
+def test_every_public_class_is_audited() -> None:
+    """A new public class must be sorted into one of the two kinds above (and tested as such)."""
+    classes = {n for n in vmmshare.__all__ if isinstance(getattr(vmmshare, n), type)
+               and not issubclass(getattr(vmmshare, n), BaseException)}
+    assert classes == set(FACTORY_ONLY) | CONSTRUCTED
+
+
+@pytest.mark.parametrize("name", sorted(FACTORY_ONLY))
+def test_resource_classes_cannot_be_instantiated_directly(name: str) -> None:
+    cls = getattr(vmmshare, name)
+    before = runtime().counts()
+    for args in ((), (0x1000,), (0x1000, None, None), (0x1000, 4096, 0, False)):
+        with pytest.raises(TypeError, match=f"cannot be instantiated directly: use {FACTORY_ONLY[name]}"):
+            cls(*args)
+    assert runtime().counts() == before
+
+
+def test_a_mapping_over_unmapped_memory_cannot_be_made_in_a_child() -> None:
+    """The crash of issue 29: `Mapping(0x1000, memory, None).numpy()` killed the process with SIGSEGV."""
+    proc = run_child("""
+import vmmshare
+mem = vmmshare.Device(0).allocate(2 << 20)
+for make in (lambda: vmmshare.Mapping(0x1000, mem, None), lambda: vmmshare.Mapping(0x1000, mem, None, True),
+             lambda: vmmshare.IpcMemory("k", 0x1000, 4096, 0, False)):
+    try:
+        make().numpy()
+    except TypeError as exc:
+        print("refused:", exc)
+""")
+    assert proc.returncode == 0 and proc.stdout.count("refused:") == 3, proc.stderr
+
+
+def test_addresses_and_kinds_of_live_objects_are_read_only(objects: dict[str, Any]) -> None:
+    """Rewriting `ptr` (or `remote`, which guards a CPU view of another server's memory) would make the next view
+    reach memory that is not there: these are properties without setters."""
+    mapping, mem, buf, rng = objects["map"], objects["mem"], objects["buf"], objects["rng"]
+    for obj, names in ((mapping, ("ptr", "size", "on_gpu", "remote", "device")),
+                       (buf, ("ptr", "size", "on_gpu", "device")),
+                       (mem, ("handle", "size", "on_gpu", "remote", "device")), (rng, ("ptr", "size"))):
+        for name in names:
+            with pytest.raises(AttributeError):
+                setattr(obj, name, 0x1000)
+    assert mapping.numpy()[0] == mapping.read(1)[0]
+
+
+def test_the_dlpack_module_has_no_public_capsule_of_an_address() -> None:
+    import vmmshare.dlpack as dl
+
+    assert not any(callable(getattr(dl, n)) and "capsule" in n for n in dir(dl) if not n.startswith("_"))

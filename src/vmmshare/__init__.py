@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from . import acl
     from .buffers import DeviceBuffer, IpcMemory, ipc_open
     from .memory import Device, Mapping, PhysicalMemory, ShareableHandle, VirtualRange, import_handle
+    from .pools import MemoryPool, PoolBuffer
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ _LAZY = {
     **dict.fromkeys(("Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"),
                     "memory"),
     **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "buffers"),
+    **dict.fromkeys(("MemoryPool", "PoolBuffer"), "pools"),
 }
 
 
@@ -69,8 +71,10 @@ __all__ = [
     "IpcMemory",
     "Mapping",
     "MemoryAllocationError",
+    "MemoryPool",
     "NoPermissionError",
     "PhysicalMemory",
+    "PoolBuffer",
     "ShareableHandle",
     "VirtualRange",
     "__version__",

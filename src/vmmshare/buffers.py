@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import _inherit
 from . import constants as C
 from ._process import runtime
 from .backends.base import MemoryKind
-from .errors import AclInvalidParamError, ContextNullError, InvalidParamError
+from .errors import AclInvalidParamError, ContextNullError, InvalidParamError, NoPermissionError
 from .props import U64, check_device, check_int, check_pids
 from .runtime.blocks import IPC, MALLOC
 from .runtime.ipc import MAX_PIDS_PER_CALL
@@ -37,15 +39,21 @@ class DeviceBuffer(MemoryViews):
         if n == 0:
             raise AclInvalidParamError("size is 0: ask for a positive number of bytes")
         rt = runtime()
-        self.device = rt.device_id(check_device(device))
+        self._device = rt.device_id(check_device(device))
         pol = check_int("policy", policy, -(1 << 31), (1 << 31) - 1)
-        self.ptr = rt.blocks.malloc(n, pol, self.device)
-        block = rt.blocks.at(self.ptr, MALLOC)
-        self.size = n
-        self.on_gpu = block.alloc.backend.kind is MemoryKind.GPU
+        self._ptr = rt.blocks.malloc(n, pol, self._device)
+        block = rt.blocks.at(self._ptr, MALLOC)
+        self._size = n
+        self._on_gpu = block.alloc.backend.kind is MemoryKind.GPU
         self.key: str | None = None
+        self._validate = True
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, _free_block, self.ptr)
+        self._finalizer = weakref.finalize(self, _quietly, _free_block, self._ptr)
+        self._forked = False
+        _inherit.track(self)
+
+    def _after_fork(self) -> None:
+        _let_go_in_child(self)
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.size} bytes at {self.ptr:#x} on device {self.device}{self._state()}>"
@@ -76,8 +84,15 @@ class DeviceBuffer(MemoryViews):
         except BaseException:
             rt.ipc.close(key)
             raise
-        self.key = key
+        self.key, self._validate = key, validate_pids
         return key
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Sent to another process, it arrives as the IpcMemory of its key (exported now when it has none)."""
+        if self.closed:
+            raise TypeError("this DeviceBuffer is closed: there is nothing to send")
+        key = self.key if self.key is not None else self.ipc_export()
+        return (_arrive_ipc, (key, self.device, os.getpid(), self._validate, self.size))
 
     def ipc_allow(self, pids: Iterable[int]) -> None:
         """Add processes to the trustlist of this memory's key."""
@@ -99,7 +114,8 @@ class DeviceBuffer(MemoryViews):
             return
         self._check_closable()
         self._finalizer.detach()
-        runtime().blocks.free(self.ptr)
+        if not self._forked:
+            runtime().blocks.free(self.ptr)
 
     def __enter__(self) -> DeviceBuffer:
         return self
@@ -113,10 +129,32 @@ class DeviceBuffer(MemoryViews):
 class IpcMemory(MemoryViews):
     """Memory another process shared by IPC key, mapped here at `ptr`; `close()` unmaps this import."""
 
-    def __init__(self, key: str, ptr: int, size: int, device: int, on_gpu: bool) -> None:
-        self.key, self.ptr, self.size, self.device, self.on_gpu = key, ptr, size, device, on_gpu
+    key: str
+    _finalizer: weakref.finalize[Any, Any]
+    _forked: bool
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("IpcMemory cannot be instantiated directly: use ipc_open(key)")
+
+    @classmethod
+    def _make(cls, key: str, ptr: int, size: int, device: int, on_gpu: bool) -> IpcMemory:
+        """The object owning this process's import of `key`, mapped at `ptr`."""
+        self = cls.__new__(cls)
+        self.key, self._ptr, self._size, self._device, self._on_gpu = key, ptr, size, device, on_gpu
         self._init_views()
         self._finalizer = weakref.finalize(self, _quietly, _close_key, key)
+        self._forked = False
+        _inherit.track(self)
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Sent on, it arrives as another import of its key (the key's trustlist must admit the receiver)."""
+        if self.closed:
+            raise TypeError("this IpcMemory is closed: there is nothing to send")
+        return (_arrive_ipc, (self.key, self.device, os.getpid(), None, self.size))
+
+    def _after_fork(self) -> None:
+        _let_go_in_child(self)
 
     def __repr__(self) -> str:
         return f"<IpcMemory {self.size} bytes at {self.ptr:#x}, key {self.key}{', closed' if self.closed else ''}>"
@@ -130,7 +168,8 @@ class IpcMemory(MemoryViews):
             return
         self._check_closable()
         self._finalizer.detach()
-        runtime().ipc.close(self.key)
+        if not self._forked:
+            runtime().ipc.close(self.key)
 
     def __enter__(self) -> IpcMemory:
         return self
@@ -155,7 +194,33 @@ def ipc_open(key: str, device: int | None = None) -> IpcMemory:
     dev = rt.device_id(check_device(device))
     ptr = rt.ipc.import_key(key, dev)
     block = rt.blocks.at(ptr, IPC)
-    return IpcMemory(key, ptr, block.alloc.size, dev, block.alloc.backend.kind is MemoryKind.GPU)
+    return IpcMemory._make(key, ptr, block.alloc.size, dev, block.alloc.backend.kind is MemoryKind.GPU)
+
+
+def _arrive_ipc(key: str, device: int, sender: int, validated: bool | None, size: int) -> IpcMemory:
+    """Unpickling a DeviceBuffer or IpcMemory: the import of its key here, viewing the `size` bytes the sender had
+    (the import maps the whole block); a refusal says what the sender must do."""
+    rt = runtime()
+    dev = device if 0 <= device < rt.devices.count else 0
+    try:
+        memory = ipc_open(key, dev)
+        memory._size = min(memory.size, size) if isinstance(size, int) and size > 0 else memory.size
+        return memory
+    except NoPermissionError:
+        me = rt.sharing.bare_tgid()
+        how = "its key was exported with pid validation" if validated is not False else "its exporter checks pids"
+        raise NoPermissionError(
+            f"the memory sent by process {sender} cannot be imported in process {me}: {how} and {me} is not on its "
+            f"trustlist. Before sending it, call ipc_allow([{me}]) on the DeviceBuffer in the exporting process, or "
+            "ipc_export(validate_pids=False) it") from None
+
+
+def _let_go_in_child(obj: DeviceBuffer | IpcMemory) -> None:
+    """In a forked child: the memory stays mapped here, but it is the parent's to free."""
+    if obj._finalizer.alive:
+        obj._finalizer.detach()
+        obj._finalizer = _inherit.inherited(obj)
+        obj._forked = True
 
 
 def _free_block(ptr: int) -> None:

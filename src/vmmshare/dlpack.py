@@ -96,7 +96,7 @@ def _on_capsule_gone(capsule: int) -> None:
 _capsule_gone = _CAPSULE_DESTRUCTOR(_on_capsule_gone)
 
 
-def capsule(
+def _capsule(
     ptr: int, nbytes: int, device_type: int, device_id: int, owner: object, versioned: bool = False
 ) -> Any:
     """A capsule viewing `nbytes` bytes at `ptr` as a writable 1-D uint8 tensor, keeping `owner` alive.

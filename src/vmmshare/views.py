@@ -29,11 +29,37 @@ class _Keepalive:
 class MemoryViews:
     """Views of `size` bytes at `ptr` (GPU memory when `on_gpu`, on `device`); subclasses set those and `closed`."""
 
-    ptr: int
-    size: int
-    on_gpu: bool
-    device: int
-    remote: bool = False  # memory of another server (SPEC §8): copies only, no CPU view
+    _ptr: int
+    _size: int
+    _on_gpu: bool
+    _device: int
+    _remote: bool = False  # memory of another server (SPEC §8): copies only, no CPU view
+
+    # read-only: a view made after `ptr` or `remote` were changed would reach memory that is not there
+    @property
+    def ptr(self) -> int:
+        """The address of the memory in this process."""
+        return self._ptr
+
+    @property
+    def size(self) -> int:
+        """Its size in bytes."""
+        return self._size
+
+    @property
+    def on_gpu(self) -> bool:
+        """GPU memory (viewed through DLPack), not host memory."""
+        return self._on_gpu
+
+    @property
+    def device(self) -> int:
+        """The device the memory belongs to."""
+        return self._device
+
+    @property
+    def remote(self) -> bool:
+        """Memory of another server: copies only, no CPU view."""
+        return self._remote
 
     def _init_views(self) -> None:
         self._views: dict[int, weakref.ref[Any]] = {}  # live buffers handed out, by id
@@ -41,6 +67,13 @@ class MemoryViews:
     @property
     def closed(self) -> bool:
         raise NotImplementedError
+
+    def _closed_message(self) -> str:
+        return f"this {type(self).__name__} is closed"
+
+    def _cuts(self) -> list[int]:
+        """The addresses inside the memory where one mapping ends and the next begins (a copy is made per piece)."""
+        return []
 
     def live_views(self) -> int:
         return len(self._views)
@@ -61,7 +94,7 @@ class MemoryViews:
     def _register(self, buf: Any) -> Any:
         """Count `buf` as a live view: it keeps this object alive, and this object will not close under it."""
         if self.closed:
-            raise InvalidParamError(f"this {type(self).__name__} is closed")
+            raise InvalidParamError(self._closed_message())
         buf._vmmshare_owner = self
         key, views = id(buf), self._views
 
@@ -75,25 +108,21 @@ class MemoryViews:
 
     def _span(self, offset: object, size: object) -> tuple[int, int]:
         if self.closed:
-            raise InvalidParamError(f"this {type(self).__name__} is closed")
+            raise InvalidParamError(self._closed_message())
         start = check_int("offset", offset, 0, self.size)
         n = self.size - start if size is None else check_int("size", size, 0, self.size - start)
         return start, n
 
     def read(self, size: int | None = None, offset: int = 0) -> bytes:
         """A copy of `size` bytes from byte `offset` (default: to the end), as memcpy makes it."""
-        from ._process import runtime
-
         start, n = self._span(offset, size)
         buf = ctypes.create_string_buffer(n)
         if n:
-            runtime().copies.memcpy(ctypes.addressof(buf), n, self.ptr + start, n, C.ACL_MEMCPY_DEFAULT)
+            _copy(ctypes.addressof(buf), [], self.ptr + start, self._cuts(), n)
         return buf.raw[:n]
 
     def write(self, data: Any, offset: int = 0) -> None:
         """Copy the bytes of `data` (any buffer: bytes, bytearray, a numpy array) in from byte `offset`."""
-        from ._process import runtime
-
         try:
             raw = memoryview(data).cast("B")
         except (TypeError, ValueError) as exc:
@@ -105,18 +134,16 @@ class MemoryViews:
             src: Any = (ctypes.c_char * n).from_buffer(raw)
         except TypeError:  # read-only (bytes): copied once into a buffer that has an address
             src = (ctypes.c_char * n).from_buffer_copy(raw)
-        runtime().copies.memcpy(self.ptr + start, n, ctypes.addressof(src), n, C.ACL_MEMCPY_DEFAULT)
+        _copy(self.ptr + start, self._cuts(), ctypes.addressof(src), [], n)
 
     def copy_from(self, source: MemoryViews, size: int | None = None, offset: int = 0, source_offset: int = 0) -> None:
         """Copy `size` bytes of `source` (from its byte `source_offset`) in at byte `offset`, as memcpy does."""
-        from ._process import runtime
-
         if not isinstance(source, MemoryViews):
             raise InvalidParamError(f"source must be a Mapping or buffer of vmmshare, not {type(source).__name__}")
         src_start, n = source._span(source_offset, size)
         start, n = self._span(offset, n)
         if n:
-            runtime().copies.memcpy(self.ptr + start, n, source.ptr + src_start, n, C.ACL_MEMCPY_DEFAULT)
+            _copy(self.ptr + start, self._cuts(), source.ptr + src_start, source._cuts(), n)
 
     def fill(self, value: int, size: int | None = None, offset: int = 0) -> None:
         """Set `size` bytes from byte `offset` (default: to the end) to `value`, as memset does."""
@@ -124,8 +151,8 @@ class MemoryViews:
 
         byte = check_int("value", value, 0, 255)
         start, n = self._span(offset, size)
-        if n:
-            runtime().copies.memset(self.ptr + start, n, byte, n)
+        for at, length in _pieces(self.ptr + start, n, self._cuts()):
+            runtime().copies.memset(at, length, byte, length)
 
     def memoryview(self) -> memoryview:
         """The whole memory as bytes (no copy)."""
@@ -174,7 +201,7 @@ class MemoryViews:
             raise DLPackRequestError(f"the memory lives on {self.__dlpack_device__()}, not {dl_device!r}")
         owner = self._register(_Keepalive()) if self.on_gpu and not self.remote else self._buffer()
         versioned = max_version is not None and _pair(max_version) >= dlpack.DLPACK_VERSION
-        return dlpack.capsule(self.ptr, self.size, *self.__dlpack_device__(), owner, versioned)
+        return dlpack._capsule(self.ptr, self.size, *self.__dlpack_device__(), owner, versioned)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         from . import dlpack
@@ -189,3 +216,23 @@ def _pair(value: Any) -> tuple[int, int]:
         return (int(a), int(b))
     except Exception as exc:  # not a pair, or a value that fails when unpacked or converted
         raise DLPackRequestError(f"{value!r} is not a pair of ints: {exc}") from None
+
+
+def _pieces(start: int, n: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[start, start+n) split at `cuts`: (address, length) pieces."""
+    out, at = [], start
+    for cut in sorted(c for c in cuts if start < c < start + n):
+        out.append((at, cut - at))
+        at = cut
+    if start + n > at:
+        out.append((at, start + n - at))
+    return out
+
+
+def _copy(dst: int, dst_cuts: list[int], src: int, src_cuts: list[int], n: int) -> None:
+    """memcpy of `n` bytes, one call per piece that lies in one mapping on both sides."""
+    from ._process import runtime
+
+    cuts = dst_cuts + [dst + (c - src) for c in src_cuts]  # the source's cuts, as destination addresses
+    for at, length in _pieces(dst, n, cuts):
+        runtime().copies.memcpy(at, length, src + (at - dst), length, C.ACL_MEMCPY_DEFAULT)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
 from ..backends.base import Memory, MemoryKind
-from ..errors import FeatureNotSupportedError, InvalidParamError, NoPermissionError
+from ..errors import FeatureNotSupportedError, InvalidHandleError, InvalidParamError, NoPermissionError
 from ..handles import ShareableHandle, ShareType
 from ..node import Imported
 from ..props import PhysicalProp, prop_of
@@ -108,6 +109,10 @@ class Sharing:
         rt = self.rt
         secret = shareable.fabric.secret if shareable.fabric is not None else b""
         got = rt.node.import_handle(shareable.value, shareable.share_type, secret)
+        if shareable.fabric is not None and shareable.fabric.size != got.size:
+            os.close(got.fd)  # not adopted: nothing else holds it
+            rt.safe_node_call(rt.node.release, got.node_ref)
+            raise _altered(shareable.fabric.size, got.size)
         prop = _on_device(got.prop, device)
         backend = rt.device_backend if got.gpu else rt.host
         try:
@@ -120,7 +125,7 @@ class Sharing:
     def _import_remote(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
         """Another server's memory: its broker serves it to this process's transfer engine, one-sided."""
         rt = self.rt
-        got = rt.node.import_remote(shareable.raw)
+        got = rt.node.import_remote(shareable.raw)  # the importing broker checks the size the exporter answers
         try:
             rt.remote.engine()  # made now, so the first copy does not wait for it
             mem = rt.remote.adopt_remote(got.segment, got.address, got.size)
@@ -157,6 +162,12 @@ class Sharing:
 
     def bare_tgid(self) -> int:
         return self.rt.node.bare_tgid()
+
+
+def _altered(claimed: int, exported: int) -> InvalidHandleError:
+    """A FABRIC handle whose size field is not the exported memory's: not the handle that was exported (107017)."""
+    return InvalidHandleError(f"this FABRIC handle says {claimed} bytes but its memory was exported with {exported}: "
+                              "it does not match what was exported (pass the 128 bytes the exporter produced)")
 
 
 def _on_device(prop: PhysicalProp, device: int) -> PhysicalProp:

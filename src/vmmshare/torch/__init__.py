@@ -16,10 +16,16 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("vmmshare.torch needs torch: pip install 'vmmshare[torch]'") from exc
 
+from ._buckets import BucketEntry, BucketTicket, Publisher, Snapshot, Subscriber
 from ._mp import install, installed, trust, uninstall
 from ._tensors import bare_pid, empty, empty_like, is_shared, rebuild_tensor, reduce_tensor, share_, zeros
 
 __all__ = [
+    "BucketEntry",
+    "BucketTicket",
+    "Publisher",
+    "Snapshot",
+    "Subscriber",
     "bare_pid",
     "empty",
     "empty_like",

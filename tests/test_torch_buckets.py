@@ -310,3 +310,79 @@ def test_closing_the_publisher_frees_the_bucket() -> None:
     del pub
     gc.collect()
     assert runtime().counts() == before
+
+
+# ---------------------------------------------------------------- FABRIC buckets across servers (SPEC §8)
+
+PUBLISHER = r"""
+import pickle, sys, torch
+import vmmshare.torch as vt
+sd = {"w": torch.zeros(300, 1000), "b": torch.zeros(77, dtype=torch.int64)}
+pub = vt.Publisher(sd, share_type="fabric")
+print(pickle.dumps(pub.ticket()).hex(), flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "allow":
+        pub.allow([int(args[0])], server=int(args[1]))
+    elif cmd == "publish":
+        v = float(args[0])
+        print(pub.publish({"w": torch.full((300, 1000), v), "b": torch.full((77,), int(v))}), flush=True)
+        continue
+    print("ok", flush=True)
+"""
+
+SUBSCRIBER = r"""
+import pickle, sys, torch
+import vmmshare
+import vmmshare.torch as vt
+print(vt.bare_pid(), flush=True)
+sub = vt.Subscriber(pickle.loads(bytes.fromhex(sys.stdin.readline())))
+try:
+    sub.latest()
+except vmmshare.FeatureNotSupportedError:
+    print("no views", flush=True)
+for line in sys.stdin:
+    version, got = sub.copy_latest()
+    print(version, float(got["w"].double().sum()), int(got["b"].sum()), flush=True)
+"""
+
+
+def test_a_fabric_bucket_is_copied_into_local_tensors_on_another_server(request: pytest.FixtureRequest) -> None:
+    from conftest import require
+    from fabric_cluster import HANG_GUARD, cluster_problem
+
+    require(not cluster_problem(), cluster_problem())  # namespaces and the transfer engine (CI has both)
+    fabric = request.getfixturevalue("fabric")
+    procs = []
+
+    def start(n: int, code: str) -> subprocess.Popen[str]:
+        cmd = fabric.cluster.server(n).command([sys.executable, "-c", code])
+        p = subprocess.Popen(cmd, env=fabric.env(n), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             bufsize=1)
+        procs.append(p)
+        return p
+
+    def ask(p: subprocess.Popen[str], line: str | None = None) -> str:
+        assert p.stdin is not None and p.stdout is not None
+        if line is not None:
+            p.stdin.write(line + "\n")
+        got = p.stdout.readline().strip()
+        assert got, f"process exited {p.wait(HANG_GUARD)}"
+        return got
+
+    try:
+        pub = start(1, PUBLISHER)
+        ticket = ask(pub)
+        sub = start(2, SUBSCRIBER)
+        pid = int(ask(sub))
+        assert ask(pub, f"allow {pid} {fabric.server_id(2)}") == "ok"
+        assert ask(pub, "publish 1") == "1"
+        assert ask(sub, ticket) == "no views"  # another server's memory: copies only
+        assert ask(sub, "copy") == f"1 {300000.0} {77}"
+        for v in (2, 3, 4):
+            assert ask(pub, f"publish {v}") == str(v)
+            assert ask(sub, "copy") == f"{v} {300000.0 * v} {77 * v}"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(HANG_GUARD)

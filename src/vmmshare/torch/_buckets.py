@@ -222,13 +222,14 @@ class Publisher:
             self._h.store(rec, pid)
             self._readers[pid] = index
 
-    def allow(self, pids: Iterable[int]) -> None:
-        """Let more processes (host pids) subscribe."""
+    def allow(self, pids: Iterable[int], server: int | None = None) -> None:
+        """Let more processes (host pids) subscribe; with `server`, processes of that server (a FABRIC bucket read
+        across servers: they copy versions out through the transfer engine)."""
         listed = _pid_list(pids)
         if not listed:
             raise InvalidParamError("allow() takes at least one pid")
         with self._lock:
-            self.pool.allow(listed)
+            self.pool.allow(listed, server)
             self._add_readers(listed)
 
     def ticket(self) -> BucketTicket:

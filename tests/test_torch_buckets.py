@@ -386,3 +386,23 @@ def test_a_fabric_bucket_is_copied_into_local_tensors_on_another_server(request:
         for p in procs:
             p.kill()
             p.wait(HANG_GUARD)
+
+
+def test_a_ticket_whose_layout_lies_is_refused() -> None:
+    from dataclasses import replace
+
+    with vt.Publisher({"a": torch.ones(8), "b": torch.ones(3, dtype=torch.int16)}, pids=[os.getpid()]) as pub:
+        pub.publish({"a": torch.full((8,), 5.0), "b": torch.ones(3, dtype=torch.int16)})
+        t = pub.ticket()
+        a = t.entries[0]
+        for bad in (replace(a, offset=pub.nbytes), replace(a, nbytes=4), replace(a, dtype="nope"),
+                    replace(a, offset=2), replace(a, shape=(1 << 40,)), replace(a, offset=-4)):
+            with pytest.raises(vmmshare.InvalidParamError):
+                vt.Subscriber(vt.BucketTicket(t.header, t.slots, (bad,)))
+        sub = vt.Subscriber(t)  # the true layout: the publisher's own process may read its bucket too
+        with sub.latest() as snap:
+            assert snap.version == 1 and float(snap["a"].sum()) == 40.0
+        sub.close()
+        with pytest.raises(BufferError):  # like mmap: not while this process's tensors view it
+            pub.close()
+        del snap, sub

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import os
 import threading
 import time
@@ -248,17 +249,18 @@ class Publisher:
         """pid -> the version each reader has pinned (0: none)."""
         return {pid: self._h.load(self._h.record(i) + 8) for pid, i in self._readers.items()}
 
-    def _importers(self) -> set[int]:
-        """The host pids that hold an import of the bucket now (the broker's word: a dead reader is not there)."""
-        chunk = self.pool.chunks[0]
-        handle = chunk.shareable
+    def _importers(self) -> set[int] | None:
+        """The pids that hold an import of the bucket now, on this server or another (the broker's word: a dead
+        reader is not there); None when the broker's list is cut short, so nobody can be taken for gone."""
+        handle = self.pool.chunks[0].shareable
         if handle is None:
-            return set()
+            return None
         node: Any = runtime().node  # the broker client: it lists the node's exports, as `vmmshare ls` does
         for e in node.listing()["exports"]:
-            if int(e["handle"], 16) == handle.value:
-                return set(e["importers"])
-        return set()
+            if e["handle"] != "(hidden)" and int(e["handle"], 16) == handle.value:
+                listed = set(e["importers"])
+                return listed if e["importer_count"] == len(e["importers"]) else None
+        return None
 
     def _claim(self, timeout: float) -> int:
         """A slot to write the next version into: not the current one, and pinned by no reader. Waits up to `timeout`
@@ -280,7 +282,7 @@ class Publisher:
             pins = self._pins()
             live = self._importers()
             for pid, v in pins.items():
-                if v and pid not in live:  # died (or let go of the bucket) holding a pin
+                if v and live is not None and pid not in live:  # died (or let go of the bucket) holding a pin
                     log.info("bucket reader %d is gone: its pin of version %d is dropped", pid, v)
                     self._h.store(self._h.record(self._readers[pid]) + 8, 0)
             if time.monotonic() >= deadline:
@@ -346,10 +348,15 @@ class Publisher:
             return version
 
     def close(self) -> None:
-        """Free the bucket here: its export is revoked (subscribers keep what they mapped, the last version)."""
+        """Free the bucket here: its export is revoked (subscribers keep what they mapped, the last version).
+        BufferError while tensors of this process still view it (a Subscriber's snapshots here)."""
         with self._lock:
             self._views = []
-            self.pool.close()
+            try:
+                self.pool.close()
+            except BaseException:
+                self._views = [_views(s, self.entries) for s in self._slots]  # still usable, as it was
+                raise
 
     def __enter__(self) -> Publisher:
         return self
@@ -397,8 +404,8 @@ class Subscriber:
         nslots = self._h.load(16)
         if nslots != len(ticket.slots) or not 2 <= nslots <= MAX_SLOTS:
             raise InvalidParamError(f"the bucket's header has {nslots} slots, the ticket {len(ticket.slots)}")
-        self.entries = ticket.entries
         self._slots = ticket.slots
+        self.entries = _checked(ticket.entries, min(s.size for s in ticket.slots))
         self.remote = ticket.header.remote
         pid = bare_pid()
         self._record = -1
@@ -488,3 +495,18 @@ class Subscriber:
                 self._pinned = None
             self._views.clear()
 
+
+def _checked(entries: object, slot_size: int) -> tuple[BucketEntry, ...]:
+    """A ticket's layout, refused (107000) unless every entry is a tensor that lies inside a slot."""
+    if not isinstance(entries, tuple) or not all(isinstance(e, BucketEntry) for e in entries):
+        raise InvalidParamError("the ticket's layout is not a tuple of BucketEntry")
+    for e in entries:
+        dt = getattr(torch, e.dtype, None) if isinstance(e.dtype, str) else None
+        ok = (isinstance(dt, torch.dtype) and isinstance(e.shape, tuple)
+              and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in e.shape)
+              and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
+        if not ok or dt is None or e.nbytes != math.prod(e.shape) * dt.itemsize or e.offset % dt.itemsize or (
+                e.offset + e.nbytes > slot_size):
+            raise InvalidParamError(f"the ticket's entry {e.name!r} does not describe a tensor inside the bucket's "
+                                    f"{slot_size}-byte slots")
+    return entries

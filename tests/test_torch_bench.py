@@ -35,7 +35,23 @@ def test_quick_run_reports_every_measure(tmp_path: Path) -> None:
         assert line in got.stdout
 
 
-def test_usage_errors_are_short() -> None:
+def test_usage_errors_are_short(tmp_path: Path) -> None:
     got = bench("--reps", "0")
     assert got.returncode == 2 and "Traceback" not in got.stderr
-    assert bench("--help").returncode == 0
+    got = bench("--json", str(tmp_path / "no" / "x.json"))  # refused before anything is measured
+    assert got.returncode == 2 and "does not exist" in got.stderr and "Traceback" not in got.stderr
+    helped = bench("--help")
+    assert helped.returncode == 0 and "``" not in helped.stdout and "--quick" in helped.stdout
+
+
+def test_without_torch_it_says_which_extra_to_install() -> None:
+    """`python -S` leaves site-packages out: this interpreter then has no torch, as on a bare install."""
+    import os
+
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    if subprocess.run([sys.executable, "-S", "-c", "import torch"], env=env, capture_output=True).returncode == 0:
+        pytest.skip("torch is importable without site-packages here")
+    got = subprocess.run([sys.executable, "-S", "-m", "vmmshare", "bench", "--torch", "--quick"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2 and "pip install 'vmmshare[torch]'" in got.stderr and "Traceback" not in got.stderr

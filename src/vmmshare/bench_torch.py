@@ -4,7 +4,8 @@ Measured side by side (medians over repetitions, with the 10th-90th percentile s
 producer starts sharing ordinary tensors to the moment the consumer process has read its first tensor:
 - a 1 GiB state dict of 200 tensors: a vmmshare bucket (Publisher + Subscriber), torch.multiprocessing
   (`share_memory_()` then a torch Queue: one shared file per tensor, fds on a side socket), and pickling the tensors
-  through a Pipe;
+  through a Pipe; then the same with the weights already in shared memory (a published bucket; tensors after
+  `share_memory_()`), where only the sending differs;
 - per update: a bucket publish of every tensor and of a tenth of them, until the consumer holds the new version,
   each against a plain memcpy of the bytes that changed (the anchor), and torch sharing the new tensors again;
 - 1,000 small tensors: one handle per tensor (reduce_tensor / rebuild_tensor) against one bucket.

@@ -156,6 +156,7 @@ def test_share_moves_a_tensor_in_place_keeping_data_offset_and_strides() -> None
     lambda: vt.empty(2, dtype="float32"),
     lambda: vt.empty(2, device="meta"),
     lambda: vt.empty(2, device="nonsense"),
+    lambda: vt.empty(2, device="cuda:0"),  # the host backend has no GPU memory
     lambda: vt.empty_like([1, 2]),
     lambda: vt.share_("x"),
 ])
@@ -483,3 +484,50 @@ def test_a_killed_peer_is_not_waited_for() -> None:
     with pytest.raises(RuntimeError, match="peer died"):
         p.send(code="result = 1")
     p.kill()
+
+
+# ---------------------------------------------------------------- under the CUDA backend (GPU memory)
+
+
+def test_cpu_tensors_beside_gpus_are_host_memory_and_gpu_ones_need_a_cuda_torch(tmp_path: Any) -> None:
+    """With VMMSHARE_BACKEND=cuda, device memory is GPU memory: a "cpu" tensor is host memory (still exported and
+    rebuilt by handle), and a "cuda" tensor with a CPU-only torch is refused (207000) with nothing kept. On the CPU
+    stand-in for libcuda where there is no GPU."""
+    import importlib.util
+
+    import fakecuda
+    from conftest import CUDA_GATE, require, run_child
+
+    require(importlib.util.find_spec("cuda.bindings") is not None and shutil.which(os.environ.get("CC", "cc")),
+            "the CPU stand-in for libcuda needs cuda-bindings and a C compiler", CUDA_GATE)
+    env = {**fakecuda.build(tmp_path), "VMMSHARE_BACKEND": "cuda"}
+    out = run_child("""
+        import gc, pickle, subprocess, sys, torch
+        import vmmshare.torch as vt
+        from vmmshare import FeatureNotSupportedError
+        from vmmshare._process import runtime
+        t = vt.zeros(1000)
+        t += 3
+        memory = vt._tensors._by_ptr[t.untyped_storage().data_ptr()].mapping().memory
+        assert not memory.on_gpu and memory.location["type"] == 0, memory.location  # ACL_MEM_LOCATION_TYPE_HOST
+        before = runtime().counts()
+        if torch.cuda.is_available():
+            print("a CUDA torch: skipped the refusal")
+        else:
+            try:
+                vt.empty(10, device="cuda:0")
+            except FeatureNotSupportedError as exc:
+                print("refused", exc.code)
+            gc.collect()
+            assert runtime().counts() == before, (before, runtime().counts())
+        child = subprocess.Popen([sys.executable, "-c", "import sys, pickle, vmmshare.torch as vt; print(vt.bare_pid(),"
+                                  " flush=True); fn, args = pickle.loads(bytes.fromhex(sys.stdin.readline()));"
+                                  " print(fn(*args).sum().item())"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        pid = int(child.stdout.readline())
+        got, _ = child.communicate(pickle.dumps(vt.reduce_tensor(t, pids=[pid])).hex() + "\\n", timeout=120)
+        print("rebuilt", got.strip())
+    """, env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "refused 207000" in out.stdout or "a CUDA torch" in out.stdout
+    assert "rebuilt 3000.0" in out.stdout

@@ -19,7 +19,7 @@ import torch
 
 from .._process import runtime
 from ..backends.base import MemoryKind
-from ..errors import ContextNullError, InvalidParamError, NoPermissionError
+from ..errors import ContextNullError, FeatureNotSupportedError, InvalidParamError, NoPermissionError
 from ..handles import ShareableHandle
 from ..memory import Device, Mapping, import_handle
 
@@ -84,7 +84,11 @@ def _forget(backing: _Backing) -> None:
 
 def _storage_of(mapping: Mapping) -> torch.UntypedStorage:
     """The mapping as a torch storage, zero-copy (DLPack: the storage keeps the mapping, and so the memory, alive)."""
-    base = torch.utils.dlpack.from_dlpack(mapping)
+    try:
+        base = torch.utils.dlpack.from_dlpack(mapping)
+    except Exception as exc:  # torch refuses in many ways (RuntimeError, AssertionError ...): GPU memory, CPU torch
+        raise FeatureNotSupportedError(f"this torch cannot view the memory ({exc}): GPU memory needs a CUDA "
+                                       "build of torch") from None
     return base.untyped_storage()
 
 
@@ -118,6 +122,9 @@ def _device(device: Any) -> tuple[torch.device, int, str]:
             return dev, _current_device(), "device"
         return dev, 0, "host"
     if dev.type == "cuda":
+        if runtime().device_backend.kind is not MemoryKind.GPU:
+            raise InvalidParamError(f"device {dev}: GPU tensors need GPU memory, which the host backend does not "
+                                    "have: set VMMSHARE_BACKEND=cuda, or use device='cpu'")
         return dev, dev.index or 0, "device"
     raise InvalidParamError(f"device {dev}: vmmshare tensors live on 'cpu' (host memory) or 'cuda:N' (GPU memory "
                             "with VMMSHARE_BACKEND=cuda)")

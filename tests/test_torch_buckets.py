@@ -406,3 +406,27 @@ def test_a_ticket_whose_layout_lies_is_refused() -> None:
         with pytest.raises(BufferError):  # like mmap: not while this process's tensors view it
             pub.close()
         del snap, sub
+
+
+def test_a_reader_that_scribbles_on_the_header_only_delays_a_publish(reader: Any) -> None:
+    """Subscribers map the bucket writable (their pins live in it): one that overwrites the header's words cannot
+    make the publisher write into a slot a reader holds, nor make the next version wrong."""
+    bad, good = reader(), reader()
+    pub = vt.Publisher(state(0), pids=[bad.pid, good.pid])
+    pub.publish(state(1))
+    bad.subscribe(pub)
+    good.subscribe(pub)
+    good.run("held = sub.latest()")  # version 1, pinned
+    bad.run("""
+        import ctypes
+        h = sub._h
+        for off in range(8, 128, 8):  # current, the slot count and every slot's version word
+            ctypes.c_uint64.from_address(h.ptr + off).value = 0xDEAD0001
+    """)
+    assert pub.publish(state(2)) == 2  # into the free slot, whatever the header claims
+    with pytest.raises(vmmshare.MemoryAllocationError):
+        pub.publish(state(3), timeout=0)  # the other slot is still pinned by the good reader
+    assert good.run(f"snap = held; {SUMMARY.strip()}") == [1, [1.0], 1]
+    good.run("held.release(); held = None")
+    assert pub.publish(state(3), timeout=0) == 3
+    assert good.run(f"snap = sub.latest(); {SUMMARY.strip()}; snap.release()") == [3, [3.0], 3]

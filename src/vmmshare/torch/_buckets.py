@@ -264,8 +264,11 @@ class Publisher:
 
     def _claim(self, timeout: float) -> int:
         """A slot to write the next version into: not the current one, and pinned by no reader. Waits up to `timeout`
-        seconds for readers to let go (a reader that died lets go: the broker no longer lists it as importing)."""
-        current = self._h.load(8) & 0xFF if self.version else -1
+        seconds for readers to let go (a reader that died lets go: the broker no longer lists it as importing).
+
+        The publisher goes by its own books (which slot is current, which version each holds), never by the header's
+        words, which every subscriber can write: a reader that scribbles on them can only delay a publish."""
+        current = self._current_slot if self.version else -1
         deadline = time.monotonic() + timeout
         pause = 0.0005
         while True:
@@ -273,7 +276,7 @@ class Publisher:
                 if s == current:
                     continue
                 seq_at = SLOT_SEQ + 8 * s
-                held = self._h.load(seq_at)
+                held = self._slot_versions.get(s, 0)
                 self._h.store(seq_at, WRITING)
                 self._fence()
                 if held == 0 or held not in self._pins().values():
@@ -340,6 +343,8 @@ class Publisher:
             for name in fresh:
                 self._changed_at[name] = version
             self._fence()  # the data before the words that publish it
+            self._h.store(0, MAGIC)  # rewritten each time: a subscriber may have scribbled on them
+            self._h.store(16, len(self._slots))
             self._h.store(SLOT_SEQ + 8 * s, version)
             self._h.store(8, version << 8 | s)
             self._slot_versions[s] = version

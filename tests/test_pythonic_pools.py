@@ -327,3 +327,17 @@ def test_a_buffer_back_in_the_process_of_its_pool_is_a_view_of_that_pool() -> No
         assert pool.used == used and not buf.closed
         buf.close()
         assert pool.used == 0
+
+
+def test_a_forked_child_reads_its_parents_pool_but_does_not_allocate_or_free_in_it() -> None:
+    ctx = mp.get_context("fork")
+    with vmmshare.MemoryPool(max_size=4 * MiB, chunk_size=CHUNK) as pool:
+        buf = pool.allocate(64)
+        buf.write(b"\x33")
+        r = ctx.Queue()
+        p = ctx.Process(target=travellers.inherited_pool, args=(pool, buf, r))
+        p.start()
+        assert r.get(timeout=60) == {"first": 0x33, "allocate": (C.ACL_ERROR_RT_PARAM_INVALID, True), "counts": 0}
+        finish(p)
+        assert buf.read(1) == b"\x33" and pool.used == pool.alignment and not buf.closed
+        buf.close()

@@ -137,7 +137,11 @@ def test_objects_that_cannot_travel_say_what_to_send_instead() -> None:
     m.close()
     with pytest.raises(TypeError, match="closed"):
         pickle.dumps(m)
-    mem.close()
+    m = mem.map()
+    mem.close()  # the mapping stays (rule 6), the export goes (rule 14)
+    with pytest.raises(TypeError, match="revoked its export"):
+        pickle.dumps(m)
+    m.close()
     rng.close()
 
 

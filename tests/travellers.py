@@ -208,3 +208,17 @@ def shared_import(q: Any, r: Any) -> None:
     memory.close()
     out["left"] = runtime().counts()
     r.put(out)
+
+
+def inherited_pool(pool: Any, buf: Any, r: Any) -> None:
+    """A forked child with its parent's pool and buffer: the buffer reads, the pool refuses to allocate, and
+    closing both frees nothing of the parent's."""
+    out: dict[str, Any] = {"first": buf.read(1)[0]}
+    try:
+        pool.allocate(10)
+    except vmmshare.AclError as exc:
+        out["allocate"] = (exc.code, "inherited" in exc.message)
+    buf.close()
+    pool.close()
+    out["counts"] = runtime().counts()["allocations"]
+    r.put(out)

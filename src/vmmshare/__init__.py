@@ -27,17 +27,20 @@ from .errors import (
 if TYPE_CHECKING:
     from . import acl
     from .buffers import DeviceBuffer, IpcMemory, ipc_open
-    from .memory import Device, Mapping, PhysicalMemory, ShareableHandle, VirtualRange, import_handle
-    from .pools import MemoryPool, PoolBuffer
+    from .mapping import Mapping, VirtualRange
+    from .memory import Device, PhysicalMemory, ShareableHandle, import_handle
+    from .pool_buffers import PoolBuffer
+    from .pools import MemoryPool
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "acl": "",
-    **dict.fromkeys(("Device", "Mapping", "PhysicalMemory", "ShareableHandle", "VirtualRange", "import_handle"),
-                    "memory"),
+    **dict.fromkeys(("Device", "PhysicalMemory", "ShareableHandle", "import_handle"), "memory"),
+    **dict.fromkeys(("Mapping", "VirtualRange"), "mapping"),
     **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "buffers"),
-    **dict.fromkeys(("MemoryPool", "PoolBuffer"), "pools"),
+    "MemoryPool": "pools",
+    "PoolBuffer": "pool_buffers",
 }
 
 

@@ -39,7 +39,8 @@ import torch
 from .._process import runtime
 from ..constants import ACL_MEMCPY_DEFAULT
 from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError, NoPermissionError
-from ..pools import MemoryPool, PoolBuffer
+from ..pool_buffers import PoolBuffer
+from ..pools import MemoryPool
 from ._tensors import _pid_list, bare_pid
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from .._process import runtime
 from ..backends.base import MemoryKind
 from ..errors import ContextNullError, FeatureNotSupportedError, InvalidParamError, NoPermissionError
 from ..handles import ShareableHandle
-from ..memory import Device, Mapping, import_handle
+from ..mapping import Mapping
+from ..memory import Device, import_handle
 
 log = logging.getLogger(__name__)
 

@@ -531,3 +531,41 @@ def test_cpu_tensors_beside_gpus_are_host_memory_and_gpu_ones_need_a_cuda_torch(
     assert out.returncode == 0, out.stdout + out.stderr
     assert "refused 207000" in out.stdout or "a CUDA torch" in out.stdout
     assert "rebuilt 3000.0" in out.stdout
+
+
+def test_install_without_children_trusts_only_the_pids_given(installed: None) -> None:
+    vt.install(children=False)
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=torch_children.refused_child, args=(b,))
+    p.start()
+    try:
+        t = vt.zeros(4)  # kept alive until the child has tried: its export lives as long as the memory
+        a.send(t)
+        kind, code, message = a.recv()
+        assert (kind, code) == ("refused", NO_PERMISSION) and f"host pid is {p.pid}" in message
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+
+
+def test_threads_reducing_one_storage_export_it_once() -> None:
+    import threading
+
+    t = vt.zeros(4096)
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def reduce(i: int) -> None:
+        _, args = vt.reduce_tensor(t[i * 8:], pids=[1000 + i])
+        with lock:
+            got.append(args[1])
+
+    threads = [threading.Thread(target=reduce, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 8 and len(set(got)) == 1
+    [export] = my_export((None, (1, got[0])))
+    assert export["trustlist"] == [1000 + i for i in range(8)]

@@ -23,3 +23,13 @@ def pipe_child(conn: Any) -> None:
     t = conn.recv()
     t.mul_(10)
     conn.send(vt.is_shared(t))
+
+
+def refused_child(conn: Any) -> None:
+    """Receive a tensor and say what happened (the error's code when the import is refused)."""
+    try:
+        t = conn.recv()
+    except Exception as exc:
+        conn.send(("refused", getattr(exc, "code", None), str(exc)))
+        return
+    conn.send(("got", vt.is_shared(t)))

@@ -19,7 +19,13 @@ import torch
 
 from .._process import runtime
 from ..backends.base import MemoryKind
-from ..errors import ContextNullError, FeatureNotSupportedError, InvalidParamError, NoPermissionError
+from ..errors import (
+    ContextNullError,
+    FeatureNotSupportedError,
+    InvalidHandleError,
+    InvalidParamError,
+    NoPermissionError,
+)
 from ..handles import ShareableHandle
 from ..mapping import Mapping
 from ..memory import Device, import_handle
@@ -326,6 +332,10 @@ def _storage_for(handle_text: str, device: str) -> torch.UntypedStorage:
     except NoPermissionError as exc:
         raise NoPermissionError(f"{exc.message} (this process's host pid is {bare_pid()}: the producer must pass it "
                                 "in pids=, or vmmshare.torch.install(pids=...))", exc.code) from None
+    except InvalidHandleError as exc:
+        raise InvalidHandleError(f"{exc.message} (a producer keeps a tensor it sends alive until the consumer has "
+                                 "rebuilt it: its memory, and the handle with it, goes with its last tensor)",
+                                 exc.code) from None
     try:
         mapping = memory.map()
     except BaseException:

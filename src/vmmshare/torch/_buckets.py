@@ -458,7 +458,7 @@ class Subscriber:
             views = self._views.get(slot)
             if views is None:
                 views = self._views[slot] = _views(self._slots[slot], self.entries)
-            self._pinned = Snapshot(self, version, views)
+            self._pinned = Snapshot(self, version, dict(views))  # the caller's own dict over the cached views
             return self._pinned
 
     def copy_latest(self, into: dict[str, torch.Tensor] | None = None) -> tuple[int, dict[str, torch.Tensor]]:

@@ -10,8 +10,8 @@ The header (the first 4 KiB), little-endian 64-bit words:
 
     0   magic            8   current (version << 8 | slot; 0 before the first publish)
     16  slot count      24   slot_seq[8]: the version a slot holds, WRITING while it is being written
-    128 reader records, 16 bytes each: pid (u32, written by the publisher), flags (u32), pinned version (u64, written
-        by the reader)
+    128 reader records, 24 bytes each: pid (u32) and flags (u32, the reader's), the reader's server id (u64), and the
+        pinned version (u64, written by the reader); the publisher writes pid and server
 
 Ordering: a reader stores its pin, then checks that the slot still holds the version it pinned; the publisher marks
 a slot WRITING, then reads every pin. Both are store-then-load (Dekker), so they need a full fence between: the
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .._process import runtime
+from ..broker.listing import LIST_REMOTE
 from ..constants import ACL_MEMCPY_DEFAULT
 from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError, NoPermissionError
 from ..pool_buffers import PoolBuffer
@@ -52,7 +53,8 @@ MAGIC = int.from_bytes(b"vmmsbkt1", "little")
 MAX_SLOTS = 8
 SLOT_SEQ = 24
 READERS = 128
-RECORD = 16
+RECORD = 24
+PINNED = 16  # where a record's pinned version lies in it
 MAX_READERS = (HEADER - READERS) // RECORD
 WRITING = (1 << 64) - 1
 EXPEDITED = 1  # reader record flag: registered for MEMBARRIER_CMD_GLOBAL_EXPEDITED
@@ -162,7 +164,7 @@ class Publisher:
 
     The bucket is laid out from `tensors` (names, dtypes, shapes: every version has the same), each tensor at an
     `alignment`-byte offset, with `versions` slots (2: double buffering). `pids` (host pids, `bare_pid()` in the
-    subscriber) may subscribe; `allow()` adds more (at most 248 readers). `publish()` writes a version."""
+    subscriber) may subscribe; `allow()` adds more (at most 165 readers). `publish()` writes a version."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], pids: Iterable[int] = (), versions: int = 2,
                  alignment: int = DEFAULT_ALIGNMENT, device: int = 0, share_type: str = "default") -> None:
@@ -194,7 +196,8 @@ class Publisher:
         for s in range(versions):
             self._h.store(SLOT_SEQ + 8 * s, 0)
         self._h.store(8, 0)
-        self._readers: dict[int, int] = {}  # pid -> record index
+        self._readers: dict[tuple[int, int], int] = {}  # (server id, pid) -> record index
+        self._server = runtime().config.server_id
         self._lock = threading.Lock()
         self.version = 0
         self._slot_versions: dict[int, int] = {}  # slot -> the version it holds
@@ -212,17 +215,19 @@ class Publisher:
         """The bytes of one version (every tensor, with its alignment padding)."""
         return self.slot_size
 
-    def _add_readers(self, pids: list[int]) -> None:
+    def _add_readers(self, pids: list[int], server: int | None = None) -> None:
+        where = self._server if server is None else server
         for pid in dict.fromkeys(pids):
-            if pid in self._readers:
+            if (where, pid) in self._readers:
                 continue
             if len(self._readers) >= MAX_READERS:
                 raise InvalidParamError(f"a bucket has at most {MAX_READERS} subscribers")
             index = len(self._readers)
             rec = self._h.record(index)
-            self._h.store(rec + 8, 0)
+            self._h.store(rec + PINNED, 0)
+            self._h.store(rec + 8, where)
             self._h.store(rec, pid)
-            self._readers[pid] = index
+            self._readers[(where, pid)] = index
 
     def allow(self, pids: Iterable[int], server: int | None = None) -> None:
         """Let more processes (host pids) subscribe; with `server`, processes of that server (a FABRIC bucket read
@@ -232,7 +237,7 @@ class Publisher:
             raise InvalidParamError("allow() takes at least one pid")
         with self._lock:
             self.pool.allow(listed, server)
-            self._add_readers(listed)
+            self._add_readers(listed, server)
 
     def ticket(self) -> BucketTicket:
         """What to send a subscriber (through pickle, a multiprocessing queue, ...)."""
@@ -246,21 +251,28 @@ class Publisher:
             err = ctypes.get_errno()
             raise FeatureNotSupportedError(f"membarrier(2) failed: {errno.errorcode.get(err, err)}")
 
-    def _pins(self) -> dict[int, int]:
-        """pid -> the version each reader has pinned (0: none)."""
-        return {pid: self._h.load(self._h.record(i) + 8) for pid, i in self._readers.items()}
+    def _pins(self) -> dict[tuple[int, int], int]:
+        """(server, pid) -> the version each reader has pinned (0: none)."""
+        return {key: self._h.load(self._h.record(i) + PINNED) for key, i in self._readers.items()}
 
-    def _importers(self) -> set[int] | None:
-        """The pids that hold an import of the bucket now, on this server or another (the broker's word: a dead
-        reader is not there); None when the broker's list is cut short, so nobody can be taken for gone."""
+    def _importers(self) -> set[tuple[int, int]] | None:
+        """The (server, pid)s that hold an import of the bucket now (the broker's word: a dead reader is not there);
+        None when the broker's list is cut short, so nobody can be taken for gone. A pid of another server also
+        counts here as this server's: that errs towards waiting, never towards dropping a live reader's pin."""
         handle = self.pool.chunks[0].shareable
         if handle is None:
             return None
         node: Any = runtime().node  # the broker client: it lists the node's exports, as `vmmshare ls` does
         for e in node.listing()["exports"]:
             if e["handle"] != "(hidden)" and int(e["handle"], 16) == handle.value:
-                listed = set(e["importers"])
-                return listed if e["importer_count"] == len(e["importers"]) else None
+                remote = e.get("remote_importers", [])
+                if e["importer_count"] != len(e["importers"]) or len(remote) >= LIST_REMOTE:
+                    return None
+                live = {(self._server, p) for p in e["importers"]}
+                for item in remote:
+                    server, _, pid = item.partition(":")
+                    live.add((int(server, 16), int(pid)))
+                return live
         return None
 
     def _claim(self, timeout: float) -> int:
@@ -285,12 +297,14 @@ class Publisher:
                 self._h.store(seq_at, held)  # a reader holds it: leave it as it was
             pins = self._pins()
             live = self._importers()
-            for pid, v in pins.items():
-                if v and live is not None and pid not in live:  # died (or let go of the bucket) holding a pin
-                    log.info("bucket reader %d is gone: its pin of version %d is dropped", pid, v)
-                    self._h.store(self._h.record(self._readers[pid]) + 8, 0)
+            for key, v in pins.items():
+                if v and live is not None and key not in live:  # died (or let go of the bucket) holding a pin
+                    log.info("bucket reader %d of server %#x is gone: its pin of version %d is dropped", key[1],
+                             key[0], v)
+                    self._h.store(self._h.record(self._readers[key]) + PINNED, 0)
             if time.monotonic() >= deadline:
-                holders = sorted(pid for pid, v in self._pins().items() if v)
+                holders = sorted(pid if server == self._server else f"{server:#x}:{pid}"
+                                 for (server, pid), v in self._pins().items() if v)
                 raise MemoryAllocationError(f"every slot of this bucket is in use: readers {holders} hold older "
                                             "versions; they must release their snapshots (or make the bucket with "
                                             "more versions)")
@@ -413,10 +427,11 @@ class Subscriber:
         self._slots = ticket.slots
         self.entries = _checked(ticket.entries, min(s.size for s in ticket.slots))
         self.remote = ticket.header.remote
-        pid = bare_pid()
+        pid, server = bare_pid(), runtime().config.server_id
         self._record = -1
         for i in range(MAX_READERS):
-            if self._h.load(self._h.record(i)) & 0xFFFFFFFF == pid:
+            rec = self._h.record(i)
+            if self._h.load(rec) & 0xFFFFFFFF == pid and self._h.load(rec + 8) == server:
                 self._record = self._h.record(i)
                 break
         if self._record < 0:
@@ -442,7 +457,7 @@ class Subscriber:
             version, slot = cur >> 8, cur & 0xFF
             if slot >= len(self._slots):
                 raise InvalidParamError(f"the bucket's header names slot {slot} of {len(self._slots)}")
-            self._h.store(self._record + 8, version)
+            self._h.store(self._record + PINNED, version)
             if self._h.load(SLOT_SEQ + 8 * slot) == version:
                 return version, slot
         raise MemoryAllocationError("the bucket's publisher overwrote every version this reader tried to take")
@@ -483,21 +498,21 @@ class Subscriber:
                         dst = out[e.name].data_ptr()
                         copies.memcpy(dst, e.nbytes, base + e.offset, e.nbytes, ACL_MEMCPY_DEFAULT)
             finally:
-                self._h.store(self._record + 8, 0)
+                self._h.store(self._record + PINNED, 0)
                 self._pinned = None
         return version, out
 
     def _unpin(self, snap: Snapshot) -> None:
         with self._lock:
             if self._pinned is snap:
-                self._h.store(self._record + 8, 0)
+                self._h.store(self._record + PINNED, 0)
                 self._pinned = None
 
     def close(self) -> None:
         """Release any snapshot and let go of the bucket (its memory goes when no tensor views it)."""
         with self._lock:
             if self._pinned is not None:
-                self._h.store(self._record + 8, 0)
+                self._h.store(self._record + PINNED, 0)
                 self._pinned = None
             self._views.clear()
 

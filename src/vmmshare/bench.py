@@ -253,6 +253,10 @@ def _main(argv: list[str]) -> int:
         from . import bench_fabric
 
         return bench_fabric.main([a for a in argv if a != "--fabric"])
+    if "--torch" in argv:  # sharing a state dict with torch's own ways (see --torch --help)
+        from . import bench_torch
+
+        return bench_torch.main([a for a in argv if a != "--torch"])
     if "--gpu" in argv or _gpu_backend():
         from . import bench_gpu  # device memory is GPU memory: the CPU-side measurements below do not apply
 
@@ -266,6 +270,9 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--fabric", action="store_true",
                     help="copies across servers (two network namespaces) against the transfer engine and a TCP "
                          "socket (see --fabric --help; needs root and vmmshare[fabric])")
+    ap.add_argument("--torch", action="store_true",
+                    help="a state dict to another process: a vmmshare bucket against torch.multiprocessing and "
+                         "pickling, per update, and 1,000 small tensors (see --torch --help; needs torch)")
     ap.add_argument("--quick", action="store_true", help="CI-sized: fewer sizes and repetitions")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")

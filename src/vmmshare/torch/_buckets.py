@@ -1,0 +1,533 @@
+"""Buckets for weight updates: many tensors in one shared allocation, published version after version.
+
+A bucket is a `vmmshare.pools.MemoryPool` of one chunk (so one export, one handle) seen from torch: a header
+buffer and `versions` slot buffers carved from it, each slot holding every tensor at an aligned offset. The
+`Publisher` writes the next version into a slot no reader holds, then flips the header's `current` word to it; a
+`Subscriber` pins the current slot in its own reader record and maps it as a dict of tensor views, so it always
+sees one whole version, never a torn one.
+
+The header (the first 4 KiB), little-endian 64-bit words:
+
+    0   magic            8   current (version << 8 | slot; 0 before the first publish)
+    16  slot count      24   slot_seq[8]: the version a slot holds, WRITING while it is being written
+    128 reader records, 24 bytes each: pid (u32) and flags (u32, the reader's), the reader's server id (u64), and the
+        pinned version (u64, written by the reader); the publisher writes pid and server
+
+Ordering: a reader stores its pin, then checks that the slot still holds the version it pinned; the publisher marks
+a slot WRITING, then reads every pin. Both are store-then-load (Dekker), so they need a full fence between: the
+reader gets it for free and the publisher pays for both with membarrier(2) (the asymmetric-fence idiom), which makes
+every thread of every (registered) process pass a full barrier. Aligned 64-bit loads and stores are single-copy
+atomic on x86-64 and aarch64, the platforms vmmshare runs on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._process import runtime
+from ..broker.listing import LIST_REMOTE
+from ..constants import ACL_MEMCPY_DEFAULT
+from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError, NoPermissionError
+from ..pool_buffers import PoolBuffer
+from ..pools import MemoryPool
+from ._tensors import _pid_list, bare_pid
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BucketEntry", "BucketTicket", "Publisher", "Snapshot", "Subscriber"]
+
+HEADER = 4096
+MAGIC = int.from_bytes(b"vmmsbkt1", "little")
+MAX_SLOTS = 8
+SLOT_SEQ = 24
+READERS = 128
+RECORD = 24
+PINNED = 16  # where a record's pinned version lies in it
+MAX_READERS = (HEADER - READERS) // RECORD
+WRITING = (1 << 64) - 1
+EXPEDITED = 1  # reader record flag: registered for MEMBARRIER_CMD_GLOBAL_EXPEDITED
+SLOT_ALIGNMENT = 4096
+DEFAULT_ALIGNMENT = 512  # what torch's caching allocator rounds to; a multiple of every dtype's size
+
+_MEMBARRIER = {"x86_64": 324, "aarch64": 283}.get(os.uname().machine)
+_CMD_QUERY, _CMD_GLOBAL, _CMD_GLOBAL_EXPEDITED, _CMD_REGISTER_GLOBAL_EXPEDITED = 0, 1, 2, 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _membarrier(cmd: int) -> bool:
+    if _MEMBARRIER is None:
+        return False
+    return int(_libc.syscall(_MEMBARRIER, cmd, 0, 0)) == 0
+
+
+def _supported() -> int:
+    """membarrier's command mask (0 where the kernel or a seccomp filter refuses it)."""
+    if _MEMBARRIER is None:
+        return 0
+    got = int(_libc.syscall(_MEMBARRIER, _CMD_QUERY, 0, 0))
+    return max(got, 0)
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor of a bucket: where it lies in every slot, and what it is."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of a slot
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketTicket:
+    """What a subscriber needs, picklable: the pool's header and slot buffers (they travel as the pool does: one
+    import of its one chunk) and the tensors' layout."""
+
+    header: PoolBuffer
+    slots: tuple[PoolBuffer, ...]
+    entries: tuple[BucketEntry, ...]
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], alignment: int) -> tuple[tuple[BucketEntry, ...], int]:
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise InvalidParamError("a bucket holds a non-empty dict of name -> tensor (a state_dict)")
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise InvalidParamError(f"bucket entries are str -> torch.Tensor, got {name!r} -> {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise InvalidParamError(f"{name}: buckets hold CPU tensors here, not {t.device}")
+        nbytes = t.numel() * t.element_size()
+        entries.append(BucketEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-max(nbytes, 1) // alignment) * alignment
+    return tuple(entries), -(-offset // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def _views(buf: PoolBuffer, entries: Iterable[BucketEntry]) -> dict[str, torch.Tensor]:
+    """Every entry as a tensor over `buf` (one DLPack wrap of the slot, zero-copy)."""
+    storage = torch.utils.dlpack.from_dlpack(buf).untyped_storage()
+    out = {}
+    for e in entries:
+        dt = getattr(torch, e.dtype)
+        t = torch.empty(0, dtype=dt)
+        stride, acc = [], 1
+        for d in reversed(e.shape):
+            stride.append(acc)
+            acc *= max(d, 1)
+        t.set_(storage, e.offset // dt.itemsize, e.shape, tuple(reversed(stride)))
+        out[e.name] = t
+    return out
+
+
+class _Header:
+    """The header words of a bucket, read and written in place (local memory) or through copies (another
+    server's memory, reached through the transfer engine)."""
+
+    def __init__(self, buf: PoolBuffer) -> None:
+        self.buf = buf
+        self.remote = buf.remote
+        self.ptr = buf.ptr
+        self._word = ctypes.c_uint64()
+
+    def load(self, offset: int) -> int:
+        if not self.remote:
+            return int(ctypes.c_uint64.from_address(self.ptr + offset).value)
+        runtime().copies.memcpy(ctypes.addressof(self._word), 8, self.ptr + offset, 8, ACL_MEMCPY_DEFAULT)
+        return int(self._word.value)
+
+    def store(self, offset: int, value: int) -> None:
+        if not self.remote:
+            ctypes.c_uint64.from_address(self.ptr + offset).value = value
+            return
+        self._word.value = value
+        runtime().copies.memcpy(self.ptr + offset, 8, ctypes.addressof(self._word), 8, ACL_MEMCPY_DEFAULT)
+
+    def record(self, index: int) -> int:
+        return READERS + index * RECORD
+
+
+class Publisher:
+    """Publishes versions of a state dict (name -> CPU tensor) into one shared bucket.
+
+    The bucket is laid out from `tensors` (names, dtypes, shapes: every version has the same), each tensor at an
+    `alignment`-byte offset, with `versions` slots (2: double buffering). `pids` (host pids, `bare_pid()` in the
+    subscriber) may subscribe; `allow()` adds more (at most 165 readers). `publish()` writes a version."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], pids: Iterable[int] = (), versions: int = 2,
+                 alignment: int = DEFAULT_ALIGNMENT, device: int = 0, share_type: str = "default") -> None:
+        if isinstance(versions, bool) or not isinstance(versions, int) or not 2 <= versions <= MAX_SLOTS:
+            raise InvalidParamError(f"versions must be an int from 2 to {MAX_SLOTS}, got {versions!r}")
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (
+                alignment - 1) or alignment > SLOT_ALIGNMENT:
+            raise InvalidParamError(f"alignment must be a power of two up to {SLOT_ALIGNMENT}, got {alignment!r}")
+        listed = _pid_list(pids)
+        mask = _supported()
+        if not mask & _CMD_GLOBAL:
+            raise FeatureNotSupportedError("a bucket publisher needs membarrier(2), which this kernel or a seccomp "
+                                           "filter refuses: allow the membarrier system call")
+        self.entries, self.slot_size = _layout(tensors, alignment)
+        self._index = {e.name: e for e in self.entries}
+        total = HEADER + versions * self.slot_size
+        self.pool = MemoryPool(max_size=total, chunk_size=total, device=device, pids=listed,
+                               share_type=share_type, alignment=SLOT_ALIGNMENT)
+        try:
+            self._header_buf = self.pool.allocate(HEADER)
+            self._slots = tuple(self.pool.allocate(self.slot_size) for _ in range(versions))
+        except BaseException:
+            self.pool.close()
+            raise
+        self._views = [_views(s, self.entries) for s in self._slots]
+        self._h = _Header(self._header_buf)
+        self._h.store(0, MAGIC)
+        self._h.store(16, versions)
+        for s in range(versions):
+            self._h.store(SLOT_SEQ + 8 * s, 0)
+        self._h.store(8, 0)
+        self._readers: dict[tuple[int, int], int] = {}  # (server id, pid) -> record index
+        self._server = runtime().config.server_id
+        self._lock = threading.Lock()
+        self.version = 0
+        self._slot_versions: dict[int, int] = {}  # slot -> the version it holds
+        self._current_slot = 0
+        self._changed_at: dict[str, int] = {}  # name -> the version that last wrote it
+        self._expedited = bool(mask & _CMD_GLOBAL_EXPEDITED)
+        self._add_readers(listed)
+
+    def __repr__(self) -> str:
+        return (f"<Publisher of {len(self.entries)} tensors, {len(self._slots)} slots of {self.slot_size} bytes, "
+                f"version {self.version}>")
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of one version (every tensor, with its alignment padding)."""
+        return self.slot_size
+
+    def _add_readers(self, pids: list[int], server: int | None = None) -> None:
+        where = self._server if server is None else server
+        for pid in dict.fromkeys(pids):
+            if (where, pid) in self._readers:
+                continue
+            if len(self._readers) >= MAX_READERS:
+                raise InvalidParamError(f"a bucket has at most {MAX_READERS} subscribers")
+            index = len(self._readers)
+            rec = self._h.record(index)
+            self._h.store(rec + PINNED, 0)
+            self._h.store(rec + 8, where)
+            self._h.store(rec, pid)
+            self._readers[(where, pid)] = index
+
+    def allow(self, pids: Iterable[int], server: int | None = None) -> None:
+        """Let more processes (host pids) subscribe; with `server`, processes of that server (a FABRIC bucket read
+        across servers: they copy versions out through the transfer engine)."""
+        listed = _pid_list(pids)
+        if not listed:
+            raise InvalidParamError("allow() takes at least one pid")
+        with self._lock:
+            self.pool.allow(listed, server)
+            self._add_readers(listed, server)
+
+    def ticket(self) -> BucketTicket:
+        """What to send a subscriber (through pickle, a multiprocessing queue, ...)."""
+        return BucketTicket(self._header_buf, self._slots, self.entries)
+
+    def _fence(self) -> None:
+        """A full barrier in this thread and in every thread of the subscribers (membarrier(2))."""
+        expedited = self._expedited and all(
+            self._h.load(self._h.record(i)) >> 32 & EXPEDITED for i in self._readers.values())
+        if not _membarrier(_CMD_GLOBAL_EXPEDITED if expedited else _CMD_GLOBAL):
+            err = ctypes.get_errno()
+            raise FeatureNotSupportedError(f"membarrier(2) failed: {errno.errorcode.get(err, err)}")
+
+    def _pins(self) -> dict[tuple[int, int], int]:
+        """(server, pid) -> the version each reader has pinned (0: none)."""
+        return {key: self._h.load(self._h.record(i) + PINNED) for key, i in self._readers.items()}
+
+    def _importers(self) -> set[tuple[int, int]] | None:
+        """The (server, pid)s that hold an import of the bucket now (the broker's word: a dead reader is not there);
+        None when the broker's list is cut short, so nobody can be taken for gone. A pid of another server also
+        counts here as this server's: that errs towards waiting, never towards dropping a live reader's pin."""
+        handle = self.pool.chunks[0].shareable
+        if handle is None:
+            return None
+        node: Any = runtime().node  # the broker client: it lists the node's exports, as `vmmshare ls` does
+        for e in node.listing()["exports"]:
+            if e["handle"] != "(hidden)" and int(e["handle"], 16) == handle.value:
+                remote = e.get("remote_importers", [])
+                if e["importer_count"] != len(e["importers"]) or len(remote) >= LIST_REMOTE:
+                    return None
+                live = {(self._server, p) for p in e["importers"]}
+                for item in remote:
+                    server, _, pid = item.partition(":")
+                    live.add((int(server, 16), int(pid)))
+                return live
+        return None
+
+    def _claim(self, timeout: float) -> int:
+        """A slot to write the next version into: not the current one, and pinned by no reader. Waits up to `timeout`
+        seconds for readers to let go (a reader that died lets go: the broker no longer lists it as importing).
+
+        The publisher goes by its own books (which slot is current, which version each holds), never by the header's
+        words, which every subscriber can write: a reader that scribbles on them can only delay a publish."""
+        current = self._current_slot if self.version else -1
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            for s in range(len(self._slots)):
+                if s == current:
+                    continue
+                seq_at = SLOT_SEQ + 8 * s
+                held = self._slot_versions.get(s, 0)
+                self._h.store(seq_at, WRITING)
+                self._fence()
+                if held == 0 or held not in self._pins().values():
+                    return s
+                self._h.store(seq_at, held)  # a reader holds it: leave it as it was
+            pins = self._pins()
+            live = self._importers()
+            for key, v in pins.items():
+                if v and live is not None and key not in live:  # died (or let go of the bucket) holding a pin
+                    log.info("bucket reader %d of server %#x is gone: its pin of version %d is dropped", key[1],
+                             key[0], v)
+                    self._h.store(self._h.record(self._readers[key]) + PINNED, 0)
+            if time.monotonic() >= deadline:
+                holders = sorted(pid if server == self._server else f"{server:#x}:{pid}"
+                                 for (server, pid), v in self._pins().items() if v)
+                raise MemoryAllocationError(f"every slot of this bucket is in use: readers {holders} hold older "
+                                            "versions; they must release their snapshots (or make the bucket with "
+                                            "more versions)")
+            time.sleep(pause)  # a reader holds a snapshot: give it time to release it
+            pause = min(pause * 2, 0.05)
+
+    def publish(self, tensors: Mapping[str, torch.Tensor] | None = None, changed: Iterable[str] | None = None,
+                timeout: float = 30.0) -> int:
+        """Write the next version and flip subscribers to it; return its number (1, 2, ...).
+
+        `tensors` gives the new values (names of the bucket; a missing name keeps its value); with `changed`, only
+        those names are read from `tensors`. The slot written last held an older version, so besides the tensors
+        given, the tensors that changed since that version are brought up to date from the current slot: an update
+        costs a memcpy of the bytes that changed."""
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            raise InvalidParamError(f"timeout must be a number of seconds, got {timeout!r}")
+        given = dict(tensors or {})
+        names = list(given) if changed is None else list(changed)
+        for name in names:
+            if name not in self._index:
+                raise InvalidParamError(f"{name!r} is not in this bucket")
+            if name not in given:
+                raise InvalidParamError(f"{name!r} is named as changed but no tensor is given for it")
+            e, t = self._index[name], given[name]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != e.shape or str(t.dtype).removeprefix(
+                    "torch.") != e.dtype:
+                raise InvalidParamError(f"{name}: expected {e.dtype} {list(e.shape)}, got "
+                                        f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
+        with self._lock:
+            if self.pool.closed:
+                raise InvalidParamError("this Publisher is closed")
+            s = self._claim(float(timeout))
+            version = self.version + 1
+            try:
+                held = self._slot_versions.get(s, 0)
+                target, current = self._views[s], self._views[self._current_slot] if self.version else None
+                fresh = set(names)
+                with torch.no_grad():
+                    for name in fresh:
+                        target[name].copy_(given[name])
+                    if current is not None:  # what changed after this slot's version and is not written now
+                        for name, at in self._changed_at.items():
+                            if at > held and name not in fresh:
+                                target[name].copy_(current[name])
+            except BaseException:
+                self._h.store(SLOT_SEQ + 8 * s, 0)  # half written: no reader may take it
+                self._slot_versions[s] = 0
+                for name in self._index:
+                    self._changed_at[name] = version  # every tensor is rewritten next time
+                raise
+            for name in fresh:
+                self._changed_at[name] = version
+            self._fence()  # the data before the words that publish it
+            self._h.store(0, MAGIC)  # rewritten each time: a subscriber may have scribbled on them
+            self._h.store(16, len(self._slots))
+            self._h.store(SLOT_SEQ + 8 * s, version)
+            self._h.store(8, version << 8 | s)
+            self._slot_versions[s] = version
+            self._current_slot = s
+            self.version = version
+            return version
+
+    def close(self) -> None:
+        """Free the bucket here: its export is revoked (subscribers keep what they mapped, the last version).
+        BufferError while tensors of this process still view it (a Subscriber's snapshots here)."""
+        with self._lock:
+            self._views = []
+            try:
+                self.pool.close()
+            except BaseException:
+                self._views = [_views(s, self.entries) for s in self._slots]  # still usable, as it was
+                raise
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Snapshot:
+    """One whole version of a bucket, as tensor views (zero-copy), pinned until `release()` (or the end of a with
+    block): the publisher writes no version into it meanwhile. After release the views may change under you."""
+
+    def __init__(self, subscriber: Subscriber, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.version = version
+        self.tensors = tensors
+        self._sub: weakref.ref[Subscriber] = weakref.ref(subscriber)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def release(self) -> None:
+        sub = self._sub()
+        if sub is not None:
+            sub._unpin(self)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Subscriber:
+    """The reading side of a bucket, made from the publisher's `ticket()` in another process."""
+
+    def __init__(self, ticket: BucketTicket) -> None:
+        if not isinstance(ticket, BucketTicket):
+            raise InvalidParamError(f"Subscriber takes a Publisher's ticket(), not {type(ticket).__name__}")
+        self._h = _Header(ticket.header)
+        if self._h.load(0) != MAGIC:
+            raise InvalidParamError("this memory is not a vmmshare bucket (its header has no bucket magic)")
+        nslots = self._h.load(16)
+        if nslots != len(ticket.slots) or not 2 <= nslots <= MAX_SLOTS:
+            raise InvalidParamError(f"the bucket's header has {nslots} slots, the ticket {len(ticket.slots)}")
+        self._slots = ticket.slots
+        self.entries = _checked(ticket.entries, min(s.size for s in ticket.slots))
+        self.remote = ticket.header.remote
+        pid, server = bare_pid(), runtime().config.server_id
+        self._record = -1
+        for i in range(MAX_READERS):
+            rec = self._h.record(i)
+            if self._h.load(rec) & 0xFFFFFFFF == pid and self._h.load(rec + 8) == server:
+                self._record = self._h.record(i)
+                break
+        if self._record < 0:
+            raise NoPermissionError(f"this process (host pid {pid}) is not a subscriber of the bucket: the publisher "
+                                    f"must pass it in pids= or call allow([{pid}])")
+        flags = EXPEDITED if not self.remote and _membarrier(_CMD_REGISTER_GLOBAL_EXPEDITED) else 0
+        self._h.store(self._record, pid | flags << 32)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._pinned: Snapshot | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        """The latest version published (0: none yet)."""
+        return self._h.load(8) >> 8
+
+    def _pin(self) -> tuple[int, int]:
+        """Pin the current version in this reader's record: (version, slot)."""
+        for _ in range(1000):
+            cur = self._h.load(8)
+            if cur == 0:
+                raise InvalidParamError("nothing is published in this bucket yet")
+            version, slot = cur >> 8, cur & 0xFF
+            if slot >= len(self._slots):
+                raise InvalidParamError(f"the bucket's header names slot {slot} of {len(self._slots)}")
+            self._h.store(self._record + PINNED, version)
+            if self._h.load(SLOT_SEQ + 8 * slot) == version:
+                return version, slot
+        raise MemoryAllocationError("the bucket's publisher overwrote every version this reader tried to take")
+
+    def latest(self) -> Snapshot:
+        """The latest whole version as a dict of tensor views, pinned until released (one snapshot at a time per
+        subscriber: taking a new one releases the one before)."""
+        if self.remote:
+            raise FeatureNotSupportedError("this bucket is another server's memory, which the CPU cannot view: use "
+                                           "copy_latest() to copy it into local tensors through the transfer engine")
+        with self._lock:
+            version, slot = self._pin()
+            views = self._views.get(slot)
+            if views is None:
+                views = self._views[slot] = _views(self._slots[slot], self.entries)
+            self._pinned = Snapshot(self, version, dict(views))  # the caller's own dict over the cached views
+            return self._pinned
+
+    def copy_latest(self, into: dict[str, torch.Tensor] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """Copy the latest whole version into local tensors (`into`, or new ones): (version, tensors). Works on
+        memory of another server too, through the transfer engine (FABRIC buckets)."""
+        out = dict(into or {})
+        for e in self.entries:
+            t = out.get(e.name)
+            if t is None:
+                out[e.name] = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+            elif (not isinstance(t, torch.Tensor) or tuple(t.shape) != e.shape or not t.is_contiguous()
+                  or str(t.dtype).removeprefix("torch.") != e.dtype or t.device.type != "cpu"):
+                raise InvalidParamError(f"{e.name}: into[] must be a contiguous CPU {e.dtype} tensor of shape "
+                                        f"{list(e.shape)}")
+        with self._lock:
+            version, slot = self._pin()
+            try:
+                base = self._slots[slot].ptr
+                copies = runtime().copies
+                for e in self.entries:
+                    if e.nbytes:
+                        dst = out[e.name].data_ptr()
+                        copies.memcpy(dst, e.nbytes, base + e.offset, e.nbytes, ACL_MEMCPY_DEFAULT)
+            finally:
+                self._h.store(self._record + PINNED, 0)
+                self._pinned = None
+        return version, out
+
+    def _unpin(self, snap: Snapshot) -> None:
+        with self._lock:
+            if self._pinned is snap:
+                self._h.store(self._record + PINNED, 0)
+                self._pinned = None
+
+    def close(self) -> None:
+        """Release any snapshot and let go of the bucket (its memory goes when no tensor views it)."""
+        with self._lock:
+            if self._pinned is not None:
+                self._h.store(self._record + PINNED, 0)
+                self._pinned = None
+            self._views.clear()
+
+
+def _checked(entries: object, slot_size: int) -> tuple[BucketEntry, ...]:
+    """A ticket's layout, refused (107000) unless every entry is a tensor that lies inside a slot."""
+    if not isinstance(entries, tuple) or not all(isinstance(e, BucketEntry) for e in entries):
+        raise InvalidParamError("the ticket's layout is not a tuple of BucketEntry")
+    for e in entries:
+        dt = getattr(torch, e.dtype, None) if isinstance(e.dtype, str) else None
+        ok = (isinstance(dt, torch.dtype) and isinstance(e.shape, tuple)
+              and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in e.shape)
+              and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
+        if not ok or dt is None or e.nbytes != math.prod(e.shape) * dt.itemsize or e.offset % dt.itemsize or (
+                e.offset + e.nbytes > slot_size):
+            raise InvalidParamError(f"the ticket's entry {e.name!r} does not describe a tensor inside the bucket's "
+                                    f"{slot_size}-byte slots")
+    return entries

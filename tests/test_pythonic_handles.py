@@ -24,7 +24,7 @@ def resized(raw: bytes, size: int) -> bytes:
 
 
 @pytest.mark.parametrize("factor", [2, 0.5, 0])
-def test_rule16_a_fabric_handle_with_an_altered_size_is_refused_locally(factor: float) -> None:
+def test_rule_16_a_fabric_handle_with_an_altered_size_is_refused_locally(factor: float) -> None:
     """Another process imports the altered handle (Pythonic and pyACL): 107017 naming the mismatch, no fd, hold
     or table entry left; the true handle still imports afterwards."""
     mem = vmmshare.Device(0).allocate(4 * MiB)
@@ -50,7 +50,7 @@ with vmmshare.import_handle(good) as mem:
     mem.close()
 
 
-def test_rule16_a_fabric_handle_with_an_altered_size_is_refused_across_servers(request: pytest.FixtureRequest) -> None:
+def test_rule_16_a_fabric_handle_with_an_altered_size_is_refused_across_servers(request: pytest.FixtureRequest) -> None:
     """The importer's broker asks the exporter's for the memory (SPEC §8) and refuses an answer whose size is not
     the handle's with 107017 (it does not match what was exported), giving the remote hold back."""
     from fabric_cluster import cluster_problem, eventually

@@ -16,8 +16,9 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("vmmshare.torch needs torch: pip install 'vmmshare[torch]'") from exc
 
-from ._buckets import BucketEntry, BucketTicket, Publisher, Snapshot, Subscriber
+from ._buckets import BucketEntry, BucketTicket, Publisher
 from ._mp import install, installed, trust, uninstall
+from ._subscriber import Snapshot, Subscriber
 from ._tensors import bare_pid, empty, empty_like, is_shared, rebuild_tensor, reduce_tensor, share_, zeros
 
 __all__ = [

@@ -30,13 +30,12 @@ from pathlib import Path
 
 import pytest
 
-STRESS = Path(__file__).resolve().parents[1] / "stress"
+STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"
 sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import flood  # noqa: E402
 import identity as ident  # noqa: E402
-
 import rawsock  # noqa: E402
 from conftest import require  # noqa: E402
 from procs import Actor, BrokerProc  # noqa: E402

@@ -1,6 +1,6 @@
 """A second process driven over stdin/stdout: each line is a JSON call into ``vmmshare.acl``, answered by JSON.
 
-Run as ``python tests/actor.py``; the test side is `tests/procs.py`.
+Run as ``python actor.py``; the test side is `procs.py`.
 """
 
 from __future__ import annotations

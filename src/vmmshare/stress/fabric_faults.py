@@ -1,9 +1,9 @@
 """Faults across servers (`stress/faults.py --fabric`): SIGKILL of the exporter, the importer, or either broker at
 random points while the importer reads and writes the exporter's memory through the cross-server transport.
 
-    .venv/bin/python stress/faults.py --fabric --trials 40 --seed 1 --json fabric-faults.json
+    vmmshare stress faults --fabric --trials 40 --seed 1 --json fabric-faults.json
 
-One test cluster of two servers (network namespaces, tests/fabric_cluster.py) for the run; each trial starts a
+One test cluster of two servers (network namespaces, fabric_cluster.py) for the run; each trial starts a
 fresh exporter on server 1 (2-3 allocations with a seeded pattern, exported as FABRIC handles trusting the importer)
 and a fresh importer on server 2, which imports and maps them all and then loops: read a whole mapping back and
 check it against the pattern, write a pattern of its own into a second page and read it back. A timer kills the
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fabric_cluster import TestCluster, cluster_problem, eventually
 from procs import Actor, ActorDied

@@ -1,8 +1,8 @@
 """Faults: SIGKILL of the exporter, of an importer and of the broker at random points of export / import / map.
 
-    .venv/bin/python stress/faults.py --trials 200 --seconds 900 --seed 1 --json faults.json
+    vmmshare stress faults --trials 200 --seconds 900 --seed 1 --json faults.json
 
-Three kinds of trial, each against a broker of its own (`tests/procs.BrokerProc`):
+Three kinds of trial, each against a broker of its own (`procs.BrokerProc`):
 
 exporter  A fresh exporter loops allocate -> reserve -> map -> write a pattern -> export -> trustlist -> publish
           (keeping its last few exports live, freeing older ones); a long-lived importer imports every published
@@ -786,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fraction of broker trials that kill the restarted broker again while clients reconnect")
     ap.add_argument("--json", help="write the result here ('-': stdout)")
     ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
-                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                    help="device memory: host memfds (default), a real GPU, or fakecuda/ (the CPU stand-in for "
                          "the CUDA driver, built with $CC)")
     ap.add_argument("--role", choices=["exporter", "importer"], help=argparse.SUPPRESS)
     ap.add_argument("--progress", type=Path, help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """Flood: clients that keep the broker busy with the costliest requests, and a client that only wants its imports.
 
-    .venv/bin/python stress/flood.py --flooders 64 --seconds 20 --seed 1 --json flood.json
+    vmmshare stress flood --flooders 64 --seconds 20 --seed 1 --json flood.json
 
 One process holds `--flooders` connections; on each it exported one allocation and then sends, again and again,
 a SET_PIDS of 4,096 distinct pids (the live processes of the machine first, then pids nobody has): every one is
@@ -34,7 +34,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
-
 import rawsock
 from vmmshare import protocol as P
 

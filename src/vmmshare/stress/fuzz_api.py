@@ -19,7 +19,7 @@ Invariants (any violation fails the run):
   streams), ``/proc/self/fd``, ``/proc/self/maps`` and ``runtime().counts()`` are back at their baseline;
   and the broker holds nothing and has its fd count back once the child has gone.
 
-    .venv/bin/python stress/fuzz_api.py --calls 100000 --json out.json
+    vmmshare stress fuzz_api --calls 100000 --json out.json
 
 Exit status 0 when every invariant held. Loops are bounded by count and by ``--seconds``.
 """
@@ -1191,7 +1191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--trace", type=Path, default=None, help="write each call before it runs (to find a crash)")
     ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
-                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                    help="device memory: host memfds (default), a real GPU, or fakecuda/ (the CPU stand-in for "
                          "the CUDA driver, built with $CC)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)

@@ -13,7 +13,7 @@
     alive, serve a real allocate/export/import round trip between two processes, hold no fd it was handed, have
     its fd count back at baseline and its RSS within 5 MiB of baseline.
 
-    .venv/bin/python stress/fuzz_protocol.py --frames 100000 --live --json out.json
+    vmmshare stress fuzz_protocol --frames 100000 --live --json out.json
 
 Exit status 0 when every invariant held, 1 otherwise. Loops are bounded by count and by ``--seconds``.
 """
@@ -45,9 +45,9 @@ from typing import Any
 from vmmshare import protocol as P
 from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_BODY, MAX_FRAME, VERSION, Frame, Msg, ProtocolError, Tail
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
 import rawsock  # noqa: E402  (the test side's own packet code)
 
@@ -433,7 +433,7 @@ def fuzz_atheris(runs: int, seed: int, seconds: float) -> dict[str, Any]:
 
 
 class Broker:
-    """A broker on its own socket for this run (the tests/procs.py BrokerProc pattern, with its log to a file)."""
+    """A broker on its own socket for this run (the procs.py BrokerProc pattern, with its log to a file)."""
 
     def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
         self.folder = folder

@@ -1,6 +1,6 @@
 """Identity: who may import is decided by the kernel's idea of the peer, never by what a client claims.
 
-    .venv/bin/python stress/identity.py --reuse 200 --containers 50 --guesses 1000000 --seed 1 --json identity.json
+    vmmshare stress identity --reuse 200 --containers 50 --guesses 1000000 --seed 1 --json identity.json
 
 (a) pid reuse. This process exports a handle (pid validation on) and, per trial, forks a process A, trustlists A's
     pid, kills A, sets /proc/sys/kernel/ns_last_pid to A-1 and forks B, which then has A's pid, and has B import.
@@ -46,7 +46,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
-
 from vmmshare import protocol as P
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
@@ -298,7 +297,7 @@ def other_user() -> tuple[list[str] | None, str]:
 
 
 def nobody_env(prefix: list[str], env: dict[str, str]) -> tuple[dict[str, str] | None, str]:
-    """`env` plus what a process running as nobody needs to import vmmshare and run tests/actor.py, or the reason
+    """`env` plus what a process running as nobody needs to import vmmshare and run actor.py, or the reason
     it cannot: tried as is, with PYTHONPATH=src, and with a world-readable copy of src."""
     probe = "import vmmshare.acl, sys; open(sys.argv[1]).close()"
     tries: list[dict[str, str]] = [{}, {"PYTHONPATH": str(c.SRC)}]
@@ -323,7 +322,7 @@ def nobody_env(prefix: list[str], env: dict[str, str]) -> tuple[dict[str, str] |
         if out.returncode == 0:
             return full, ""
         last = out.stderr.strip()[-300:]
-    return None, f"a process running as nobody cannot import vmmshare or read tests/actor.py: {last}"
+    return None, f"a process running as nobody cannot import vmmshare or read actor.py: {last}"
 
 
 def world_dir(prefix: str) -> Path:

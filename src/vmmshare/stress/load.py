@@ -1,6 +1,6 @@
 """Load: many client processes, paired, each running export / import / map / free cycles against one broker.
 
-    .venv/bin/python stress/load.py --clients 64 --cycles 1000 --seconds 900 --seed 1 --json load.json
+    vmmshare stress load --clients 64 --cycles 1000 --seconds 900 --seed 1 --json load.json
 
 Clients are separate processes (this script with `--role worker`) that talk to the broker through
 `vmmshare.acl` only. They come in pairs joined by two pipes; in every cycle each side of a pair
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refuse", type=float, default=0.25, help="fraction of cycles whose import must be refused")
     ap.add_argument("--json", help="write the result here ('-': stdout)")
     ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
-                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                    help="device memory: host memfds (default), a real GPU, or fakecuda/ (the CPU stand-in for "
                          "the CUDA driver, built with $CC)")
     ap.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, help=argparse.SUPPRESS)

@@ -115,11 +115,14 @@ def _broker(args: argparse.Namespace) -> int:
 
     prog = "vmmshare broker"
     path, source = (args.socket, "--socket") if args.socket is not None else (config.socket_path(), "VMMSHARE_SOCKET")
-    problem = _folder_problem(path)
-    if problem:
+    import os
+
+    if os.environ.get("LISTEN_PID") == str(os.getpid()):  # systemd passed the socket: the broker checks it
+        pass
+    elif problem := _folder_problem(path):
         say_error(prog, f"{source} {str(path)!r}: {problem}")
         return USAGE
-    if _answers(path):
+    elif _answers(path):
         say_error(prog, f"a broker already serves {path}: stop it first, or choose another path with --socket")
         return IN_USE
     forward = ["--socket", str(path), "--log-level", args.log_level or config.log_level()]

@@ -44,11 +44,14 @@ from .console import (
     count_option,
     counts_option,
     environment_ok,
+    memory_problem,
     plain,
+    quiet_child,
     run_main,
     say_error,
     seconds_option,
     sizes_option,
+    start_child,
 )
 
 # ---------------------------------------------------------------- report
@@ -177,6 +180,15 @@ def plot(res: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+PEAK_COPIES = 3  # the most copies of one size a run holds at once (Pipe: sender and receiver, plus a shared one)
+
+
+def default_sizes(quick: bool) -> list[int]:
+    """The sizes shared when --sizes is not given."""
+    return [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB] if quick else [
+        4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
+
+
 def run(
     quick: bool, with_torch: bool | None = None, sizes: list[int] | None = None, reps_override: int | None = None,
     clients: list[int] | None = None, seconds: float | None = None, step: Step = quiet,
@@ -199,20 +211,19 @@ def run(
         return 50 if size <= 16 * MiB else (15 if size <= 256 * MiB else 7)
 
     if sizes is None:
-        sizes = [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB] if quick else [
-            4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
+        sizes = default_sizes(quick)
     clients = clients or [1, 4, 16]
     seconds = seconds or (1.0 if quick else 3.0)
     bw_size = min(max(sizes), 64 * MiB if quick else 256 * MiB)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     step("starting the peer process")
-    peer = ctx.Process(target=peer_main, args=(b,))
-    peer.start()
+    peer = ctx.Process(target=quiet_child, args=(peer_main, b))
+    start_child(peer)
     b.close()  # the peer's end lives in the peer: if it dies, recv() here sees the pipe close instead of waiting
-    peer_pid = a.recv()
     res: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
-    try:
+    try:  # from its first answer on: a Ctrl-C while the peer still starts is told to it as "stop" too
+        peer_pid = a.recv()
         res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch, step)
         res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5, step)
     finally:
@@ -279,6 +290,12 @@ def _main(argv: list[str]) -> int:
     if not environment_ok("vmmshare bench"):
         return USAGE
     check_outputs(ap, json=args.json, plot=args.plot)
+    largest = max(args.sizes or default_sizes(args.quick))
+    problem = memory_problem(PEAK_COPIES * largest, f"sharing {fmt_size(largest)} ({PEAK_COPIES} copies at once: "
+                             "the sender's, a Pipe's receiver's, and the shared one)")
+    if problem:
+        say_error("vmmshare bench", problem)
+        return USAGE
     try:
         import numpy  # noqa: F401  (the measuring processes use it)
     except ImportError:
@@ -314,4 +331,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(lambda: main()))

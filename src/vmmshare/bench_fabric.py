@@ -294,4 +294,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from .console import run_main
+
+    sys.exit(run_main(lambda: main(sys.argv[1:])))

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .console import quiet_child, start_child
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096
 Step = Callable[[str], None]  # told what the run measures now (a progress line on a terminal)
@@ -141,7 +143,8 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
     for size, touch, n in plan:
         steps = all_steps[size]
         for i in range(n + 1):
-            step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, round {i + 1} of {n + 1}")
+            which = "warm-up round" if i == 0 else f"round {i} of {n}"  # round 0 warms up and is not kept
+            step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, {which}")
             t0 = now_ns()
             mem = dev.allocate(size)
             t1 = now_ns()
@@ -216,8 +219,8 @@ def torch_share(sizes: list[int], reps: Callable[[int], int]) -> dict[str, dict[
 
     ctx = tmp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_torch_child, args=(q, back))
-    p.start()
+    p = ctx.Process(target=quiet_child, args=(_torch_child, q, back))
+    start_child(p)
     out = {}
     for size in sizes:
         times = []

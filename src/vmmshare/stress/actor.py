@@ -89,4 +89,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the run that drives this actor reports it
+        sys.exit(130)

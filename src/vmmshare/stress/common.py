@@ -35,6 +35,7 @@ import fakecuda  # noqa: E402
 import rawsock  # noqa: E402
 from procs import PROP, Actor, BrokerProc, MiB2, host_children  # noqa: E402
 from vmmshare import protocol as P  # noqa: E402
+from vmmshare.console import interrupt_ignored_by_children  # noqa: E402
 
 __all__ = ["PROP", "Actor", "BrokerProc", "MiB2", "host_children"]
 
@@ -300,8 +301,9 @@ class Worker:
 
     def __init__(self, argv: list[str], env: dict[str, str], name: str = "", pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name or argv[-1]
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                     pass_fds=pass_fds, close_fds=True)
+        with interrupt_ignored_by_children():  # until its `entry` runs: Ctrl-C is the run's to report
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                         pass_fds=pass_fds, close_fds=True)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         self.fd = self.proc.stdout.fileno()
         self.pid = self.proc.pid

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import random
 import signal
 import sys
@@ -34,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fabric_cluster import TestCluster, cluster_problem, eventually
 from procs import Actor, ActorDied
+from stressio import count_option, emit, entry, prog, seconds_option, whole
+from vmmshare.console import check_outputs
 
 VICTIMS = ("exporter", "importer", "exporting broker", "importing broker")
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
@@ -169,25 +170,21 @@ def run(trials: int, seed: int, seconds: float | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="stress/faults.py --fabric", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--seconds", type=float, default=None)
-    ap.add_argument("--json", help="write the result here ('-': stdout)")
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--trials", type=count_option, default=40, help="trials (default 40)")
+    ap.add_argument("--seed", type=whole, default=None, help="random seed (default: random, and recorded)")
+    ap.add_argument("--seconds", type=seconds_option, default=None, help="cap on the run's time")
+    ap.add_argument("--json", help="write the result here ('-': stdout, instead of the summary)")
     args = ap.parse_args(argv)
+    check_outputs(ap, json=None if args.json == "-" else args.json)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     result = run(args.trials, seed, args.seconds)
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text)
-    print(f"fabric faults: {result['trials']} trials, {result['reads']} reads checked "
-          f"({result['failed_reads']} failed cleanly), {len(result['violations'])} violations, seed {seed}")
-    for v in result["violations"][:20]:
-        print("  " + v)
+    lines = [f"fabric faults: {result['trials']} trials, {result['reads']} reads checked "
+             f"({result['failed_reads']} failed cleanly), {len(result['violations'])} violations, seed {seed}"]
+    lines += ["  " + v for v in result["violations"][:20]]
+    emit(lines, result, args.json)
     return 1 if result["violations"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry(lambda: main(sys.argv[1:]))

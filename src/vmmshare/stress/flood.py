@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
 import rawsock
+from stressio import count_option, emit, entry, prog, readable, seconds_option, whole
 from vmmshare import protocol as P
+from vmmshare.console import check_outputs
 
 DEFAULT = 1
 NO_PID_CHECK = 1
@@ -218,29 +220,30 @@ def run(flooders: int, seconds: float, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["flooder", "victim"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--handle", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--flooders", type=int, default=64, help="flooding connections (default 64)")
-    parser.add_argument("--seconds", type=float, default=20.0, help="seconds of each victim phase (default 20)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", help="write the result here ('-': stdout)")
+    parser.add_argument("--flooders", type=count_option, default=64, help="flooding connections (default 64)")
+    parser.add_argument("--seconds", type=seconds_option, default=20.0,
+                        help="seconds of each victim phase (default 20)")
+    parser.add_argument("--seed", type=whole, default=1)
+    parser.add_argument("--json", help="write the result here ('-': stdout, instead of the summary)")
     args = parser.parse_args(argv)
+    check_outputs(parser, json=None if args.json == "-" else args.json)
     if args.role == "flooder":
         return role_flooder(args.path, args.count, args.seconds, args.seed)
     if args.role == "victim":
         return role_victim(args.path, args.handle, args.seconds)
     result = run(args.flooders, args.seconds, args.seed)
-    c.write_json(args.json, result)
-    for phase in ("alone", "flooded"):
-        print(f"{phase:8s} import latency: {result.get(phase, {}).get('latency')}")
-    print(f"flood: {result.get('flood')}; broker RSS kB: {result.get('rss_kb')}")
-    for line in result["violations"]:
-        print("VIOLATION:", line)
+    lines = [f"{phase:8s} import latency (µs): {readable(result.get(phase, {}).get('latency'))}"
+             for phase in ("alone", "flooded")]
+    lines += [f"flood: {readable(result.get('flood'))}; broker RSS kB: {readable(result.get('rss_kb'))}"]
+    lines += [f"VIOLATION: {readable(line)}" for line in result["violations"]]
+    emit(lines, result, args.json)
     return 1 if result["violations"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

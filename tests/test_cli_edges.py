@@ -14,6 +14,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,29 @@ def test_demo_prints_microseconds_as_every_command_does(tmp_path: Path) -> None:
     out = vmmshare(env_for(tmp_path), "demo", "--size", "2M")
     assert out.returncode == 0, out.stdout + out.stderr
     assert " µs)" in out.stdout and " us)" not in out.stdout
+
+
+# ---------------------------------------------------------------- what the docs claim
+
+
+@pytest.mark.parametrize(("fabric", "addr", "family"), [("off", "", 0), ("tcp", "10.0.0.7", 4), ("tcp", "fd00::7", 6)])
+def test_fabric_handles_carry_the_family_handles_md_says(fabric: str, addr: str, family: int) -> None:
+    """docs/handles.md: family 0 (the whole endpoint zero) without the fabric; with it, 4 or 6 as
+    VMMSHARE_FABRIC_ADDR is, that address and VMMSHARE_FABRIC_PORT, in the bytes a FABRIC export writes."""
+    code = (
+        "from vmmshare.config import Config\nfrom vmmshare.fabric.agent import endpoint_of\n"
+        "print(endpoint_of(Config.from_env()).pack().hex())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    env.update(VMMSHARE_FABRIC=fabric, VMMSHARE_FABRIC_PORT="17099", **({"VMMSHARE_FABRIC_ADDR": addr} if addr else {}))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr
+    raw = bytes.fromhex(out.stdout.strip())
+    assert len(raw) == 32 and raw[0] == family and raw[1] == 0
+    if family == 0:
+        assert raw == bytes(32)
+    else:
+        import ipaddress
+
+        assert int.from_bytes(raw[2:4], "little") == 17099  # uint16, little-endian as every field
+        packed = ipaddress.ip_address(addr).packed
+        assert raw[4 : 4 + len(packed)] == packed and raw[20:] == bytes(12)

@@ -216,6 +216,8 @@ def _main(argv: list[str]) -> int:
     if argv[:1] == ["stress"]:
         return _stress(argv[1:])
     if argv[:1] == ["cluster"]:  # its own options and help
+        if not asks_help and not environment_ok("vmmshare cluster"):  # its servers run with this environment
+            return USAGE
         from .fabric.cluster import main as cluster_main
 
         return cluster_main(argv[1:])

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,3 +221,58 @@ def test_fabric_handles_carry_the_family_handles_md_says(fabric: str, addr: str,
         assert int.from_bytes(raw[2:4], "little") == 17099  # uint16, little-endian as every field
         packed = ipaddress.ip_address(addr).packed
         assert raw[4 : 4 + len(packed)] == packed and raw[20:] == bytes(12)
+
+
+# ---------------------------------------------------------------- the benchmark at a glance
+
+
+def _tiny_bench() -> dict[str, Any]:
+    from vmmshare import bench
+
+    return bench.run(True, False, [4096, 2 << 20], 2, [1, 2], 0.1)
+
+
+def test_bench_report_is_narrow_tables_with_their_spread_and_the_machine() -> None:
+    """One narrow table per question (no line past 100 columns, no snake_case column names), each latency a
+    median with its p10–p90 spread, the machine, date and commit on the first line, targets in words."""
+    import io
+
+    from vmmshare import bench
+
+    res = _tiny_bench()
+    res["targets"] = bench.targets(res)
+    buf = io.StringIO()
+    bench.print_report(res, buf)
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert res["machine"]["commit"] in lines[0] and res["machine"]["when"] in lines[0]
+    assert "What does handing memory to another process cost? µs, median (p10–p90)" in text
+    assert "vmmshare" in text and "SharedMemory" in text and "Pipe" in text
+    assert re.search(r"\d \(\d[\d,.]*–\d[\d,.]*\)", text), text  # a median with its spread
+    assert not re.search(r"\b[a-z]+_[a-z_]+\b", text.split("targets:")[0]), text  # column names in words
+    assert "share 2 MiB, vs SharedMemory create+attach" in text
+
+
+def test_bench_figure_draws_the_spread_log_axes_and_its_label() -> None:
+    """The figure: p10–p90 bars on every latency curve, a SharedMemory curve beside vmmshare's first-touch one,
+    log x axes, the throughput panel from zero with its target, the machine, date and commit in the title."""
+    pytest.importorskip("matplotlib")
+    from vmmshare import bench
+
+    res = _tiny_bench()
+    fig = bench.figure(res)
+    try:
+        share, touch, throughput = fig.axes
+        for ax in (share, touch):
+            assert ax.get_xscale() == "log" and ax.containers, ax.get_title()  # errorbar containers: the spread
+        labels = [t.get_text() for t in touch.get_legend().get_texts()]
+        assert any("SharedMemory" in s for s in labels) and any("vmmshare" in s for s in labels), labels
+        assert throughput.get_xscale() == "log" and throughput.get_ylim()[0] == 0
+        assert any(line.get_ydata()[0] == 20000 for line in throughput.get_lines()), "the target line"
+        title = fig._suptitle.get_text()
+        assert res["machine"]["commit"] in title and res["machine"]["when"] in title, title
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

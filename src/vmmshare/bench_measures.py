@@ -136,7 +136,8 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
     rows: dict[str, Any] = {}
     all_steps: dict[int, dict[str, list[float]]] = {size: {k: [] for k in (
         "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
-        "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "pipe")} for size in sizes}
+        "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "shm_share_with_touch",
+        "pipe")} for size in sizes}
     # every size's latency rounds first, then the rounds that touch every page: touching 1 GiB evicts every
     # cache and leaves the kernel freeing pages, which would slow whatever round came next
     plan = [(size, False, reps(size)) for size in sizes] + [(size, True, min(reps(size), 3)) for size in sizes]
@@ -170,6 +171,7 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
                 steps["first_touch"].append(got["touch"])
                 steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
                 steps["shm_touch"].append(sgot["touch"])
+                steps["shm_share_with_touch"].append(us_between(t0s, t1s) + sgot["attach"] + sgot["touch"])
                 continue
             steps["allocate"].append(us_between(t0, t1))
             steps["map"].append(us_between(t1, t2))

@@ -276,3 +276,30 @@ def test_bench_figure_draws_the_spread_log_axes_and_its_label() -> None:
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+# ---------------------------------------------------------------- stress fabric_faults: the fd check
+
+
+def test_fabric_faults_fd_check_counts_the_engine_apart_and_the_rest_exactly(tmp_path: Path) -> None:
+    """Its "18 fds after the run, 9 before" was the transfer engine starting on the first cross-server export,
+    after the baseline: the check now holds vmmshare's own fds (memfds, pidfds, Unix sockets) to the baseline
+    exactly and lets the rest grow by the engine's fixed set only. The same run reports no violation."""
+    from conftest import require
+    from fabric_cluster import cluster_problem
+
+    require(not cluster_problem(), cluster_problem() or "no test cluster here")
+    out = vmmshare(env_for(tmp_path), "stress", "fabric_faults", "--trials", "2", "--seed", "1", "--json", "-")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["violations"] == [], result["violations"]
+    base, after = result["broker_fds"]["baseline"], result["broker_fds"]["after"]
+    assert {k: after[k] for k in ("memfd", "pidfd", "unix")} == {k: base[k] for k in ("memfd", "pidfd", "unix")}
+    import fabric_faults
+
+    assert base["other"] <= after["other"] <= base["other"] + fabric_faults.ENGINE_FDS
+    leaked = {**after, "memfd": after["memfd"] + 1}  # what a leaked mapping's fd would look like
+    assert fabric_faults.fd_violations(base, leaked) == [
+        f"server 1's broker holds {leaked['memfd']} memfd fds after the run, {base['memfd']} before"]
+    grown = {**after, "other": base["other"] + fabric_faults.ENGINE_FDS + 1}
+    assert len(fabric_faults.fd_violations(base, grown)) == 1

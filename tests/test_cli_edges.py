@@ -303,3 +303,14 @@ def test_fabric_faults_fd_check_counts_the_engine_apart_and_the_rest_exactly(tmp
         f"server 1's broker holds {leaked['memfd']} memfd fds after the run, {base['memfd']} before"]
     grown = {**after, "other": base["other"] + fabric_faults.ENGINE_FDS + 1}
     assert len(fabric_faults.fd_violations(base, grown)) == 1
+
+
+def test_a_shareable_handle_prints_the_same_everywhere(tmp_path: Path) -> None:
+    """0x and 16 hex digits, as `ls` shows it: in the broker's refusals too (a handle with leading zero digits
+    is where `:#x` and `ls` used to differ)."""
+    code = ("import vmmshare.acl as acl\nacl.rt.set_device(0)\n"
+            "print(acl.rt.mem_import_from_shareable_handle_v2(0xab, 1, 0)[1], acl.get_recent_err_msg())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env_for(tmp_path, VMMSHARE_BROKER_IDLE="1"),
+                         capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("107017 ") and "shareable handle 0x00000000000000ab is unknown" in out.stdout

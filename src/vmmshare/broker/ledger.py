@@ -302,12 +302,13 @@ class Ledger:
         if share is None:
             raise LedgerError(
                 C.ACL_ERROR_RT_INVALID_HANDLE,
-                f"shareable handle {handle:#x} is unknown on this node, or revoked (its exporter freed it or exited)",
+                f"shareable handle {handle:#018x} is unknown on this node, or revoked (its exporter freed it or "
+                "exited)",
             )
         if share.share_type != share_type:
             raise LedgerError(
                 C.ACL_ERROR_RT_PARAM_INVALID,
-                f"shareable handle {handle:#x} was exported with share type {share.share_type}, not {share_type}",
+                f"shareable handle {handle:#018x} was exported with share type {share.share_type}, not {share_type}",
             )
         return share
 
@@ -316,7 +317,7 @@ class Ledger:
         if share.exporter is not client:
             raise LedgerError(
                 C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
+                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
             )
         before = len(share.trust)
         share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found,
@@ -334,7 +335,7 @@ class Ledger:
         if share.exporter is not client:
             raise LedgerError(
                 C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
+                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
             )
         if not trustlists.valid_pids(m.pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
@@ -357,7 +358,8 @@ class Ledger:
         hold on the export's memory, and the export."""
         share = self._shared(shareable, share_type)
         if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, f"FABRIC handle {shareable:#x} does not carry its secret")
+            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE,
+                              f"FABRIC handle {shareable:#018x} does not carry its secret")
         if client.server is None and client.pid == share.exporter.pid:
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the exporting process cannot import its own handle")
         if not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:

@@ -159,7 +159,7 @@ def run_tests(files: list[str], timeout: float) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="vmmshare stress mutate_ledger", description=__doc__.split("\n\n")[0])
     parser.add_argument("--each-file", action="store_true", help="run each test file on its own for every mutant")
     parser.add_argument("--only", nargs="*", default=None, help="mutant names to run (default: all)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for one pytest run")

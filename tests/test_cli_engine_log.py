@@ -60,3 +60,18 @@ def test_a_user_who_sets_mc_log_level_sees_the_engine_lines() -> None:
     assert out.returncode == 0, out.stderr
     assert "Local segment descriptor not found" in out.stderr, out.stderr
     assert "vmmshare's own line" in out.stderr
+
+
+def test_bench_fabric_shows_only_its_report() -> None:
+    """`vmmshare bench --fabric` loads the engine as the broker does: its stderr is empty (no engine line), and a
+    throughput size below the 2 MiB granule (1M) is carried by a 2 MiB allocation instead of failing the export."""
+    from clirun import VMMSHARE
+    from fabric_cluster import cluster_problem
+
+    require(not cluster_problem(), cluster_problem() or "no test cluster here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VMMSHARE_", "MC_", "GLOG_"))}
+    out = subprocess.run([*VMMSHARE, "bench", "--fabric", "--latency-reps", "20", "--sizes", "1M", "--reps", "2"],
+                         env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr == "", out.stderr
+    assert "read 1 MiB" in out.stdout and "4 KiB read latency" in out.stdout

@@ -183,7 +183,18 @@ def _silence_stdout() -> None:
 
 
 def run_main(body: Callable[[], int]) -> int:
-    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130; never a traceback for either."""
+    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130; never a traceback for either,
+    even when the interrupt surfaces as another error (an import it cut short raises ImportError)."""
+    seen: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    ours = threading.current_thread() is threading.main_thread() and previous is signal.default_int_handler
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    if ours:
+        signal.signal(signal.SIGINT, on_interrupt)
     try:
         code = body()
         sys.stdout.flush()  # a pipe closed after the last write fails here, not at interpreter exit
@@ -191,10 +202,15 @@ def run_main(body: Callable[[], int]) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return PIPE_CLOSED
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not seen and not isinstance(exc, KeyboardInterrupt):
+            raise
         with contextlib.suppress(OSError):
             print(file=sys.stderr)
         return INTERRUPTED
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
 
 
 def quiet_child(target: Callable[..., object], *args: object) -> None:

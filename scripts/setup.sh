@@ -28,6 +28,15 @@ if [ -n "$missing" ]; then
          "(install them with: sudo apt-get install libibverbs1 libnuma1 libcurl4); cross-server tests will not run"
   fi
 fi
+# systemd-analyze checks the shipped units (tests/test_cli_service.py); no systemd needs to run for it.
+if ! command -v systemd-analyze >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing systemd (for systemd-analyze verify of packaging/systemd/)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
+  else
+    echo "systemd-analyze is missing (sudo apt-get install systemd): the unit files' check will not run"
+  fi
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,fabric]'
 # CPU torch for the DLPack interop test, only from a local wheel (never a multi-GB download); else that test skips.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then

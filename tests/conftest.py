@@ -22,6 +22,12 @@ from typing import Any, NoReturn
 
 import pytest
 
+# The harness the tests share with the stress runs (procs, actor, rawsock, fabric_cluster, fakecuda) ships in the
+# package, in vmmshare/stress/; its modules import one another by bare name, so that folder goes on sys.path.
+STRESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "vmmshare", "stress")
+if STRESS not in sys.path:
+    sys.path.insert(0, STRESS)
+
 # A private broker for this test session (SPEC §5 starts one on first use): the capacity numbers and tables the
 # tests check must not be shared with other processes on the machine. Set before the runtime is first created.
 # The folder is made by whoever first needs it (the broker client makes it 0700) and removed at exit.
@@ -371,7 +377,6 @@ def fabric() -> Any:
 @pytest.fixture(scope="module")
 def as_nobody() -> list[str]:
     """The command prefix that runs a process as another user (`nobody`), or a skip saying why there is none."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stress"))
     import identity
 
     prefix, why = identity.other_user()

@@ -123,7 +123,8 @@ def test_a_second_broker_on_a_live_socket_exits_3(broker: BrokerProc) -> None:
 
 
 @pytest.mark.parametrize("command", [["version"], ["--version"], ["ls"], ["ls", "--json"], ["demo"], ["bench"],
-                                     ["bench", "--gpu"], ["broker"], ["stress", "fuzz_protocol"]])
+                                     ["bench", "--gpu"], ["broker"], ["stress", "fuzz_protocol"],
+                                     ["cluster", "status"]])
 @pytest.mark.parametrize("var, value", [("VMMSHARE_SPIN_US", "abc"), ("VMMSHARE_BROKER_SPIN_US", "-1"),
                                         ("VMMSHARE_DEVICE_MEMORY", "lots"), ("VMMSHARE_SERVER_ID", "xyz")])
 def test_every_command_names_a_bad_variable(tmp_path: Path, command: list[str], var: str, value: str) -> None:

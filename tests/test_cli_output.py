@@ -110,7 +110,9 @@ def test_demo_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
 def test_bench_shows_progress_on_a_terminal(tmp_path: Path) -> None:
     out, terminal = run_on_a_terminal(env_for(tmp_path), *TINY_BENCH)
     assert out.returncode == 0, out.stdout
-    for step in ("vmmshare bench: share latency, 4KiB, round 1 of 2", "broker throughput, 1 client(s)"):
+    for step in ("vmmshare bench: share latency, 4KiB, warm-up round",
+                 "vmmshare bench: share latency, 4KiB, round 1 of 1",
+                 "broker throughput, 1 client(s)"):
         assert step in terminal, terminal
     assert "\x1b" not in out.stdout and "targets:" in out.stdout
 

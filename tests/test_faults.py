@@ -25,12 +25,11 @@ from typing import Any
 
 import pytest
 
-STRESS = Path(__file__).resolve().parents[1] / "stress"
+STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"
 sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import faults  # noqa: E402
-
 from conftest import require  # noqa: E402
 
 SEED = int(os.environ.get("VMMSHARE_STRESS_SEED", "20240917"))

@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stress"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"))
 
 import fuzz_api as FA
-
 import vmmshare.acl as acl_module
 from conftest import NO_MEMORY, fd_count, memfds, ret_of
 from vmmshare._process import runtime

@@ -24,10 +24,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stress"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"))
 
 import fuzz_protocol as F
-
 import rawsock
 from vmmshare import protocol as P
 from vmmshare.protocol import LAYOUTS, Frame, Msg, ProtocolError

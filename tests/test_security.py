@@ -32,13 +32,12 @@ from pathlib import Path
 
 import pytest
 
-STRESS = Path(__file__).resolve().parents[1] / "stress"
+STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"
 sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import flood  # noqa: E402
 import identity as ident  # noqa: E402
-
 import rawsock  # noqa: E402
 from conftest import require  # noqa: E402
 from procs import Actor, BrokerProc  # noqa: E402
@@ -622,7 +621,7 @@ def test_inherited_connection_acts_only_for_the_process_that_opened_it(broker: c
     """T7. A connection inherited by a child of a plain C fork(), or passed to another process (SCM_RIGHTS), acted
     as its owner: the child could free the owner's export. Each packet now carries its sender (SO_PASSCRED), and
     another process's requests get 207006; when the owner exits, the connection is closed for good."""
-    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(INHERITED), str(broker.socket), str(HERE)],
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(INHERITED), str(broker.socket), str(STRESS)],
                              env=broker.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     child_pid = 0
     try:
@@ -651,7 +650,7 @@ def test_inherited_connection_acts_only_for_the_process_that_opened_it(broker: c
 def test_passed_connection_acts_only_for_the_process_that_opened_it(broker: c.LoggedBroker) -> None:
     """T7. The same with SCM_RIGHTS: a connection handed to another process is refused to it (207006)."""
     pair_mine, pair_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    receiver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PASSED), str(pair_theirs.fileno()), str(HERE)],
+    receiver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PASSED), str(pair_theirs.fileno()), str(STRESS)],
                                 env=broker.env, stdout=subprocess.PIPE, text=True, pass_fds=(pair_theirs.fileno(),))
     pair_theirs.close()
     try:
@@ -1101,7 +1100,7 @@ def test_hugetlb_exports_cannot_be_truncated_by_an_importer(hugetlb_pool: None, 
             assert isinstance(exported, P.Exported), exported
             value = int.from_bytes(exported.shareable, "little")
             out = subprocess.run([sys.executable, "-c", textwrap.dedent(IMPORT_AND_TRUNCATE), str(broker.socket),
-                                  str(value), str(HERE)], env=broker.env, capture_output=True, text=True,
+                                  str(value), str(STRESS)], env=broker.env, capture_output=True, text=True,
                                  timeout=c.HANG_GUARD)
             assert out.returncode == 0, out.stderr
             assert json.loads(out.stdout) == {"shrink": "EPERM", "grow": "EPERM", "first_bytes": b"hugetlb!".hex()}

@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from .bench_broker import floor, idle_cpu, throughput
@@ -44,11 +45,14 @@ from .console import (
     count_option,
     counts_option,
     environment_ok,
+    memory_problem,
     plain,
+    quiet_child,
     run_main,
     say_error,
     seconds_option,
     sizes_option,
+    start_child,
 )
 
 # ---------------------------------------------------------------- report
@@ -101,80 +105,196 @@ def floor_ratios(res: dict[str, Any]) -> dict[str, float]:
             "SharedMemory attach": row["shm_attach"]["median"] / rtt_map}
 
 
+TARGET_NAMES = {  # each target as the question it answers
+    "share_2MiB_vs_shm": "share 2 MiB, vs SharedMemory create+attach",
+    "share_256MiB_vs_shm": "share 256 MiB, vs SharedMemory create+attach",
+    "importer_2MiB_vs_attach": "importer's side at 2 MiB, vs SharedMemory attach",
+    "share_1GiB_vs_2MiB": "share 1 GiB, vs share 2 MiB",
+    "pipe_256MiB_vs_share": "Pipe 256 MiB, vs share 256 MiB",
+    "read_bw_imported_vs_private": "read bandwidth, imported vs private",
+    "broker_16_clients_ops": "broker round trips/s, 16 clients",
+}
+
+
+def _cell(stats: dict[str, float] | None) -> str:
+    """A median with its p10–p90 spread, in µs: `153 (140–170)`."""
+    if not stats:
+        return "-"
+    return f"{stats['median']:,.0f} ({stats['p10']:,.0f}–{stats['p90']:,.0f})"
+
+
+def _table(title: str, head: tuple[str, ...], rows: Sequence[tuple[str, ...]], out: Any) -> None:
+    """One narrow table: a title line (the question it answers), a header, right-aligned cells."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print(f"\n{title}", file=out)
+    for r in [head, *rows]:
+        print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                              strict=True))),
+              file=out)
+
+
 def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
-    cols = ("allocate", "map", "export_trustlist", "import", "reserve_map", "share", "shm_create", "shm_attach",
-            "shm_share", "pipe", "torch_share", "first_touch", "shm_touch")
-    print("share latency, µs (median):", file=out)
-    print("size    " + " ".join(f"{c:>16}" for c in cols), file=out)
-    for row in res["latency"].values():
-        cells = [f"{row[c]['median']:16.1f}" if c in row else f"{'-':>16}" for c in cols]
-        print(f"{fmt_size(row['size']):8}" + " ".join(cells), file=out)
-    print("spread, p10–p90 µs:", file=out)
-    for row in res["latency"].values():
-        spread = "  ".join(f"{c} {row[c]['p10']:.0f}–{row[c]['p90']:.0f}" for c in ("share", "shm_share", "import",
-                                                                                 "shm_attach", "pipe") if c in row)
-        print(f"  {fmt_size(row['size']):8}{spread}", file=out)
+    """The run as a few narrow tables, one per question; each latency a median with its p10–p90 spread, µs."""
+    lat = list(res["latency"].values())
+    m = res.get("machine", {})
+    print(f"vmmshare bench{' --quick' if res.get('quick') else ''}: {m.get('when', '')}, {m.get('commit', '')}",
+          file=out)
+    print("  on " + ", ".join(p for p in (m.get("cpu"), m.get("cpus") and f"{m['cpus']} cores",
+                                          m.get("kernel") and f"Linux {m['kernel']}") if p), file=out)
+    if m.get("cpus") is not None and m["cpus"] <= 4:
+        print("  (few cores: other load on the machine moves these numbers; compare ratios within one run)", file=out)
+    alternatives = [("share", "vmmshare"), ("shm_share", "SharedMemory"), ("pipe", "Pipe"),
+                    ("torch_share", "torch")]
+    shown = [(k, n) for k, n in alternatives if any(k in r for r in lat)]
+    _table("What does handing memory to another process cost? µs, median (p10–p90)",
+           ("size", *(n for _, n in shown)), [(fmt_size(r["size"]), *(_cell(r.get(k)) for k, _ in shown))
+                                              for r in lat], out)
+    _table("Where vmmshare's share goes, µs (median)", ("size", "allocate", "map", "export", "import", "reserve+map"),
+           [(fmt_size(r["size"]), *(f"{r[k]['median']:,.1f}" if k in r else "-" for k in
+                                    ("allocate", "map", "export_trustlist", "import", "reserve_map"))) for r in lat],
+           out)
+    if any("share_with_touch" in r for r in lat):
+        _table("... and with every page touched by the importer, µs, median (p10–p90)",
+               ("size", "vmmshare", "SharedMemory"),
+               [(fmt_size(r["size"]), _cell(r.get("share_with_touch")), _cell(r.get("shm_share_with_touch")))
+                for r in lat], out)
     if "floor" in res:
         f = res["floor"]
-        print(f"the floor (raw fd round trip between two Python processes, receiver polling): "
-              f"{f['fd_round_trip']['median']:.1f} µs, with the mmap of the fd {f['fd_round_trip_mmap']['median']:.1f}"
-              " µs", file=out)
-        for name, v in res.get("floor_ratios", {}).items():
-            print(f"  {name:40} {v:6.2f}x the floor", file=out)
+        rows = [("raw fd round trip (the floor)", f"{f['fd_round_trip']['median']:.1f}", "floor"),
+                ("... with the fd's mmap", f"{f['fd_round_trip_mmap']['median']:.1f}", "floor, mapped")]
+        rows += [(name, "", f"{v:.2f}x") for name, v in res.get("floor_ratios", {}).items()]
+        _table("The floor: what any two Python processes pay to pass an fd, µs (median)", ("", "µs", "vs floor"),
+               rows, out)
     if "throughput" in res:
-        print("broker import+free round trips/s: " + ", ".join(
-            f"{n} client(s): {v['ops_per_s']:,.0f}" for n, v in res["throughput"].items()), file=out)
-        print("CPU per round trip, µs (clients | broker): " + ", ".join(
-            f"{n}: {v['client_cpu_us']:.0f} | {v['broker_cpu_us']:.0f}" for n, v in res["throughput"].items()),
-              file=out)
+        _table("How many import+free round trips a broker serves", ("clients", "round trips/s", "client CPU µs",
+                                                                     "broker CPU µs"),
+               [(n, f"{v['ops_per_s']:,.0f}", f"{v['client_cpu_us']:.0f}", f"{v['broker_cpu_us']:.0f}")
+                for n, v in res["throughput"].items()], out)
     if "idle_cpu" in res:
-        print(f"broker CPU while idle: {res['idle_cpu'] * 100:.2f}% of a core", file=out)
+        print(f"  broker CPU while idle: {res['idle_cpu'] * 100:.2f}% of a core", file=out)
     if "bandwidth" in res:
         b = res["bandwidth"]
-        print(f"read bandwidth {fmt_size(b['size'])}: imported {b['read_GBps']['imported']:.2f} GB/s, private "
-              f"{b['read_GBps']['private']:.2f} GB/s (ratio {b['read_ratio']:.3f})", file=out)
-        for k, v in b["first_touch"].items():
-            print(f"first touch on import ({k}): map {v['map']:.0f} µs + touch {v['touch']:.0f} µs "
-                  f"= {v['first_touch_GBps']:.2f} GB/s", file=out)
-    print("targets:", file=out)
+        rows = [("read, imported", f"{b['read_GBps']['imported']:.2f}", ""),
+                ("read, private", f"{b['read_GBps']['private']:.2f}", "")]
+        rows += [(f"first touch ({k})", f"{v['first_touch_GBps']:.2f}",
+                  f"map {v['map']:,.0f} + touch {v['touch']:,.0f}") for k, v in b["first_touch"].items()]
+        _table(f"Reading {fmt_size(b['size'])} of shared memory, GB/s", ("", "GB/s", "µs"), rows, out)
+    print("\ntargets:", file=out)
     for name, v in res["targets"].items():
-        print(f"  {name:32} {v['value']:12.3f}  target {v['target']:8}  {'met' if v['met'] else 'MISSED'}", file=out)
+        print(f"  {TARGET_NAMES.get(name, name):50} {v['value']:10.3f}  {v['target']:8}  "
+              f"{'met' if v['met'] else 'MISSED'}", file=out)
+
+
+def _label(res: dict[str, Any]) -> str:
+    """Where and when the run happened, for the report's first line and the figure."""
+    m = res.get("machine", {})
+    parts = [m.get("cpu") or "", f"{m['cpus']} cores" if m.get("cpus") else "", m.get("kernel") and
+             f"Linux {m['kernel']}", m.get("when", ""), m.get("commit", "")]
+    return ", ".join(p for p in parts if p)
+
+
+def machine_facts() -> dict[str, Any]:
+    """The machine, the time and the code of a run: printed with it, and written on its figure."""
+    import datetime
+    import platform
+    import subprocess
+
+    from . import __version__
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    commit = f"vmmshare {__version__}"
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        if rev.returncode == 0 and rev.stdout.strip():
+            commit += f" @ {rev.stdout.strip()}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpus": os.cpu_count(), "python": sys.version.split()[0], "cpu": " ".join(cpu.split()),
+            "kernel": platform.release(), "when": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M UTC"), "commit": commit}
 
 
 def plot(res: dict[str, Any], path: str) -> None:
+    """Write the run's figure (`figure`) to `path` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(res)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(res: dict[str, Any]) -> Any:
+    """Three panels a reader takes in at once: share latency against the alternatives, the same with every page
+    touched, and the broker's throughput; medians with their p10–p90 spread drawn, log x axes, throughput from
+    zero with its target, the machine, date and commit written on the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5.2))
     rows = list(res["latency"].values())
     sizes = [r["size"] for r in rows]
-    for key, label in (("share", "vmmshare share (export+import+map)"), ("share_with_touch", "vmmshare + first touch"),
-                       ("shm_share", "SharedMemory create+attach"), ("pipe", "multiprocessing.Pipe"),
-                       ("torch_share", "torch share_memory_() + queue")):
-        pts = [(r["size"], r[key]["median"]) for r in rows if key in r]
-        if pts:
-            ax1.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax1.set_xlabel("bytes shared")
-    ax1.set_ylabel("µs (median)")
-    ax1.set_title("share latency vs size")
-    ax1.set_xticks(sizes)
-    ax1.set_xticklabels([fmt_size(s) for s in sizes], rotation=45)
-    ax1.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=8)
+
+    def curves(ax: Any, keys: tuple[tuple[str, str], ...]) -> None:
+        for key, label in keys:
+            pts = [(r["size"], r[key]) for r in rows if key in r]
+            if not pts:
+                continue
+            xs, med = [p[0] for p in pts], [p[1]["median"] for p in pts]
+            low = [max(0.0, p[1]["median"] - p[1]["p10"]) for p in pts]
+            high = [max(0.0, p[1]["p90"] - p[1]["median"]) for p in pts]
+            ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=3, label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes shared")
+        ax.set_ylabel("µs: median, bars p10–p90")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([fmt_size(s) for s in sizes], rotation=45)
+        ax.minorticks_off()
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+
+    curves(ax1, (("share", "vmmshare (export + import + map)"), ("shm_share", "SharedMemory create + attach"),
+                 ("pipe", "multiprocessing.Pipe (copies)"), ("torch_share", "torch share_memory_() + queue")))
+    ax1.set_title("handing memory to another process")
+    curves(ax2, (("share_with_touch", "vmmshare, importer touches every page"),
+                 ("shm_share_with_touch", "SharedMemory, importer touches every page")))
+    ax2.set_title("the same, with first touch")
     if "throughput" in res:
         tp = res["throughput"]
-        ax2.plot([int(k) for k in tp], [v["ops_per_s"] for v in tp.values()], marker="o",
-                 label="import+free round trips/s")
-        ax2.axhline(20000, color="gray", linestyle="--", label="target 20,000/s")
-        ax2.set_xlabel("client processes")
-        ax2.set_ylabel("round trips / s")
-        ax2.set_title("broker throughput")
-        ax2.grid(True, alpha=0.3)
-        ax2.legend(fontsize=8)
+        clients = [int(k) for k in tp]
+        ax3.plot(clients, [v["ops_per_s"] for v in tp.values()], marker="o", label="import+free round trips/s")
+        ax3.axhline(20000, color="gray", linestyle="--", label="target 20,000/s")
+        ax3.set_xscale("log", base=2)
+        ax3.set_xticks(clients)
+        ax3.set_xticklabels([str(c) for c in clients])
+        ax3.minorticks_off()
+        ax3.set_ylim(bottom=0, top=max(25000, 1.1 * max(v["ops_per_s"] for v in tp.values())))
+        ax3.set_xlabel("client processes")
+        ax3.set_ylabel("round trips / s")
+        ax3.set_title("broker throughput")
+        ax3.grid(True, alpha=0.3)
+        ax3.legend(fontsize=8)
+    fig.suptitle(f"vmmshare bench{' --quick' if res.get('quick') else ''}: {_label(res)}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+PEAK_COPIES = 3  # the most copies of one size a run holds at once (Pipe: sender and receiver, plus a shared one)
+
+
+def default_sizes(quick: bool) -> list[int]:
+    """The sizes shared when --sizes is not given."""
+    return [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB] if quick else [
+        4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
 
 
 def run(
@@ -199,20 +319,19 @@ def run(
         return 50 if size <= 16 * MiB else (15 if size <= 256 * MiB else 7)
 
     if sizes is None:
-        sizes = [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB] if quick else [
-            4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
+        sizes = default_sizes(quick)
     clients = clients or [1, 4, 16]
     seconds = seconds or (1.0 if quick else 3.0)
     bw_size = min(max(sizes), 64 * MiB if quick else 256 * MiB)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     step("starting the peer process")
-    peer = ctx.Process(target=peer_main, args=(b,))
-    peer.start()
+    peer = ctx.Process(target=quiet_child, args=(peer_main, b))
+    start_child(peer)
     b.close()  # the peer's end lives in the peer: if it dies, recv() here sees the pipe close instead of waiting
-    peer_pid = a.recv()
-    res: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
-    try:
+    res: dict[str, Any] = {"quick": quick, "machine": machine_facts()}
+    try:  # from its first answer on: a Ctrl-C while the peer still starts is told to it as "stop" too
+        peer_pid = a.recv()
         res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch, step)
         res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5, step)
     finally:
@@ -286,6 +405,12 @@ def _main(argv: list[str]) -> int:
     if not environment_ok("vmmshare bench"):
         return USAGE
     check_outputs(ap, json=args.json, plot=args.plot)
+    largest = max(args.sizes or default_sizes(args.quick))
+    problem = memory_problem(PEAK_COPIES * largest, f"sharing {fmt_size(largest)} ({PEAK_COPIES} copies at once: "
+                             "the sender's, a Pipe's receiver's, and the shared one)")
+    if problem:
+        say_error("vmmshare bench", problem)
+        return USAGE
     try:
         import numpy  # noqa: F401  (the measuring processes use it)
     except ImportError:
@@ -321,4 +446,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(lambda: main()))

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .bench_measures import MiB, Step, now_ns, quiet, stats_of, us_between
+from .console import quiet_child, start_child
 
 # ---------------------------------------------------------------- broker throughput
 
@@ -72,8 +73,8 @@ def throughput(clients: list[int], seconds: float, step: Step = quiet) -> dict[s
         pipes, procs = [], []
         for _ in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_tp_client, args=(str(h), seconds, start, b))
-            p.start()
+            p = ctx.Process(target=quiet_child, args=(_tp_client, str(h), seconds, start, b))
+            start_child(p)
             pipes.append(a)
             procs.append(p)
         for a in pipes:
@@ -121,8 +122,8 @@ def floor(reps: int, step: Step = quiet) -> dict[str, Any]:
     step("the floor: a raw fd round trip")
     ctx = mp.get_context("spawn")
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server = ctx.Process(target=_floor_server, args=(b,))
-    server.start()
+    server = ctx.Process(target=quiet_child, args=(_floor_server, b))
+    start_child(server)
     b.close()
     rtt: list[float] = []
     rtt_map: list[float] = []

@@ -104,13 +104,20 @@ def _time(fn: Any, reps: int) -> list[float]:
     return out
 
 
+GRANULE = 2 << 20  # device memory is allocated in these: a size such as 1M is carried by a 2 MiB allocation
+
+
+def _granular(size: int) -> int:
+    return -(-size // GRANULE) * GRANULE
+
+
 def _measurer(info: dict[str, Any], sizes: list[int], reps: int, latency_reps: int) -> dict[str, Any]:
     import vmmshare.acl as acl
 
     from .fabric.engine import load
 
     acl.rt.set_device(0)
-    top = max(sizes)
+    top = _granular(max(sizes))
     shareable = bytes.fromhex(info["handle"])
     t0 = time.perf_counter()
     h, ret = acl.rt.mem_import_from_shareable_handle_v2(shareable, 2, 0)
@@ -211,8 +218,9 @@ def run(sizes: list[int], reps: int, latency_reps: int) -> dict[str, Any]:
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
         me = [sys.executable, "-m", "vmmshare.bench_fabric"]
-        exporter = subprocess.Popen(cluster.server(1).command([*me, "--role", "export", "--size", str(max(sizes))]),
-                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        role = [*me, "--role", "export", "--size", str(_granular(max(sizes)))]
+        exporter = subprocess.Popen(cluster.server(1).command(role), env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
         assert exporter.stdout is not None and exporter.stdin is not None
         line = exporter.stdout.readline()
         if not line:
@@ -298,4 +306,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from .console import run_main
+
+    sys.exit(run_main(lambda: main(sys.argv[1:])))

@@ -180,7 +180,7 @@ def run(sizes: list[int], reps: int | None = None, progress: Progress | None = N
         rows: dict[str, list[float]] = {"create_us": [], "export_us": [], "import_us": [], "round_trip_us": []}
         bw: dict[str, Any] = {}
         for i in range(n + 2):
-            step(f"{size >> 20} MiB, round {i + 1} of {n + 2}")
+            step(f"{size >> 20} MiB, " + (f"warm-up round {i + 1} of 2" if i < 2 else f"round {i - 1} of {n}"))
             t0 = time.perf_counter_ns()
             h, ptr = create(size)
             t_create = us(t0)
@@ -255,4 +255,6 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .console import run_main
+
+    sys.exit(run_main(lambda: main()))

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .console import quiet_child, start_child
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096
 Step = Callable[[str], None]  # told what the run measures now (a progress line on a terminal)
@@ -134,14 +136,16 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
     rows: dict[str, Any] = {}
     all_steps: dict[int, dict[str, list[float]]] = {size: {k: [] for k in (
         "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
-        "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "pipe")} for size in sizes}
+        "share", "share_with_touch", "shm_create", "shm_attach", "shm_touch", "shm_share", "shm_share_with_touch",
+        "pipe")} for size in sizes}
     # every size's latency rounds first, then the rounds that touch every page: touching 1 GiB evicts every
     # cache and leaves the kernel freeing pages, which would slow whatever round came next
     plan = [(size, False, reps(size)) for size in sizes] + [(size, True, min(reps(size), 3)) for size in sizes]
     for size, touch, n in plan:
         steps = all_steps[size]
         for i in range(n + 1):
-            step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, round {i + 1} of {n + 1}")
+            which = "warm-up round" if i == 0 else f"round {i} of {n}"  # round 0 warms up and is not kept
+            step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, {which}")
             t0 = now_ns()
             mem = dev.allocate(size)
             t1 = now_ns()
@@ -167,6 +171,7 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
                 steps["first_touch"].append(got["touch"])
                 steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
                 steps["shm_touch"].append(sgot["touch"])
+                steps["shm_share_with_touch"].append(us_between(t0s, t1s) + sgot["attach"] + sgot["touch"])
                 continue
             steps["allocate"].append(us_between(t0, t1))
             steps["map"].append(us_between(t1, t2))
@@ -216,8 +221,8 @@ def torch_share(sizes: list[int], reps: Callable[[int], int]) -> dict[str, dict[
 
     ctx = tmp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_torch_child, args=(q, back))
-    p.start()
+    p = ctx.Process(target=quiet_child, args=(_torch_child, q, back))
+    start_child(p)
     out = {}
     for size in sizes:
         times = []

@@ -115,11 +115,14 @@ def _broker(args: argparse.Namespace) -> int:
 
     prog = "vmmshare broker"
     path, source = (args.socket, "--socket") if args.socket is not None else (config.socket_path(), "VMMSHARE_SOCKET")
-    problem = _folder_problem(path)
-    if problem:
+    import os
+
+    if os.environ.get("LISTEN_PID") == str(os.getpid()):  # systemd passed the socket: the broker checks it
+        pass
+    elif problem := _folder_problem(path):
         say_error(prog, f"{source} {str(path)!r}: {problem}")
         return USAGE
-    if _answers(path):
+    elif _answers(path):
         say_error(prog, f"a broker already serves {path}: stop it first, or choose another path with --socket")
         return IN_USE
     forward = ["--socket", str(path), "--log-level", args.log_level or config.log_level()]
@@ -133,16 +136,16 @@ def _broker(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- stress
 
 
-STRESS_DIR = Path(__file__).resolve().parents[2] / "stress"
+STRESS_DIR = Path(__file__).resolve().parent / "stress"  # shipped in the package: a wheel carries them
+
+
+STRESS_RUNS = ("faults", "fabric_faults", "flood", "fuzz_api", "fuzz_protocol", "identity", "load", "mutate_ledger")
 
 
 def _stress(argv: list[str]) -> int:
-    """Run `stress/NAME.py` of a source checkout with the remaining options; its output passes through this process
+    """Run `vmmshare/stress/NAME.py` with the remaining options; its output passes through this process
     (a closed pipe ends the relay quietly), with a status line on a terminal while it runs."""
-    scripts = sorted(p.stem for p in STRESS_DIR.glob("*.py") if not p.stem.startswith("_") and p.stem != "common")
-    if not scripts:
-        say_error("vmmshare stress", f"no stress scripts at {STRESS_DIR} (they ship with the source checkout)")
-        return USAGE
+    scripts = sorted(p.stem for p in STRESS_DIR.glob("*.py") if p.stem in STRESS_RUNS)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
         if argv and argv[0] not in ("-h", "--help"):
             say_error("vmmshare stress", f"unknown run {argv[0]!r}")
@@ -213,6 +216,8 @@ def _main(argv: list[str]) -> int:
     if argv[:1] == ["stress"]:
         return _stress(argv[1:])
     if argv[:1] == ["cluster"]:  # its own options and help
+        if not asks_help and not environment_ok("vmmshare cluster"):  # its servers run with this environment
+            return USAGE
         from .fabric.cluster import main as cluster_main
 
         return cluster_main(argv[1:])

@@ -10,12 +10,13 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
 
 OK = 0
 FAILED = 1  # the command ran and did not succeed (a demo step misbehaved, no broker answers, ...)
@@ -111,6 +112,53 @@ def check_outputs(ap: argparse.ArgumentParser, **paths: str | None) -> None:
             ap.error(f"--{option} {path}: {problem}")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def memory_headroom() -> tuple[int, str] | None:
+    """The bytes this process could still fill with memory, and where that bound comes from: /proc/meminfo's
+    MemAvailable, or the cgroup's limit less its usage when that is lower (v2, then v1). None if unknown."""
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "available memory (MemAvailable in /proc/meminfo)"))
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage, what in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "cgroup v2"),
+                               ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                "/sys/fs/cgroup/memory/memory.usage_in_bytes", "cgroup v1")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None and cap < 1 << 60:
+            found.append((max(0, cap - used), f"room left under this {what} memory limit"))
+            break
+    return min(found) if found else None
+
+
+def memory_problem(need: int, what: str) -> str | None:
+    """Why this machine cannot back `need` bytes of `what` (None if it can, or if that is unknown), said before a
+    byte is touched: past that point the kernel's OOM killer, not an error, would stop the run."""
+    room = memory_headroom()
+    if room is None or need <= room[0]:
+        return None
+
+    def human(n: int) -> str:
+        for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if n >= 1 << shift:
+                return f"{n / (1 << shift):.1f} {unit}"
+        return f"{n} B"
+
+    return (f"{what} needs {human(need)} of memory, and this machine has {human(room[0])} of {room[1]}: "
+            "choose a smaller size")
+
+
 def say_error(prog: str, message: str) -> None:
     """One line on stderr: `prog: message`."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
@@ -135,7 +183,18 @@ def _silence_stdout() -> None:
 
 
 def run_main(body: Callable[[], int]) -> int:
-    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130; never a traceback for either."""
+    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130; never a traceback for either,
+    even when the interrupt surfaces as another error (an import it cut short raises ImportError)."""
+    seen: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    ours = threading.current_thread() is threading.main_thread() and previous is signal.default_int_handler
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    if ours:
+        signal.signal(signal.SIGINT, on_interrupt)
     try:
         code = body()
         sys.stdout.flush()  # a pipe closed after the last write fails here, not at interpreter exit
@@ -143,10 +202,63 @@ def run_main(body: Callable[[], int]) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return PIPE_CLOSED
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not seen and not isinstance(exc, KeyboardInterrupt):
+            raise
         with contextlib.suppress(OSError):
             print(file=sys.stderr)
         return INTERRUPTED
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
+
+
+def quiet_child(target: Callable[..., object], *args: object) -> None:
+    """A child process's body (a multiprocessing target, started by `start_child`): Ctrl-C reaches the whole
+    foreground process group, and there the parent reports it; the child ends with 130 and no traceback."""
+    def body() -> int:
+        target(*args)
+        return 0
+
+    sys.exit(interruptible(body))
+
+
+def interruptible(body: Callable[[], int]) -> int:
+    """Run a child process's `body` with Ctrl-C taken back (it was ignored while the process started): Ctrl-C
+    ends it with 130 and no traceback, even when the interrupt surfaces as another error (an import it broke
+    raises ImportError, not KeyboardInterrupt)."""
+    seen: list[int] = []
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        return body()
+    except BaseException as exc:
+        if seen or isinstance(exc, KeyboardInterrupt):
+            return INTERRUPTED
+        raise
+
+
+@contextlib.contextmanager
+def interrupt_ignored_by_children() -> Iterator[None]:
+    """Processes started inside this block begin with Ctrl-C ignored (SIG_IGN survives exec, and Python then
+    installs no handler of its own) until their body says otherwise (`quiet_child`, the stress runs' `entry`): a
+    Ctrl-C while a child's interpreter is still importing would print a traceback from its start-up. The parent,
+    which gets the Ctrl-C too, stops them."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def start_child(process: Any) -> None:
+    """Start a multiprocessing `process` whose target is `quiet_child`, with Ctrl-C ignored until that runs."""
+    with interrupt_ignored_by_children():
+        process.start()
 
 
 class Progress:

@@ -21,8 +21,8 @@ from typing import Any
 
 from . import acl
 from ._process import runtime
-from .config import parse_size
-from .console import FAILED, USAGE, Parser, Progress, environment_ok, plain, run_main, say_error
+from .config import Config, parse_size
+from .console import FAILED, USAGE, Parser, Progress, environment_ok, memory_problem, plain, run_main, say_error
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": acl.ACL_HBM_MEM_NORMAL,
         "location": {"id": 0, "type": acl.ACL_MEM_LOCATION_TYPE_DEVICE}, "reserve": 0}
@@ -208,17 +208,17 @@ def _conduct(size: int, out: Any, progress: Progress) -> int:
 
         step(f"exporter: allocating, mapping and filling {_human(size)}")
         r = e.do("create", size, 1)
-        say(f"1. exporter: malloc_physical + reserve + map {_human(size)} ({r['vmm_us']:.0f} us), "
+        say(f"1. exporter: malloc_physical + reserve + map {_human(size)} ({r['vmm_us']:.0f} µs), "
             f"then fill it ({(r['us'] - r['vmm_us']) / 1000:.0f} ms)")
         exp_sha = r["sha256"]
         r = e.do("export", [a.pid])
         shareable = r["shareable"]
         say(f"2. exporter: export V2 DEFAULT -> shareable handle {shareable:#018x}, trustlist [{a.pid}] "
-            f"({r['us']:.0f} us)")
+            f"({r['us']:.0f} µs)")
 
         step("importer-A: importing and mapping")
         r = a.do("import_", shareable, size)
-        say(f"3. importer-A (trustlisted): import + reserve + map ({r['us']:.0f} us)")
+        say(f"3. importer-A (trustlisted): import + reserve + map ({r['us']:.0f} µs)")
         a_mapped = r["ret"] == 0
         check(a_mapped, f"importer-A imported (ret {r['ret']})")
         if a_mapped:
@@ -234,7 +234,7 @@ def _conduct(size: int, out: Any, progress: Progress) -> int:
         check(r["ret"] == acl.ACL_ERROR_RT_NO_PERMISSION, f"importer-B refused with 207006: {r.get('message', '')}")
 
         r = e.do("release")
-        say(f"5. exporter: unmap + free_physical: the handle is revoked ({r['us']:.0f} us)")
+        say(f"5. exporter: unmap + free_physical: the handle is revoked ({r['us']:.0f} µs)")
         r = b.do("import_", shareable, size)
         say(f"6. late import by importer-B -> {r['ret']}")
         check(r["ret"] == acl.ACL_ERROR_RT_INVALID_HANDLE, f"late import refused with 107017: {r.get('message', '')}")
@@ -311,7 +311,11 @@ def _main(argv: list[str]) -> int:
         ap.error("--size must be positive")
     if not environment_ok("vmmshare demo"):
         return USAGE
-    problem = _capacity_problem(-(-size // (2 << 20)) * (2 << 20))
+    size = -(-size // (2 << 20)) * (2 << 20)
+    if Config.from_env().backend == "host" and (problem := memory_problem(size, f"--size {_human(size)}")):
+        say_error("vmmshare demo", f"{problem} (the three processes share one copy, in host memory)")
+        return USAGE
+    problem = _capacity_problem(size)
     if problem:
         say_error("vmmshare demo", problem)
         return FAILED
@@ -320,4 +324,6 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .console import run_main
+
+    sys.exit(run_main(lambda: main()))

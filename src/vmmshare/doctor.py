@@ -110,8 +110,14 @@ def kernel_features() -> list[Finding]:
 
 def configuration() -> list[Finding]:
     """Each VMMSHARE_* variable that cannot be used: a finding of its own, not a failure of the report."""
-    return [Finding("missing", exc.name, str(exc), f"unset {exc.name}, or give it a value from docs/configuration.md")
-            for exc in cfg.problems()]
+    return [Finding("missing", exc.name, str(exc), _fix_for(exc.name)) for exc in cfg.problems()]
+
+
+def _fix_for(name: str) -> str:
+    """The fix for a variable that cannot be used: a missing one is set, a bad one unset or corrected."""
+    if name not in os.environ:  # another setting needs this one (VMMSHARE_FABRIC=tcp needs VMMSHARE_FABRIC_ADDR)
+        return f"set {name} (see docs/configuration.md)"
+    return f"unset {name}, or give it a value from docs/configuration.md"
 
 
 def broker(path: Path) -> list[Finding]:

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import io
 import logging
+import logging.handlers
 import sys
 from pathlib import Path
 
 from .. import config
+
+LOG_FILE_BYTES = 1 << 20  # a --log-file is rotated at this size, keeping one older file: at most 2 MiB on disk
+
+
+class _PrivateRotatingLog(logging.handlers.RotatingFileHandler):
+    """A size-rotated log that opens its file as the start lock is opened: never through a link, and only a regular
+    file of this user (docs/security.md T2)."""
+
+    def _open(self) -> io.TextIOWrapper:
+        from os import O_APPEND, O_WRONLY
+
+        from .folder import FolderError, open_private
+
+        try:
+            return open(open_private(Path(self.baseFilename), O_WRONLY | O_APPEND), "a", encoding="utf-8")
+        except FolderError as exc:
+            raise OSError(str(exc)) from None
 
 
 def _level(text: str) -> str:
@@ -26,13 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", type=_level, default=None,
                         help=f"{', '.join(config.LOG_LEVELS)} (default: $VMMSHARE_LOG, else INFO)")
+    parser.add_argument("--log-file", type=Path, default=None, help=argparse.SUPPRESS)  # the auto-start's broker.log
     args = parser.parse_args(argv)
     fmt = "%(asctime)s broker[%(process)d] %(levelname)s %(message)s"
     try:
         level = args.log_level or config.log_level()
     except config.ConfigError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=level, format=fmt)
+    handlers: list[logging.Handler] = []
+    if args.log_file is not None:  # rotated, so that a broker started and restarted for months keeps 2 MiB at most
+        try:
+            handlers.append(_PrivateRotatingLog(args.log_file, maxBytes=LOG_FILE_BYTES, backupCount=1))
+        except OSError as exc:
+            parser.error(f"--log-file {str(args.log_file)!r}: {exc.strerror or exc}")
+    logging.basicConfig(level=level, format=fmt, handlers=handlers or None)
     try:
         from .daemon import run  # reads VMMSHARE_BROKER_SPIN_US
     except config.ConfigError as exc:

@@ -113,7 +113,10 @@ def _lock_within(fd: int, seconds: float, what: Path) -> None:
 def _spawn(path: Path) -> None:
     rfd, wfd = os.pipe2(os.O_CLOEXEC)
     log_path = path.parent / "broker.log"
-    cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(path), "--auto", "--ready-fd", str(wfd)]
+    # the broker writes its log lines to broker.log itself, rotating it at 1 MiB (broker.log.1 keeps the previous
+    # MiB); its stdout and stderr are opened on the same file for anything said before logging is set up
+    cmd = [sys.executable, "-m", "vmmshare.broker", "--socket", str(path), "--auto", "--ready-fd", str(wfd),
+           "--log-file", str(log_path)]
     try:
         logfd = open_private(log_path, os.O_WRONLY | os.O_APPEND)
         try:

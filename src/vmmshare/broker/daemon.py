@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import Config, ConfigError, check_socket_path, quotas
 from ..fabric.agent import FabricSetupError
 from .server import WAKE, Broker
-from .socketfile import InUse
+from .socketfile import InUse, passed_socket
 
 log = logging.getLogger("vmmshare.broker")
 
@@ -42,7 +42,7 @@ def run(path: Path | None = None, idle: float | None = None, multi_user: bool = 
     signal.signal(signal.SIGTERM, broker.stop)
     signal.signal(signal.SIGINT, broker.stop)
     try:
-        broker.bind()
+        broker.bind(passed_socket(broker.path))  # systemd socket activation passes the listener
     except ConfigError as exc:
         log.error("bad configuration: %s", exc)
         return 2

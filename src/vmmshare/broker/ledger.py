@@ -341,12 +341,13 @@ class Ledger:
         if share is None:
             raise LedgerError(
                 C.ACL_ERROR_RT_INVALID_HANDLE,
-                f"shareable handle {handle:#x} is unknown on this node, or revoked (its exporter freed it or exited)",
+                f"shareable handle {handle:#018x} is unknown on this node, or revoked (its exporter freed it or "
+                "exited)",
             )
         if share.share_type != share_type:
             raise LedgerError(
                 C.ACL_ERROR_RT_PARAM_INVALID,
-                f"shareable handle {handle:#x} was exported with share type {share.share_type}, not {share_type}",
+                f"shareable handle {handle:#018x} was exported with share type {share.share_type}, not {share_type}",
             )
         return share
 
@@ -355,7 +356,7 @@ class Ledger:
         if share.exporter is not client:
             raise LedgerError(
                 C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
+                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
             )
         before = len(share.trust)
         share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found,
@@ -373,7 +374,7 @@ class Ledger:
         if share.exporter is not client:
             raise LedgerError(
                 C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#x}",
+                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
             )
         if not trustlists.valid_pids(m.pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
@@ -396,7 +397,8 @@ class Ledger:
         hold on the export's memory, and the export."""
         share = self._shared(shareable, share_type)
         if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, f"FABRIC handle {shareable:#x} does not carry its secret")
+            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE,
+                              f"FABRIC handle {shareable:#018x} does not carry its secret")
         own = client is share.exporter  # rule 13: the exporter may import its own handle, trustlist or not
         if not own and not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
             trustlists.admitted(client, share)

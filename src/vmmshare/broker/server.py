@@ -95,9 +95,11 @@ class Broker:
 
     # ------------------------------------------------------------ socket set-up
 
-    def bind(self) -> None:
-        """Create the socket folder and socket with the SPEC §5 permissions (daemon.py), then the fabric side."""
-        self.listener, self.inode = bind_socket(self.path, self.multi_user)
+    def bind(self, passed: socket.socket | None = None) -> None:
+        """Create the socket folder and socket with the SPEC §5 permissions (daemon.py), or take the one a service
+        manager `passed` (inode 0: the broker never unlinks or renames a socket file it did not make), then the
+        fabric side."""
+        self.listener, self.inode = (passed, 0) if passed is not None else bind_socket(self.path, self.multi_user)
         self.sel.register(self.listener, selectors.EVENT_READ, None)
         self.fabric.start()
         log.info("broker %d serving %s (devices=%d, capacity=%d bytes each%s)", os.getpid(), self.path,

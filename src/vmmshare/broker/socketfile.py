@@ -8,7 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from ..config import check_socket_path
+from ..config import ConfigError, check_socket_path
 from . import system, wire
 from .folder import FolderError, make_serving_folder, open_private
 
@@ -53,6 +53,8 @@ def retire_socket(path: Path, inode: int, listener: socket.socket) -> tuple[bool
     stays. A broker whose socket or folder is gone (deleted, or replaced by another broker's) cannot be reached by
     anyone new: it leaves without the lock.
     """
+    if inode == 0:  # passed by a service manager (passed_socket), which keeps it and starts the next broker
+        return True, " (the service manager keeps its socket)"
     try:
         if path.stat().st_ino != inode:
             return True, " (its socket was replaced)"
@@ -83,3 +85,42 @@ def retire_socket(path: Path, inode: int, listener: socket.socket) -> tuple[bool
         return True, ""
     finally:
         os.close(lock)
+
+
+SD_LISTEN_FDS_START = 3  # the first fd a service manager passes (sd_listen_fds(3))
+
+
+def passed_socket(path: Path) -> socket.socket | None:
+    """The listening socket a service manager passed for `path` (systemd socket activation: LISTEN_PID is this
+    process and LISTEN_FDS is 1), or None when none was passed. The variables are removed so children do not take
+    the fd for theirs. A passed fd that is not a listening AF_UNIX SOCK_SEQPACKET socket bound to `path` is a
+    configuration error (ConfigError), not something to serve on."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or "LISTEN_FDS" not in os.environ:
+        return None
+    count = os.environ.pop("LISTEN_FDS")
+    for name in ("LISTEN_PID", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    if count != "1":
+        raise ConfigError(f"the service manager passed LISTEN_FDS={count!r} sockets; the broker takes exactly one "
+                          "(one ListenSequentialPacket= line in the .socket unit)", "LISTEN_FDS")
+    fd = SD_LISTEN_FDS_START
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ConfigError(f"the passed fd {fd} is not a socket: {exc.strerror}", "LISTEN_FDS") from None
+    try:
+        bound = sock.getsockname()
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET or not listening:
+            raise ConfigError(f"the passed fd {fd} is not a listening AF_UNIX SOCK_SEQPACKET socket: use "
+                              "ListenSequentialPacket= in the .socket unit", "LISTEN_FDS")
+        if os.fsdecode(bound) != str(path):
+            raise ConfigError(f"the passed socket is bound to {os.fsdecode(bound)!r}, not to {str(path)!r}: give the "
+                              "broker the same path with --socket or VMMSHARE_SOCKET", "LISTEN_FDS")
+        os.set_inheritable(fd, False)
+        wire.pass_credentials(sock)  # the peers' credentials name them (accepted sockets inherit it)
+        sock.setblocking(False)
+        return sock
+    except BaseException:
+        sock.detach()  # the fd stays the service manager's to close; the broker exits on this error
+        raise

@@ -104,6 +104,6 @@ def admitted(client: Client, share: Share) -> None:
         return
     raise LedgerError(
         C.ACL_ERROR_RT_NO_PERMISSION,
-        f"process {client.pid}{of_server(client)} is not on the trustlist of {share.handle:#x}: the exporter "
+        f"process {client.pid}{of_server(client)} is not on the trustlist of {share.handle:#018x}: the exporter "
         "must add it with mem_set_pid_to_shareable_handle(_v2) (ipc_mem_set_import_pid for an IPC key)",
     )

@@ -1,4 +1,5 @@
-"""A test cluster on one machine: 2-3 "servers" as network namespaces on a private bridge (`vmmshare cluster`).
+"""A test cluster on one machine: 1 to 8 "servers" (2 by default) as network namespaces on a private bridge
+(`vmmshare cluster`).
 
 Each server is a network namespace with one interface on a bridge that lives in a hub namespace of its own (the
 machine's own namespace is not touched), a private address, its own broker socket and server id, and one cluster
@@ -9,6 +10,7 @@ Needs root (network namespaces).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ipaddress
 import os
@@ -204,15 +206,33 @@ def _alive(pid: int) -> bool:
 # ---------------------------------------------------------------- `vmmshare cluster`
 
 
-def main(argv: list[str]) -> int:
-    from ..console import FAILED, OK, USAGE, Parser, say_error
+def _name_option(text: str) -> str:
+    if not _NAME.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a cluster name is 1 to 8 lower-case letters or digits")
+    return text
 
-    ap = Parser(prog="vmmshare cluster", description=__doc__.split("\n\n")[0] if __doc__ else None)
+
+def _servers_option(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: a test cluster has 1 to 8 servers")
+    return value
+
+
+def main(argv: list[str]) -> int:
+    from ..console import FAILED, OK, USAGE, Parser, count_option, say_error, seconds_option
+
+    ap = Parser(prog="vmmshare cluster", description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     ap.add_argument("action", choices=("up", "down", "status", "exec"))
-    ap.add_argument("number", nargs="?", type=int, help="exec: the server to run on (1, 2, ...)")
-    ap.add_argument("--name", default="demo", help="the cluster's name (default demo)")
-    ap.add_argument("--servers", type=int, default=2, help="up: how many servers (default 2)")
-    ap.add_argument("--timeout", type=float, default=None, help="up: VMMSHARE_FABRIC_TIMEOUT for every server")
+    ap.add_argument("number", nargs="?", type=count_option, help="exec: the server to run on (1, 2, ...)")
+    ap.add_argument("--name", type=_name_option, default="demo",
+                    help="the cluster's name: 1 to 8 lower-case letters or digits (default demo)")
+    ap.add_argument("--servers", type=_servers_option, default=2, help="up: how many servers, 1 to 8 (default 2)")
+    ap.add_argument("--timeout", type=seconds_option, default=None, metavar="SECONDS",
+                    help="up: VMMSHARE_FABRIC_TIMEOUT for every server (a positive number of seconds)")
     ap.epilog = "exec runs: vmmshare cluster exec N [--name NAME] -- COMMAND [ARGS]"
     split = argv.index("--") if "--" in argv else len(argv)
     args, command = ap.parse_args(argv[:split]), argv[split + 1 :]

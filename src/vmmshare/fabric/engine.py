@@ -6,8 +6,9 @@ and moves bytes one-sided to and from other engines' registered memory. Facts it
   VMMSHARE_FABRIC_TIMEOUT) and a whole-call deadline set far out, so that only a stall fails a transfer;
 - it listens on two ports on every interface whatever address it is given, and its listening sockets are not
   close-on-exec (they are made so here, after `initialize`);
-- a transfer fails with -1 and nothing more (the reason goes to the process's stderr); an address outside the
-  peer's registered memory costs the connection, so callers check bounds first;
+- a transfer fails with -1 and nothing more (the reason only in the engine's own log, which is silenced here
+  unless MC_LOG_LEVEL is set); an address outside the peer's registered memory costs the connection, so callers
+  check bounds first;
 - the first contact with a frozen peer blocks for 60 s whatever the settings: it runs here on a helper thread
   that the caller waits for at most the fabric timeout.
 """
@@ -21,7 +22,6 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -43,18 +43,20 @@ def load(timeout: float) -> ModuleType:
     with _load_lock:
         if _module is not None:
             return _module
+        chosen = "MC_LOG_LEVEL" in os.environ  # a user who sets it wants the engine's own lines, on stderr
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         if os.environ.pop("MC_LOG_DIR", None) is not None:  # the engine aborts the process on import with it set
             log.warning("MC_LOG_DIR is not supported by the transfer engine's logging here: ignored")
         os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(max(1, math.ceil(timeout)))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(CALL_DEADLINE_S))
         try:
-            with _quiet_stderr():  # the engine's logging announces itself on import: nothing a user can act on
-                import mooncake.engine as module
+            import mooncake.engine as module
         except (ImportError, OSError) as exc:
             raise FeatureNotSupportedError(
                 f"the cross-server transport needs the transfer engine, which cannot be loaded ({exc}): {INSTALL_HINT}"
             ) from None
+        if not chosen:
+            _silence_engine_log()
         _module = module
         return _module
 
@@ -82,11 +84,10 @@ class Engine:
         self.address, self.protocol, self.timeout, self.metadata = address, protocol, timeout, metadata
         before = set(_socket_fds())
         self._engine: Any = module.TransferEngine()
-        with _quiet_stderr():  # "Local segment descriptor not found", always, and harmless
-            rc = self._engine.initialize(address, metadata, protocol, "")
+        rc = self._engine.initialize(address, metadata, protocol, "")
         if rc != 0:
-            raise IpcError(f"the transfer engine would not start on {address} over {protocol} (code {rc}); its "
-                           "reason is in this process's log")
+            raise IpcError(f"the transfer engine would not start on {address} over {protocol} (code {rc}); run "
+                           "with MC_LOG_LEVEL=ERROR to see its own reason")
         self.listening = _close_on_exec_listeners(before)  # (address, port) of its listening sockets
         host = f"[{address}]" if ":" in address else address
         # the name peers know it by: its address and RPC port (P2PHANDSHAKE), or its name in the metadata service
@@ -189,22 +190,37 @@ class Engine:
         del engine
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 sent to /dev/null for a moment (the engine writes to it below Python)."""
+GLOG_FATAL = 3  # glog's severities: 0 INFO, 1 WARNING, 2 ERROR (MC_LOG_LEVEL's highest), 3 FATAL
+
+
+def _silence_engine_log() -> None:
+    """Raise the engine's own log threshold (glog's FLAGS_minloglevel, which MC_LOG_LEVEL sets) to FATAL: its
+    lines ("Logging before InitGoogleLogging()", "Local segment descriptor not found", a refused TCP lane) are
+    not the user's to act on, and vmmshare reports each failure they accompany in its own words. Nothing else
+    is touched: fd 2 stays this process's, for every thread. With MC_LOG_LEVEL set by the user, load() leaves
+    the engine's logging as the user chose."""
+    path = _loaded_library("libglog")
     try:
-        saved = os.dup(2)
+        if path is None:
+            raise OSError("the engine's logging library is not loaded")
+        glog = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        ctypes.c_int.in_dll(glog, "_ZN3fLI17FLAGS_minloglevelE").value = GLOG_FATAL
+    except (OSError, ValueError) as exc:  # another build of the engine: its lines then reach stderr
+        log.debug("cannot set the transfer engine's log level (%s): its own messages will show", exc)
+
+
+def _loaded_library(stem: str) -> str | None:
+    """The path of the loaded shared library whose file name starts with `stem` (from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if os.path.basename(path).startswith(stem):
+                    return path
     except OSError:
-        yield
-        return
-    try:
-        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        os.dup2(null, 2)
-        os.close(null)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        pass
+    return None
 
 
 # ---------------------------------------------------------------- one engine per process

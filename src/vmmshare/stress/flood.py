@@ -1,7 +1,7 @@
 """Flood: one user's clients keep the broker busy with its costliest requests; a client of another user only wants
 its imports.
 
-    .venv/bin/python stress/flood.py --flooders 64 --depth 4 --seconds 20 --seed 1 --json flood.json
+    vmmshare stress flood --flooders 64 --depth 4 --seconds 20 --seed 1 --json flood.json
 
 For each kind of flood (`--kinds`, all by default), one process of the flooding user (`nobody` where this runs as
 root, else the same user as the victim, which the result says) holds `--flooders` connections, each with one
@@ -42,9 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
 import identity as ident
-
 import rawsock
+from stressio import count_option, emit, entry, kinds, prog, readable, seconds_option, whole
 from vmmshare import protocol as P
+from vmmshare.console import check_outputs
 
 DEFAULT = 1
 NO_PID_CHECK = 1
@@ -290,43 +291,39 @@ def run(flooders: int, seconds: float, seed: int, kinds: tuple[str, ...] = KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["flooder", "victim"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--handle", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=KINDS, default=KINDS[0], help=argparse.SUPPRESS)
-    parser.add_argument("--flooders", type=int, default=64, help="flooding connections (default 64)")
-    parser.add_argument("--depth", type=int, default=4, help="requests each flooding connection keeps in flight "
-                                                             "(default 4)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"floods to run, comma-separated (default all: "
-                                                                 f"{','.join(KINDS)})")
-    parser.add_argument("--seconds", type=float, default=20.0, help="seconds of each victim phase (default 20)")
-    parser.add_argument("--same-user", action="store_true", help="flood as the victim's own user (default: as "
-                                                                  "nobody where this runs as root)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", help="write the result here ('-': stdout)")
+    parser.add_argument("--flooders", type=count_option, default=64, help="flooding connections (default 64)")
+    parser.add_argument("--depth", type=count_option, default=4,
+                        help="requests each flooding connection keeps in flight (default 4)")
+    parser.add_argument("--kinds", type=kinds(KINDS), default=list(KINDS),
+                        help=f"floods to run, comma-separated (default all: {','.join(KINDS)})")
+    parser.add_argument("--seconds", type=seconds_option, default=20.0,
+                        help="seconds of each victim phase (default 20)")
+    parser.add_argument("--same-user", action="store_true",
+                        help="flood as the victim's own user (default: as nobody where this runs as root)")
+    parser.add_argument("--seed", type=whole, default=1)
+    parser.add_argument("--json", help="write the result here ('-': stdout, instead of the summary)")
     args = parser.parse_args(argv)
+    check_outputs(parser, json=None if args.json == "-" else args.json)
     if args.role == "flooder":
         return role_flooder(args.path, args.kind, args.count, args.depth, args.seconds, args.seed)
     if args.role == "victim":
         return role_victim(args.path, args.handle, args.seconds)
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or args.flooders < 1 or args.depth < 1 or args.seconds <= 0:
-        parser.error(f"unknown flood kinds {unknown} (known: {', '.join(KINDS)})" if unknown else
-                     "--flooders and --depth must be at least 1, --seconds above 0")
-    result = run(args.flooders, args.seconds, args.seed, kinds, args.depth, args.same_user)
-    c.write_json(args.json, result)
-    print(f"flooding user: {result['flooding_user']}")
-    print(f"{'alone':14s} import latency: {result.get('alone', {}).get('latency')}")
-    for kind, got in result["floods"].items():
-        print(f"{kind:14s} import latency: {got['victim']['latency']}; flood: {got['flood']}")
-    print(f"broker RSS kB: {result.get('rss_kb')}")
-    for line in result["violations"]:
-        print("VIOLATION:", line)
+    result = run(args.flooders, args.seconds, args.seed, tuple(args.kinds), args.depth, args.same_user)
+    lines = [f"flooding user: {result['flooding_user']}",
+             f"{'alone':14s} import latency (µs): {readable(result.get('alone', {}).get('latency'))}"]
+    lines += [f"{kind:14s} import latency (µs): {readable(got['victim']['latency'])}; flood: {readable(got['flood'])}"
+              for kind, got in result["floods"].items()]
+    lines += [f"broker RSS kB: {readable(result.get('rss_kb'))}"]
+    lines += [f"VIOLATION: {readable(line)}" for line in result["violations"]]
+    emit(lines, result, args.json)
     return 1 if result["violations"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -19,7 +19,7 @@ Invariants (any violation fails the run):
   streams), ``/proc/self/fd``, ``/proc/self/maps`` and ``runtime().counts()`` are back at their baseline;
   and the broker holds nothing and has its fd count back once the child has gone.
 
-    .venv/bin/python stress/fuzz_api.py --calls 100000 --json out.json
+    vmmshare stress fuzz_api --calls 100000 --json out.json
 
 Exit status 0 when every invariant held. Loops are bounded by count and by ``--seconds``.
 """
@@ -49,6 +49,8 @@ sys.path.insert(0, str(HERE))
 
 import common as c  # noqa: E402
 from fuzz_protocol import Broker, broker_state, settled_fd_count  # noqa: E402
+from stressio import count_option, emit, entry, prog, readable, seconds_option, whole  # noqa: E402
+from vmmshare.console import check_outputs  # noqa: E402
 
 DOCUMENTED = {0, 100000, 100002, 100003, 100037, 107000, 107001, 107002, 107003, 107016, 107017, 207000, 207001,
               207006, 507046}
@@ -1184,38 +1186,37 @@ def verdict(r: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=100_000)
-    ap.add_argument("--seconds", type=float, default=600.0, help="time cap for the fuzz loop (default 600)")
-    ap.add_argument("--seed", type=int, default=20251130)
-    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=count_option, default=100_000, help="calls to make (default 100000)")
+    ap.add_argument("--seconds", type=seconds_option, default=600.0, help="time cap for the fuzz loop (default 600)")
+    ap.add_argument("--seed", type=whole, default=20251130)
+    ap.add_argument("--json", default=None, help="write the results here ('-': stdout, instead of the summary)")
     ap.add_argument("--trace", type=Path, default=None, help="write each call before it runs (to find a crash)")
     ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
-                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                    help="device memory: host memfds (default), a real GPU, or fakecuda/ (the CPU stand-in for "
                          "the CUDA driver, built with $CC)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.child:
         return child_main(args.calls, args.seconds, args.seed, args.result, args.trace)
     with c.backend_env(args.backend) as extra:
         r = run(args.calls, args.seed, args.seconds, args.trace, extra_env=extra)
-    if args.json:
-        args.json.write_text(json.dumps(r, indent=2, default=str))
-    print(f"{r.get('calls')} calls of {r.get('functions')} functions in {r.get('seconds')} s "
-          f"({r.get('rate_per_s')}/s), {r.get('ok_calls')} succeeded; codes {r.get('codes')}")
-    print(f"fds {r.get('baseline', {}).get('fds')} -> {r.get('after', {}).get('fds')}, maps "
-          f"{r.get('baseline', {}).get('maps')} -> {r.get('after', {}).get('maps')}, counts back: "
-          f"{r.get('baseline', {}).get('counts') == r.get('after', {}).get('counts')}; "
-          f"child exit {r.get('child_returncode')}")
+    lines = [f"{r.get('calls')} calls of {r.get('functions')} functions in {r.get('seconds')} s "
+             f"({r.get('rate_per_s')}/s), {r.get('ok_calls')} succeeded; codes {readable(r.get('codes'))}",
+             f"fds {r.get('baseline', {}).get('fds')} -> {r.get('after', {}).get('fds')}, maps "
+             f"{r.get('baseline', {}).get('maps')} -> {r.get('after', {}).get('maps')}, counts back: "
+             f"{r.get('baseline', {}).get('counts') == r.get('after', {}).get('counts')}; "
+             f"child exit {r.get('child_returncode')}"]
     if r["violations"]:
-        print("VIOLATIONS:\n  " + "\n  ".join(r["violations"]))
-        for d in r.get("defect_samples", [])[:20]:
-            print(f"  - {d['what']}: {d['call']}\n      {d['detail']}")
+        lines.append("VIOLATIONS:\n  " + "\n  ".join(r["violations"]))
+        lines += [f"  - {d['what']}: {d['call']}\n      {d['detail']}" for d in r.get("defect_samples", [])[:20]]
         if r.get("child_returncode") != 0:
-            print(r.get("child_stderr_tail", ""))
+            lines.append(r.get("child_stderr_tail", ""))
+    emit(lines, r, args.json)
     return 0 if r["ok"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -13,7 +13,7 @@
     alive, serve a real allocate/export/import round trip between two processes, hold no fd it was handed, have
     its fd count back at baseline and its RSS within 5 MiB of baseline.
 
-    .venv/bin/python stress/fuzz_protocol.py --frames 100000 --live --json out.json
+    vmmshare stress fuzz_protocol --frames 100000 --live --json out.json
 
 Exit status 0 when every invariant held, 1 otherwise. Loops are bounded by count and by ``--seconds``.
 """
@@ -45,11 +45,13 @@ from typing import Any
 from vmmshare import protocol as P
 from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_BODY, MAX_FRAME, VERSION, Frame, Msg, ProtocolError, Tail
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
 import rawsock  # noqa: E402  (the test side's own packet code)
+from stressio import count_option, emit, entry, fraction, prog, readable, seconds_option, whole  # noqa: E402
+from vmmshare.console import check_outputs  # noqa: E402
 
 U32_MAX = (1 << 32) - 1
 MiB2 = 2 << 20
@@ -433,7 +435,7 @@ def fuzz_atheris(runs: int, seed: int, seconds: float) -> dict[str, Any]:
 
 
 class Broker:
-    """A broker on its own socket for this run (the tests/procs.py BrokerProc pattern, with its log to a file)."""
+    """A broker on its own socket for this run (the procs.py BrokerProc pattern, with its log to a file)."""
 
     def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
         self.folder = folder
@@ -1014,24 +1016,26 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--atheris-child"]:
         _atheris_child(int(argv[1]), argv[2], argv[3:])
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--frames", type=int, default=100_000, help="decoder frames (default 100000)")
-    ap.add_argument("--seconds", type=float, default=None, help="time cap for each phase")
-    ap.add_argument("--seed", type=int, default=20251130)
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
+    ap.add_argument("--frames", type=count_option, default=100_000, help="decoder frames (default 100000)")
+    ap.add_argument("--seconds", type=seconds_option, default=None, help="time cap for each phase")
+    ap.add_argument("--seed", type=whole, default=20251130)
     ap.add_argument("--live", action="store_true", help="also send the frames to a live broker")
-    ap.add_argument("--live-frames", type=int, default=None,
+    ap.add_argument("--live-frames", type=count_option, default=None,
                     help="frames sent to the broker (default: all --frames; the first N of the same sequence)")
-    ap.add_argument("--connections", type=int, default=8)
-    ap.add_argument("--scripted-rate", type=float, default=0.03,
+    ap.add_argument("--connections", type=count_option, default=8)
+    ap.add_argument("--scripted-rate", type=fraction, default=0.03,
                     help="well-formed requests on live objects interleaved, per fuzz frame (default 0.03)")
-    ap.add_argument("--atheris-runs", type=int, default=2_000_000, help="coverage-guided execs (0: skip)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--atheris-runs", type=whole, default=2_000_000, help="coverage-guided execs (0: skip)")
+    ap.add_argument("--json", default=None, help="write the results here ('-': stdout, instead of the summary)")
     args = ap.parse_args(argv)
+    check_outputs(ap, json=None if args.json == "-" else args.json)
+    lines: list[str] = []
 
     result: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *argv]), "cpus": os.cpu_count()}
     dec = fuzz_decoder(args.seed, args.frames, args.seconds)
     result["decoder"] = dec
-    print(f"decoder: {dec['frames']} frames in {dec['seconds']} s ({dec['rate_per_s']}/s): "
+    lines.append(f"decoder: {dec['frames']} frames in {dec['seconds']} s ({dec['rate_per_s']}/s): "
           f"{dec['decoded_ok']} decoded, {dec['refused']} refused, {dec['defects']} defects; "
           f"{dec['distinct_error_messages']} distinct ProtocolError messages "
           f"({dec['distinct_error_templates']} kinds)")
@@ -1040,11 +1044,11 @@ def main(argv: list[str] | None = None) -> int:
         ath = fuzz_atheris(args.atheris_runs, args.seed, args.seconds or 600)
         result["atheris"] = ath
         if ath.get("available"):
-            print(f"atheris: {ath['execs']} coverage-guided execs in {ath['seconds']} s, cov {ath['coverage_edges']} "
-                  f"ft {ath['features']}, ok={ath['ok']}")
+            lines.append(f"atheris: {ath['execs']} coverage-guided execs in {ath['seconds']} s, "
+                         f"cov {ath['coverage_edges']} ft {ath['features']}, ok={ath['ok']}")
             ok = ok and bool(ath["ok"])
         else:
-            print("atheris: not installed, coverage-guided run skipped")
+            lines.append("atheris: not installed, coverage-guided run skipped")
     if args.live:
         folder = Path(tempfile.mkdtemp(prefix="vmmshare-fuzz-"))
         try:
@@ -1057,21 +1061,23 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         result["live"] = live
-        print(f"live: {live['frames_sent']} fuzz frames + {sum(live['scripted_requests'].values())} scripted "
+        lines.append(f"live: {live['frames_sent']} fuzz frames + {sum(live['scripted_requests'].values())} scripted "
               f"requests in {live['seconds']} s ({live['packets_per_s']} packets/s) over "
-              f"{args.connections} connections, {live['frames_with_fds']} with fds; replies {live['replies']}; "
+              f"{args.connections} connections, {live['frames_with_fds']} with fds; "
+              f"replies {readable(live['replies'])}; "
               f"broker fds {live['broker_fd_baseline']} -> {live.get('broker_fd_after')}, RSS "
               f"{live['broker_rss_kb_before']} -> {live.get('broker_rss_kb_after')} kB; "
               f"exports {live['exports_made']}, imports {live['imports_made']}; "
-              f"round trip {live.get('round_trip')}; {live['defects']} defects")
+              f"round trip {readable(live.get('round_trip'))}; {live['defects']} defects")
         ok = ok and live["defects"] == 0
     result["ok"] = ok
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
-    if not ok:
-        print(json.dumps({k: v for k, v in result.items() if k != "command"}, indent=2, default=str)[:20000])
+    if not ok:  # what went wrong, readably: the defects each part recorded
+        for part in ("decoder", "atheris", "live"):
+            for sample in (result.get(part) or {}).get("defect_samples", [])[:20]:
+                lines.append(f"  {part} defect: {readable(sample)[:400]}")
+    emit(lines, result, args.json)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

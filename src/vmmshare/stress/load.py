@@ -1,6 +1,6 @@
 """Load: many client processes, paired, each running export / import / map / free cycles against one broker.
 
-    .venv/bin/python stress/load.py --clients 64 --cycles 1000 --seconds 900 --seed 1 --json load.json
+    vmmshare stress load --clients 64 --cycles 1000 --seconds 900 --seed 1 --json load.json
 
 Clients are separate processes (this script with `--role worker`) that talk to the broker through
 `vmmshare.acl` only. They come in pairs joined by two pipes; in every cycle each side of a pair
@@ -39,6 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
+from stressio import count_option, emit, entry, even_count, fraction, prog, readable, seconds_option, whole
+from vmmshare.console import check_outputs
 
 SIZE = c.MiB2
 MARK = struct.Struct("<8sQQQ")  # magic, tgid, cycle, seed
@@ -299,38 +301,39 @@ def _requests(t: dict[str, int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=64, help="client processes, an even number (default 64)")
-    ap.add_argument("--cycles", type=int, default=1000, help="cycles per client (default 1000)")
-    ap.add_argument("--seconds", type=float, default=None, help="stop the cycles after this long (counts recorded)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed (default: random, and recorded)")
-    ap.add_argument("--refuse", type=float, default=0.25, help="fraction of cycles whose import must be refused")
-    ap.add_argument("--json", help="write the result here ('-': stdout)")
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=even_count, default=64, help="client processes, an even number (default 64)")
+    ap.add_argument("--cycles", type=count_option, default=1000, help="cycles per client (default 1000)")
+    ap.add_argument("--seconds", type=seconds_option, default=None,
+                    help="stop the cycles after this long (counts recorded)")
+    ap.add_argument("--seed", type=whole, default=None, help="random seed (default: random, and recorded)")
+    ap.add_argument("--refuse", type=fraction, default=0.25, help="fraction of cycles whose import must be refused")
+    ap.add_argument("--json", help="write the result here ('-': stdout, instead of the summary)")
     ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
-                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                    help="device memory: host memfds (default), a real GPU, or fakecuda/ (the CPU stand-in for "
                          "the CUDA driver, built with $CC)")
     ap.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rx", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tx", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.role:
         return worker(args.index, args.rx, args.tx, args.seed or 0, args.refuse)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     with c.backend_env(args.backend) as extra:
         result = run(args.clients, args.cycles, args.seconds, seed, args.refuse, backend_env=extra)
     result["backend"] = args.backend
-    c.write_json(args.json, result)
-    print(f"load: {args.backend} backend, seed {seed}, {args.clients} clients, {result['cycles_done']} client cycles "
-          f"in {result['wall_s']} s "
-          f"({result['throughput']['client_cycles_per_s']}/s), {result['counts']['errors']} unexpected error(s), "
-          f"{len(result['violations'])} violation(s)", file=sys.stderr)
-    for m, p in result["latency_us"].items():
-        print(f"  {m:15s} {p}", file=sys.stderr)
-    for v in result["violations"]:
-        print("  VIOLATION", json.dumps(v)[:400], file=sys.stderr)
+    lines = [f"load: {args.backend} backend, seed {seed}, {args.clients} clients, {result['cycles_done']} client "
+             f"cycles in {result['wall_s']} s ({result['throughput']['client_cycles_per_s']}/s), "
+             f"{result['counts']['errors']} unexpected error(s), {len(result['violations'])} violation(s)",
+             "  latency (µs):"]
+    lines += [f"    {m:15s} {readable(p)}" for m, p in result["latency_us"].items()]
+    lines += [f"  VIOLATION {readable(v)[:400]}" for v in result["violations"]]
+    emit(lines, result, args.json)
     return 1 if result["violations"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

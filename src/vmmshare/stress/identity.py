@@ -1,6 +1,6 @@
 """Identity: who may import is decided by the kernel's idea of the peer, never by what a client claims.
 
-    .venv/bin/python stress/identity.py --reuse 200 --containers 50 --guesses 1000000 --seed 1 --json identity.json
+    vmmshare stress identity --reuse 200 --containers 50 --guesses 1000000 --seed 1 --json identity.json
 
 (a) pid reuse. This process exports a handle (pid validation on) and, per trial, forks a process A, trustlists A's
     pid, kills A, sets /proc/sys/kernel/ns_last_pid to A-1 and forks B, which then has A's pid, and has B import.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import json
 import os
 import pwd
@@ -46,8 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
-
+from stressio import emit, entry, prog, readable, seconds_option, whole
 from vmmshare import protocol as P
+from vmmshare.console import check_outputs
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -298,7 +298,7 @@ def other_user() -> tuple[list[str] | None, str]:
 
 
 def nobody_env(prefix: list[str], env: dict[str, str]) -> tuple[dict[str, str] | None, str]:
-    """`env` plus what a process running as nobody needs to import vmmshare and run tests/actor.py, or the reason
+    """`env` plus what a process running as nobody needs to import vmmshare and run actor.py, or the reason
     it cannot: tried as is, with PYTHONPATH=src, and with a world-readable copy of src."""
     probe = "import vmmshare.acl, sys; open(sys.argv[1]).close()"
     tries: list[dict[str, str]] = [{}, {"PYTHONPATH": str(c.SRC)}]
@@ -323,7 +323,7 @@ def nobody_env(prefix: list[str], env: dict[str, str]) -> tuple[dict[str, str] |
         if out.returncode == 0:
             return full, ""
         last = out.stderr.strip()[-300:]
-    return None, f"a process running as nobody cannot import vmmshare or read tests/actor.py: {last}"
+    return None, f"a process running as nobody cannot import vmmshare or read actor.py: {last}"
 
 
 def world_dir(prefix: str) -> Path:
@@ -469,18 +469,20 @@ def guessing_run(count: int, seed: int, exports: int = 8, limit: float | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reuse", type=int, default=200, help="pid-reuse trials on the host (half fast, half slow)")
-    ap.add_argument("--reuse-ns", type=int, default=50, help="pid-reuse trials inside a fresh pid namespace")
-    ap.add_argument("--containers", type=int, default=50, help="pid-namespace trials")
-    ap.add_argument("--guesses", type=int, default=1_000_000, help="random handle guesses")
-    ap.add_argument("--seconds", type=float, default=None, help="cap on each part's time")
-    ap.add_argument("--seed", type=int, default=None, help="random seed (default: random, and recorded)")
-    ap.add_argument("--json", help="write the result here ('-': stdout)")
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reuse", type=whole, default=200, help="pid-reuse trials on the host (half fast, half slow)")
+    ap.add_argument("--reuse-ns", type=whole, default=50, help="pid-reuse trials inside a fresh pid namespace")
+    ap.add_argument("--containers", type=whole, default=50, help="pid-namespace trials")
+    ap.add_argument("--guesses", type=whole, default=1_000_000, help="random handle guesses")
+    ap.add_argument("--seconds", type=seconds_option, default=None, help="cap on each part's time")
+    ap.add_argument("--seed", type=whole, default=None, help="random seed (default: random, and recorded)")
+    ap.add_argument("--json", help="write the result here ('-': stdout, instead of the summary)")
     ap.add_argument("--role", choices=["reuse"], help=argparse.SUPPRESS)
     ap.add_argument("--trials", type=int, default=10, help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=["fast", "slow", "mixed"], default="mixed", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    check_outputs(ap, json=None if args.json == "-" else args.json)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     if args.role == "reuse":
         print(json.dumps(reuse_scenario(args.trials, args.mode, seed, args.seconds or 600)))
@@ -524,13 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         violations.append({"part": "guessing", "not_107017": g["not_107017"], "control": g["control_replies"]})
     result["violations"] = violations
     result["wall_s"] = round(time.monotonic() - t0, 2)
-    c.write_json(args.json, result)
-    print(f"identity: seed {seed}, {len(violations)} violation(s) in {result['wall_s']} s", file=sys.stderr)
-    for v in violations:
-        print("  VIOLATION", json.dumps(v)[:400], file=sys.stderr)
+    lines = [f"identity: seed {seed}, {len(violations)} violation(s) in {result['wall_s']} s"]
+    lines += [f"  VIOLATION {readable(v)[:400]}" for v in violations]
+    emit(lines, result, args.json)
     return 1 if violations else 0
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+    entry(main)

@@ -8,9 +8,9 @@ is rewritten in place (the test brokers are separate processes that import it), 
 ``pytest -x``, and the source is put back, also when the run is interrupted. A mutant is *killed* when some test
 fails; the first failing test is reported.
 
-    .venv/bin/python stress/mutate_ledger.py                 # every mutant, the three files in one pytest run
-    .venv/bin/python stress/mutate_ledger.py --each-file     # which test of each file catches each mutant
-    .venv/bin/python stress/mutate_ledger.py --only self_import --json out.json
+    vmmshare stress mutate_ledger                 # every mutant, the three files in one pytest run
+    vmmshare stress mutate_ledger --each-file     # which test of each file catches each mutant
+    vmmshare stress mutate_ledger --only self_import --json out.json
 
 Exit status 0 when every mutant was killed, 1 otherwise.
 """
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # the source checkout: the mutants are made in its files
 BROKER = ROOT / "src" / "vmmshare" / "broker"
 FILES = ["tests/test_ledger.py", "tests/test_ledger_limits.py", "tests/test_broker_robustness.py",
          "tests/test_sharing_rules.py"]
@@ -164,12 +164,15 @@ def run_tests(files: list[str], timeout: float) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="vmmshare stress mutate_ledger", description=__doc__.split("\n\n")[0])
     parser.add_argument("--each-file", action="store_true", help="run each test file on its own for every mutant")
     parser.add_argument("--only", nargs="*", default=None, help="mutant names to run (default: all)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for one pytest run")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if not (ROOT / "tests" / "conftest.py").is_file():
+        parser.exit(2, f"{parser.prog}: error: mutants are made in a source checkout's files and caught by its tests; "
+                       f"there are none at {ROOT}\n")
     chosen = [m for m in MUTANTS if args.only is None or m[0] in args.only]
     if not chosen:
         parser.error(f"no such mutant; known: {', '.join(m[0] for m in MUTANTS)}")

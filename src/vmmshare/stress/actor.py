@@ -1,6 +1,6 @@
 """A second process driven over stdin/stdout: each line is a JSON call into ``vmmshare.acl``, answered by JSON.
 
-Run as ``python tests/actor.py``; the test side is `tests/procs.py`.
+Run as ``python actor.py``; the test side is `procs.py`.
 """
 
 from __future__ import annotations
@@ -106,4 +106,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the run that drives this actor reports it
+        sys.exit(130)

@@ -1,8 +1,8 @@
 """Faults: SIGKILL of the exporter, of an importer and of the broker at random points of export / import / map.
 
-    .venv/bin/python stress/faults.py --trials 200 --seconds 900 --seed 1 --json faults.json
+    vmmshare stress faults --trials 200 --seconds 900 --seed 1 --json faults.json
 
-Three kinds of trial, each against a broker of its own (`tests/procs.BrokerProc`):
+Three kinds of trial, each against a broker of its own (`procs.BrokerProc`):
 
 exporter  A fresh exporter loops allocate -> reserve -> map -> write a pattern -> export -> trustlist -> publish
           (keeping its last few exports live, freeing older ones); a long-lived importer imports every published
@@ -58,6 +58,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
+from stressio import count_option, emit, entry, fraction, kinds, prog, readable, seconds_option, whole
+from vmmshare.console import check_outputs
+
+KINDS = ("exporter", "importer", "broker")
 
 SIZE = c.MiB2
 # phases a worker announces before each step (Progress); the name of the one a kill interrupted is recorded
@@ -777,36 +781,39 @@ def main(argv: list[str] | None = None) -> int:
         import fabric_faults
 
         return fabric_faults.main([a for a in argv if a != "--fabric"])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=200, help="trials of each kind (default 200)")
-    ap.add_argument("--seconds", type=float, default=None, help="cap on the whole run's time (split between kinds)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed (default: random, and recorded)")
-    ap.add_argument("--kinds", default="exporter,importer,broker", help="comma-separated: exporter,importer,broker")
-    ap.add_argument("--double-kill", type=float, default=0.0,
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=count_option, default=200, help="trials of each kind (default 200)")
+    ap.add_argument("--seconds", type=seconds_option, default=None,
+                    help="cap on the whole run's time (split between kinds)")
+    ap.add_argument("--seed", type=whole, default=None, help="random seed (default: random, and recorded)")
+    ap.add_argument("--kinds", type=kinds(KINDS), default=list(KINDS),
+                    help="comma-separated: exporter,importer,broker (default: all three)")
+    ap.add_argument("--double-kill", type=fraction, default=0.0,
                     help="fraction of broker trials that kill the restarted broker again while clients reconnect")
-    ap.add_argument("--json", help="write the result here ('-': stdout)")
+    ap.add_argument("--json", help="write the result here ('-': stdout, instead of the summary)")
     ap.add_argument("--backend", choices=["host", "cuda", "fakecuda"], default="host",
-                    help="device memory: host memfds (default), a real GPU, or tests/fakecuda (the CPU stand-in for "
+                    help="device memory: host memfds (default), a real GPU, or fakecuda/ (the CPU stand-in for "
                          "the CUDA driver, built with $CC)")
     ap.add_argument("--role", choices=["exporter", "importer"], help=argparse.SUPPRESS)
     ap.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.role:
         cls = ExporterWorker if args.role == "exporter" else ImporterWorker
         cls(args.progress, args.seed or 0).serve()
         return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     with c.backend_env(args.backend) as extra:
-        result = run(args.kinds.split(","), args.trials, args.seconds, seed, args.double_kill, backend_env=extra)
+        result = run(args.kinds, args.trials, args.seconds, seed, args.double_kill, backend_env=extra)
     result["backend"] = args.backend
-    c.write_json(args.json, result)
-    summary = {k: {"trials": v.get("trials"), "wall_s": v.get("wall_s")} for k, v in result["kinds"].items()}
-    print(f"faults: {args.backend} backend, seed {seed}, {summary}, {len(result['violations'])} violation(s), "
-          f"known defects seen: {result['defect_counts']}", file=sys.stderr)
-    for v in result["violations"][:20]:
-        print("  VIOLATION", json.dumps(v)[:400], file=sys.stderr)
+    lines = [f"faults: {args.backend} backend, seed {seed}, {len(result['violations'])} violation(s), "
+             f"known defects seen: {readable(result['defect_counts'])}"]
+    lines += [f"  {k:9s} {v.get('trials')} trials in {v.get('wall_s')} s" for k, v in result["kinds"].items()]
+    lines += [f"  VIOLATION {readable(v)[:400]}" for v in result["violations"][:20]]
+    emit(lines, result, args.json)
     return 1 if result["violations"] or result["defects"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

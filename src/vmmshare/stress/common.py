@@ -1,6 +1,6 @@
 """Shared helpers of the reliability stress scripts (faults.py, load.py, identity.py) and of their CI-sized tests.
 
-Everything here talks to real processes: brokers from `tests/procs.py` (`BrokerProc`), worker processes that run
+Everything here talks to real processes: brokers from `procs.py` (`BrokerProc`), worker processes that run
 `vmmshare.acl` calls, and raw SOCK_SEQPACKET connections that speak the broker protocol by hand. Loops are bounded
 by a count and a deadline; waits are on pipes, replies and process exits (a few conditions can only be polled:
 those polls carry a deadline too).
@@ -25,17 +25,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-TESTS = ROOT / "tests"
-SRC = ROOT / "src"
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+HERE = Path(__file__).resolve().parent  # the stress runs and the harness they share with the tests
+TESTS = HERE  # where actor.py, procs.py, rawsock.py and fakecuda/ are
+SRC = HERE.parents[1]  # the folder that holds the vmmshare package (src/ of a checkout, or site-packages)
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
 import fakecuda  # noqa: E402
 import rawsock  # noqa: E402
 from procs import PROP, Actor, BrokerProc, MiB2, host_children  # noqa: E402
 from vmmshare import protocol as P  # noqa: E402
+from vmmshare.console import interrupt_ignored_by_children  # noqa: E402
 
 __all__ = ["PROP", "Actor", "BrokerProc", "MiB2", "host_children"]
 
@@ -301,8 +301,9 @@ class Worker:
 
     def __init__(self, argv: list[str], env: dict[str, str], name: str = "", pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name or argv[-1]
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                     pass_fds=pass_fds, close_fds=True)
+        with interrupt_ignored_by_children():  # until its `entry` runs: Ctrl-C is the run's to report
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                         pass_fds=pass_fds, close_fds=True)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         self.fd = self.proc.stdout.fileno()
         self.pid = self.proc.pid

@@ -1,0 +1,283 @@
+"""The broker as a node service (docs/configuration.md, "Running as a node service"), in containers (docs/index.md),
+and its log when auto-started: the shipped systemd units pass `systemd-analyze verify`; the broker serves on a
+socket passed to it the way systemd passes one (and refuses a wrong one with exit 2); a consumer in pid and mount
+namespaces of its own imports through the socket folder bind-mounted into it; broker.log is rotated.
+
+Real processes throughout: brokers started by the unit's own command line, `Actor`s, `unshare(1)`.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clirun import SCRIPT, env_for, vmmshare
+from conftest import require
+from procs import PROP, Actor, MiB2, refusal, share_and_map
+
+ROOT = Path(__file__).resolve().parents[1]
+UNITS = ROOT / "packaging" / "systemd"
+UNIT_SOCKET = "/run/vmmshare/broker.sock"
+HANG_GUARD = 60.0  # seconds: a guard against a hang only, never part of an assertion
+
+
+def _unit(name: str) -> dict[str, list[str]]:
+    """The settings of a unit file (`Key` -> its values, in order), comments left out."""
+    out: dict[str, list[str]] = {}
+    for line in (UNITS / name).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def _exec_start(socket_path: Path) -> list[str]:
+    """vmmshare.service's ExecStart= as this checkout runs it: its own interpreter, the test's socket path."""
+    argv = shlex.split(_unit("vmmshare.service")["ExecStart"][0])
+    assert Path(argv[0]).name == "vmmshare", argv
+    return [sys.executable, "-m", "vmmshare", *[str(socket_path) if a == UNIT_SOCKET else a for a in argv[1:]]]
+
+
+def _finish(proc: subprocess.Popen[bytes]) -> tuple[int | None, str]:
+    """The exit status and stderr of `proc` once it exits on its own (None if it is still running after the hang
+    guard: then it is killed)."""
+    try:
+        _, err = proc.communicate(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        return None, err.decode()
+    return proc.returncode, err.decode()
+
+
+# ---------------------------------------------------------------- the unit files
+
+
+def test_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    """Both units are valid as shipped, with ExecStart= pointed at where the script is installed here."""
+    tool = shutil.which("systemd-analyze")
+    require(tool, "systemd-analyze is not installed (apt-get install systemd; scripts/setup.sh does as root)")
+    assert tool is not None
+    require(SCRIPT.exists(), f"no installed console script at {SCRIPT}")
+    for name in ("vmmshare.service", "vmmshare.socket"):
+        text = (UNITS / name).read_text().replace("/usr/local/bin/vmmshare", str(SCRIPT))
+        (tmp_path / name).write_text(text)
+    out = subprocess.run([tool, "verify", "--man=no", str(tmp_path / "vmmshare.socket"),
+                          str(tmp_path / "vmmshare.service")], capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), (out.stdout, out.stderr)
+
+
+def test_the_units_agree_on_the_socket_and_run_a_multi_user_broker() -> None:
+    """The .socket unit listens where the service's broker is told to serve, as SOCK_SEQPACKET with credentials,
+    open to every user (the trustlist decides), and the service makes /run/vmmshare and keeps it for the socket."""
+    sock, service = _unit("vmmshare.socket"), _unit("vmmshare.service")
+    assert sock["ListenSequentialPacket"] == [UNIT_SOCKET]
+    assert sock["SocketMode"] == ["0666"] and sock["PassCredentials"] == ["yes"]
+    argv = shlex.split(service["ExecStart"][0])
+    assert argv[1] == "broker" and "--multi-user" in argv and argv[argv.index("--socket") + 1] == UNIT_SOCKET
+    assert service["RuntimeDirectory"] == ["vmmshare"] and service["RuntimeDirectoryPreserve"] == ["yes"]
+    assert service["Requires"] == ["vmmshare.socket"]
+
+
+# ---------------------------------------------------------------- socket activation
+
+
+class Manager:
+    """What systemd does for vmmshare.socket: hold a listening socket at `path` and start brokers on it, each
+    given the socket as fd 3 with LISTEN_PID and LISTEN_FDS set (sd_listen_fds(3))."""
+
+    def __init__(self, path: Path, kind: int = socket.SOCK_SEQPACKET, bound: Path | None = None) -> None:
+        path.parent.mkdir(mode=0o755)
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, kind)
+        self.sock.bind(str(bound or path))
+        os.chmod(bound or path, 0o666)
+        self.sock.listen(16)
+
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        fd = self.sock.fileno()
+        shim = f'exec 3<&{fd} {fd}<&-; LISTEN_PID=$$ LISTEN_FDS=1 exec "$@"'
+        return subprocess.Popen(["bash", "-c", shim, "bash", *argv], env=env, pass_fds=(fd,),
+                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[Manager]:
+    m = Manager(tmp_path / "run" / "broker.sock")
+    yield m
+    m.close()
+
+
+def _round_trip(env: dict[str, str]) -> None:
+    """An exporter and an importer share 2 MiB through the broker at env's socket; the importer reads the bytes."""
+    exporter, importer = Actor(env), Actor(env)
+    try:
+        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
+        assert ret == 0, exporter.last_err
+        p, ret = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+        assert ret == 0 and exporter.call("rt.map_mem", p, MiB2, 0, h, 0) == 0, exporter.last_err
+        exporter.call("!write", p, 0x5A, MiB2)
+        _, _, ptr = share_and_map(exporter, importer, h, MiB2)
+        assert importer.call("!sha256", ptr, MiB2) == exporter.call("!sha256", p, MiB2)
+    finally:
+        importer.close()
+        exporter.close()
+
+
+def test_broker_serves_a_socket_passed_by_the_service_manager(manager: Manager, tmp_path: Path) -> None:
+    """The unit's broker takes the passed socket, serves on it, and on SIGTERM leaves the socket file to the
+    manager; a client that connects while no broker runs waits in the queue and is served by the next broker."""
+    env = env_for(tmp_path, VMMSHARE_SOCKET=str(manager.path))
+    inode = manager.path.stat().st_ino
+    first = manager.start(_exec_start(manager.path), env)
+    try:
+        _round_trip(env)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        code, log = _finish(first)
+        assert code == 0, log
+    assert "Traceback" not in log and f"serving {manager.path}" in log, log
+    assert manager.path.stat().st_ino == inode  # neither unlinked nor replaced: the manager's socket stays
+    # a client now connects to the listener no broker serves: it waits until the next broker answers
+    client = subprocess.Popen([sys.executable, "-c", (
+        "import vmmshare.acl as acl\n"
+        "acl.rt.set_device(0)\n"
+        f"h, ret = acl.rt.malloc_physical({MiB2}, {PROP!r}, 0)\n"
+        "print(ret, acl.rt.free_physical(h))\n")], env=env, stdout=subprocess.PIPE, text=True)
+    second = manager.start(_exec_start(manager.path), env)
+    try:
+        out, _ = client.communicate(timeout=HANG_GUARD)
+        assert client.returncode == 0 and out.split() == ["0", "0"], out
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert _finish(second)[0] == 0
+
+
+@pytest.mark.parametrize("wrong", ["stream", "other path"])
+def test_a_wrong_passed_socket_is_refused_with_exit_2(tmp_path: Path, wrong: str) -> None:
+    """A passed fd that is not a SOCK_SEQPACKET listener at the broker's own path: exit 2, one line that says
+    which, no traceback, and the passed socket is left alone."""
+    path = tmp_path / "run" / "broker.sock"
+    m = (Manager(path, socket.SOCK_STREAM) if wrong == "stream"
+         else Manager(path, bound=tmp_path / "elsewhere.sock"))
+    try:
+        code, log = _finish(m.start(_exec_start(path), env_for(tmp_path, VMMSHARE_SOCKET=str(path))))
+        assert code == 2, log
+        assert "Traceback" not in log
+        assert ("SOCK_SEQPACKET" if wrong == "stream" else "elsewhere.sock") in log, log
+        m.sock.getsockname()  # still open here
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------- containers
+
+
+def test_consumer_in_its_own_pid_and_mount_namespaces_imports_through_a_bind_mounted_socket(
+        tmp_path: Path) -> None:
+    """docs/index.md's container recipe: a multi-user broker on the host, its socket folder bind-mounted into a
+    consumer with pid and mount namespaces of its own (at another path); the consumer reports its bare tgid (the
+    host pid), the exporter trusts that pid, and the consumer imports and reads the bytes. Its in-namespace pid
+    is not what the broker knows it by: a trustlist holding that is refused (207006)."""
+    require(os.geteuid() == 0, "needs root (mount and pid namespaces, a multi-user broker)")
+    inner = tmp_path / "container" / "run"
+    inner.mkdir(parents=True)
+    host = tmp_path / "host-run" / "broker.sock"
+    prefix = ["unshare", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc",
+              "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(host.parent), str(inner)]
+    require(not refusal(prefix[:6]), refusal(prefix[:6]))
+    manager = Manager(host)
+    broker = manager.start(_exec_start(host), env_for(tmp_path, VMMSHARE_SOCKET=str(host)))
+    exporter = consumer = None
+    try:
+        exporter = Actor(env_for(tmp_path, VMMSHARE_SOCKET=str(host)))
+        consumer = Actor(env_for(tmp_path, VMMSHARE_SOCKET=str(inner / "broker.sock")), prefix=prefix)
+        tgid, ret = consumer.call("rt.device_get_bare_tgid")
+        assert ret == 0 and tgid != consumer.pid, (tgid, consumer.pid)  # the host pid, not the namespace's
+        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
+        assert ret == 0
+        p, _ = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+        assert exporter.call("rt.map_mem", p, MiB2, 0, h, 0) == 0
+        exporter.call("!write", p, 0xC3, MiB2)
+        sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, 1)
+        assert ret == 0
+        assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, 1, [consumer.pid]) == 0
+        _, ret = consumer.call("rt.mem_import_from_shareable_handle_v2", sh, 1, 0)
+        assert ret == 207006, (ret, consumer.last_err)  # the pid inside the container is not the consumer's
+        assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, 1, [tgid]) == 0
+        ih, ret = consumer.call("rt.mem_import_from_shareable_handle_v2", sh, 1, 0)
+        assert ret == 0, consumer.last_err
+        q, _ = consumer.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+        assert consumer.call("rt.map_mem", q, MiB2, 0, ih, 0) == 0, consumer.last_err
+        assert consumer.call("!sha256", q, MiB2) == exporter.call("!sha256", p, MiB2)
+    finally:
+        for actor in (consumer, exporter):
+            if actor is not None:
+                actor.close()
+        broker.send_signal(signal.SIGTERM)
+        assert _finish(broker)[0] == 0
+        manager.close()
+
+
+# ---------------------------------------------------------------- broker.log
+
+
+def test_auto_started_broker_rotates_a_full_broker_log(tmp_path: Path) -> None:
+    """An auto-started broker writes its lines to broker.log and rotates it at 1 MiB: a log left full by earlier
+    brokers becomes broker.log.1 (the one older file kept) and the new broker starts a fresh one."""
+    from vmmshare.broker.__main__ import LOG_FILE_BYTES
+
+    env = env_for(tmp_path, VMMSHARE_LOG="INFO", VMMSHARE_BROKER_IDLE="60")
+    folder = Path(env["VMMSHARE_SOCKET"]).parent
+    folder.mkdir(mode=0o700)
+    old = b"an earlier broker's line\n" * (2 * LOG_FILE_BYTES // 25)
+    fd = os.open(folder / "broker.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(old)
+    client = subprocess.run([sys.executable, "-c", (
+        "import json, vmmshare.acl as acl\n"
+        "from vmmshare.broker.client import BrokerClient\nfrom vmmshare.config import Config\n"
+        "acl.rt.set_device(0)\n"
+        f"h, ret = acl.rt.malloc_physical({MiB2}, {PROP!r}, 0)\n"
+        "c = BrokerClient(Config.from_env(), autostart=False)\n"
+        "print(ret, acl.rt.free_physical(h), c.listing()['broker_pid'])\n")],
+        env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert client.returncode == 0, client.stderr
+    malloc, free, pid = map(int, client.stdout.split())
+    assert (malloc, free) == (0, 0)
+    pidfd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+        select.select([pidfd], [], [], HANG_GUARD)
+    finally:
+        os.close(pidfd)
+    assert (folder / "broker.log.1").read_bytes() == old
+    fresh = (folder / "broker.log").read_text()
+    assert len(fresh) < LOG_FILE_BYTES and "serving" in fresh and "an earlier broker" not in fresh, fresh[:500]
+    assert "Traceback" not in fresh
+
+
+def test_the_broker_log_is_not_opened_through_a_link(tmp_path: Path) -> None:
+    """The rotated log is opened as the start lock is (docs/security.md T2): a link planted at broker.log makes
+    `--log-file` a usage error (exit 2), and the link's target is not written."""
+    target = tmp_path / "target"
+    target.write_text("")
+    (tmp_path / "broker.log").symlink_to(target)
+    out = vmmshare(env_for(tmp_path), "--socket", str(tmp_path / "s" / "b.sock"), "--log-file",
+                   str(tmp_path / "broker.log"), cmd=[sys.executable, "-m", "vmmshare.broker"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "link" in out.stderr, out.stderr
+    assert target.read_text() == ""

@@ -294,15 +294,19 @@ def test_fabric_faults_fd_check_counts_the_engine_apart_and_the_rest_exactly(tmp
     result = json.loads(out.stdout)
     assert result["violations"] == [], result["violations"]
     base, after = result["broker_fds"]["baseline"], result["broker_fds"]["after"]
-    assert {k: after[k] for k in ("memfd", "pidfd", "unix")} == {k: base[k] for k in ("memfd", "pidfd", "unix")}
     import fabric_faults
 
-    assert base["other"] <= after["other"] <= base["other"] + fabric_faults.ENGINE_FDS
+    engine = fabric_faults.ENGINE_FDS
+    assert {k: after[k] for k in ("memfd", "pidfd")} == {k: base[k] for k in ("memfd", "pidfd")}
+    assert after["unix"] - base["unix"] in (0, engine["unix"])  # the engine's socket pair, once it started
+    assert base["other"] <= after["other"] <= base["other"] + engine["other"]
     leaked = {**after, "memfd": after["memfd"] + 1}  # what a leaked mapping's fd would look like
     assert fabric_faults.fd_violations(base, leaked) == [
         f"server 1's broker holds {leaked['memfd']} memfd fds after the run, {base['memfd']} before"]
-    grown = {**after, "other": base["other"] + fabric_faults.ENGINE_FDS + 1}
+    grown = {**after, "other": base["other"] + engine["other"] + 1}
     assert len(fabric_faults.fd_violations(base, grown)) == 1
+    client_left = {**base, "unix": base["unix"] + 1}  # a client connection the broker kept
+    assert len(fabric_faults.fd_violations(base, client_left)) == 1
 
 
 def test_a_shareable_handle_prints_the_same_everywhere(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ def test_cluster_up_status_exec_down() -> None:
     gone = vmmshare("cluster", "status", "--name", name)
     assert gone.returncode == 1 and "is not up" in gone.stderr
     bad = vmmshare("cluster", "up", "--name", "Bad-Name")
-    assert bad.returncode == 1 and "cluster name" in bad.stderr
+    assert bad.returncode == 2 and "cluster name" in bad.stderr
 
 
 def test_cluster_up_needs_root_and_says_so() -> None:

@@ -174,6 +174,50 @@ def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(ser
             t.join(HANG_GUARD)
 
 
+HOLD_SLOTS = """
+import select, socket, sys
+port, count = int(sys.argv[1]), int(sys.argv[2])
+ask = b"GET /x/metadata?key=k HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n"
+conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+for c in conns:  # each one answered: the service accepted it
+    c.sendall(ask)
+    c.recv(4096)
+print("holding", flush=True)
+while not select.select([sys.stdin], [], [], 0.5)[0]:  # the attack's own pace: a whole request well within the limit
+    for c in list(conns):
+        try:
+            c.sendall(ask)
+            c.recv(4096)
+        except OSError:
+            conns.remove(c)
+"""
+
+
+def test_another_user_keeping_every_connection_busy_with_whole_requests_does_not_keep_the_engines_out(
+        service: MetadataService, as_nobody: list[str]) -> None:
+    """Another local user opens as many connections as the service keeps open at once and keeps each one busy with
+    whole requests, answered well within REQUEST_TIMEOUT (so none is cut off): an engine of another user connecting
+    then is still answered. Each user is owed a share of the connections: the new one closes the oldest connection
+    of the user that holds the most."""
+    from vmmshare.fabric.metadata import MAX_CONNECTIONS
+
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    attacker = subprocess.Popen([*as_nobody, sys.executable, "-c", HOLD_SLOTS, str(service.port),
+                                 str(MAX_CONNECTIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None
+        assert attacker.stdout.readline() == "holding\n"
+        for _ in range(3):
+            assert http(service, "GET", path(mine), KEY) == (200, json.dumps(DESC, separators=(",", ":")).encode())
+        assert attacker.poll() is None
+    finally:
+        attacker.kill()
+        attacker.wait(HANG_GUARD)
+    assert http(service, "GET", path(mine), KEY)[0] == 200
+
+
 def raw(m: MetadataService, data: bytes) -> bytes:
     """What the service answers to `data` sent on a connection of its own, up to its close."""
     with socket.create_connection(("127.0.0.1", m.port), timeout=HANG_GUARD) as s:

@@ -23,6 +23,7 @@ would deadlock on its first request.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -31,10 +32,12 @@ import select
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.parse
+from collections import Counter
 from typing import Any
 
 from ..errors import IpcError
@@ -44,7 +47,7 @@ TOKEN_BYTES = 16  # 128 bits: a path token is guessed with probability 2^-128 pe
 MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with a few hundred buffers)
 MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
 REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
-MAX_CONNECTIONS = 64  # connections open at once; more wait in the listen queue
+MAX_CONNECTIONS = 64  # connections open at once; one more closes the oldest of the user that holds the most
 
 
 def new_token() -> bytes:
@@ -124,8 +127,9 @@ MAX_HEAD = 8 << 10  # bytes of a request line and headers
 class _Connection:
     """One engine's connection: what it sent so far, what is left to send it, and when its request must be done."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, uid: int | None) -> None:
         self.sock = sock
+        self.uid = uid  # the connecting socket's owner, as the kernel says (None: it could not be told)
         self.inbox = bytearray()
         self.outbox = bytearray()
         self.deadline = time.monotonic() + REQUEST_TIMEOUT
@@ -133,10 +137,53 @@ class _Connection:
         self.continued = False  # "100 Continue" sent for the request in the inbox
 
 
+_DIAG = struct.Struct("=IHHIIBBBBI")  # nlmsghdr and inet_diag_req_v2 up to its inet_diag_sockid
+_SOCKID = struct.Struct("!HH16s16sIII")  # inet_diag_sockid: ports and addresses in network order, if, cookie
+SOCK_DIAG_BY_FAMILY, NETLINK_SOCK_DIAG, DIAG_UID = 20, 4, 16 + 64  # the uid's offset in the reply (inet_diag_msg)
+_SEQ = itertools.count(1)
+
+
+def peer_uid(diag: socket.socket | None, port: int, peer: tuple[str, int]) -> int | None:
+    """The uid that owns the socket which connected from `peer` to this service's `port` on 127.0.0.1, asked of
+    the kernel (sock_diag, which any user may ask about one socket by its addresses); None where it cannot tell."""
+    if diag is None:
+        return None
+    try:
+        addr = socket.inet_aton(peer[0]).ljust(16, b"\0")
+        here = socket.inet_aton("127.0.0.1").ljust(16, b"\0")
+        seq = next(_SEQ)
+        sockid = _SOCKID.pack(peer[1], port, addr, here, 0, 0xFFFFFFFF, 0xFFFFFFFF)  # the connecting side's view
+        diag.send(_DIAG.pack(_DIAG.size + len(sockid), SOCK_DIAG_BY_FAMILY, 1, seq, 0, socket.AF_INET,
+                             socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid)  # the kernel answers within the send
+        while True:
+            reply = diag.recv(1 << 12)
+            if len(reply) >= 12 and struct.unpack_from("=I", reply, 8)[0] == seq:
+                break  # (an answer to an earlier question that was given up on is passed over)
+    except OSError:
+        return None
+    if len(reply) < DIAG_UID + 4 or struct.unpack_from("=H", reply, 4)[0] != SOCK_DIAG_BY_FAMILY:
+        return None
+    uid: int = struct.unpack_from("=I", reply, DIAG_UID)[0]
+    return uid
+
+
+def _diag_socket() -> socket.socket | None:
+    try:
+        diag = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+        diag.settimeout(1.0)
+        diag.connect((0, 0))
+    except OSError:
+        return None
+    return diag
+
+
 class Service:
     """The HTTP side, one thread and one selector: the listener, the broker's pipe and every connection. Each
     request must arrive and be answered within REQUEST_TIMEOUT of the connection's last answer (or its start), so
-    a client that trickles its bytes or sits idle is cut off; at most MAX_CONNECTIONS are open at once."""
+    a client that trickles its bytes or sits idle is cut off. At most MAX_CONNECTIONS are open at once, shared
+    among the local users whose engines connect: a connection past that closes the oldest connection of the user
+    (by the kernel's uid of the connecting socket) that holds the most, so another user who keeps every slot busy
+    with whole requests cannot keep an engine out; each user is owed its share of the slots."""
 
     def __init__(self, store: Store, commands: int, answers: Any) -> None:
         self.store, self.commands, self.answers = store, commands, answers
@@ -147,7 +194,9 @@ class Service:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.sel.register(commands, selectors.EVENT_READ)
-        self.conns: dict[socket.socket, _Connection] = {}
+        self.conns: dict[socket.socket, _Connection] = {}  # in the order they were accepted
+        self.diag = _diag_socket()
+        self.listening = True
         self.pending = b""
         self.running = True
 
@@ -169,18 +218,29 @@ class Service:
                 self._close(conn)
 
     def _accept(self) -> None:
-        while len(self.conns) < MAX_CONNECTIONS:
+        while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of fds: the connection waits in the queue
+            except OSError:  # out of fds: the connections wait in the queue until one closes
+                self.sel.unregister(self.listener)
+                self.listening = False
                 return
             sock.setblocking(False)
-            self.conns[sock] = _Connection(sock)
+            conn = _Connection(sock, peer_uid(self.diag, self.port, peer))
+            if len(self.conns) >= MAX_CONNECTIONS:
+                self._close(self._oldest_of_the_busiest(conn.uid))
+            self.conns[sock] = conn
             self.sel.register(sock, selectors.EVENT_READ)
-        if len(self.conns) >= MAX_CONNECTIONS:
-            self.sel.unregister(self.listener)  # taken again when a connection closes
+
+    def _oldest_of_the_busiest(self, newcomer: int | None) -> _Connection:
+        """The connection to give up for a newcomer's: the oldest of the user that holds the most (the newcomer's
+        own counted in), or the oldest of all when each user holds one."""
+        held = Counter(c.uid for c in self.conns.values())
+        held[newcomer] += 1
+        busiest = max(held.values())
+        return next(c for c in self.conns.values() if held[c.uid] == busiest or busiest == 1)
 
     def _commands(self) -> None:
         """Carry out the broker's commands that have arrived (also before each request is answered: a command the
@@ -292,7 +352,8 @@ class Service:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
-        if len(self.conns) == MAX_CONNECTIONS - 1:
+        if not self.listening:
+            self.listening = True
             self.sel.register(self.listener, selectors.EVENT_READ)
 
 

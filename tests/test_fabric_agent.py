@@ -442,6 +442,35 @@ def test_remote_holds_count_against_the_server_and_uid_not_a_local_user(cluster:
     assert not cluster.b.ledger.usage.remote_holds
 
 
+def _mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+def test_one_remote_user_cannot_use_up_the_exporting_brokers_mappings(cluster: Cluster) -> None:
+    """The attack: a user with a process on another server imports one export over and over (each remote hold maps
+    the memory once in the exporting broker, and its quota of holds, 65536, is past vm.max_map_count): the broker
+    would run out of mappings, and then of memory of its own. Each (server id, uid) gets at most a quarter of the
+    broker's budget (half of vm.max_map_count), refused with 207005 past it; another user still imports."""
+    with open("/proc/sys/vm/max_map_count", "rb") as f:
+        share = int(f.read()) // 2 // 4
+    handle = cluster.export()
+    attacker = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    before = _mappings()
+    for n in range(share):
+        got = cluster.import_(attacker, handle)
+        assert isinstance(got, P.RemoteImported), (n, got)
+    refused = cluster.import_(attacker, handle)
+    assert isinstance(refused, P.Error) and refused.code == RESOURCE and "uid 1000 of server 0x1" in refused.message
+    assert _mappings() - before <= share + 64, "one mapping per remote hold, and no more past the share"
+    bystander = cluster.a.ledger.connect(2222, 2000, (2, 2))
+    assert isinstance(cluster.import_(bystander, handle), P.RemoteImported)
+    assert len(cluster.b.served) == share + 1
+    cluster.a.ledger.disconnect(attacker)
+    cluster.pump()
+    assert len(cluster.b.served) == 1 and cluster.b.ledger.usage.remote_holds == {(1, 2000): 1}
+
+
 def test_an_import_must_prove_the_secret_for_its_own_link(cluster: Cluster) -> None:
     raw = cluster.export()
     value, secret = int.from_bytes(raw[16:24], "little"), raw[64:96]

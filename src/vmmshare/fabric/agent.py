@@ -38,7 +38,7 @@ from . import peer_protocol as F
 from .engine import Engine, missing
 from .link import Link, State, dial
 from .metadata import MetadataService, new_token
-from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving
+from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving, map_budget
 
 log = logging.getLogger("vmmshare.fabric")
 HEARTBEAT_FACTOR = 0.5  # a link with remote holds sends a heartbeat after this many fabric timeouts of quiet
@@ -115,6 +115,7 @@ class Agent(Serving):
         self.remote_holds: dict[int, RemoteHold] = {}
         self.served: dict[int, Served] = {}  # remote hold id -> its registration with the engine
         self.unmaps: list[tuple[float, int, int]] = []  # (when, address, size) of mappings no longer served
+        self.map_budget = map_budget()
 
     # ------------------------------------------------------------ life
 

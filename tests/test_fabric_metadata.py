@@ -218,6 +218,63 @@ def test_another_user_keeping_every_connection_busy_with_whole_requests_does_not
     assert http(service, "GET", path(mine), KEY)[0] == 200
 
 
+FILL = """
+import socket, sys
+port, value, tokens = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+body = b"x" * value
+refused = 0
+with socket.create_connection(("127.0.0.1", port)) as s:
+    for token in tokens:
+        for k in range(16):
+            s.sendall(f"PUT /{token}/metadata?key=k{k} HTTP/1.1\\r\\nContent-Length: {value}\\r\\n\\r\\n".encode()
+                      + body)
+            reply = b""
+            while b"\\r\\n\\r\\n" not in reply:
+                reply += s.recv(4096)
+            head, _, rest = reply.partition(b"\\r\\n\\r\\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\\r")[0])
+            while len(rest) < length:
+                rest += s.recv(4096)
+            refused += not head.startswith(b"HTTP/1.1 200 ")
+print(refused, flush=True)
+"""
+
+
+def _rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) << 10
+
+
+def test_another_user_with_many_tokens_cannot_fill_the_services_memory(service: MetadataService,
+                                                                       as_nobody: list[str]) -> None:
+    """The attack: a local user with many connections to its broker gets a token for each (one remote import
+    each) and has each engine PUT its 16 keys of 64 KiB: a MiB a token, a GiB for the 1,024 connections its quota
+    allows, in the service's memory. What one user's engines may PUT is bounded in all (MAX_PUT_BYTES), past which
+    a PUT is refused (413); another user's engine still writes its own keys."""
+    from vmmshare.fabric.metadata import MAX_PUT_KEYS as KEYS
+
+    assert service.proc is not None
+    tokens = [new_token() for _ in range(96)]
+    for token in tokens:
+        service.add(token)
+    before = _rss(service.proc.pid)
+    out = subprocess.run([*as_nobody, sys.executable, "-c", FILL, str(service.port), str(MAX_VALUE),
+                          *(t.hex() for t in tokens)], capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr
+    refused = int(out.stdout)
+    grown = _rss(service.proc.pid) - before
+    assert refused > 0, "every PUT of the other user's engines was taken"
+    assert grown < 32 * MiB_, f"the service grew by {grown >> 20} MiB for one user's engines"
+    mine = new_token()
+    service.add(mine)
+    assert http(service, "PUT", path(mine), "mooncake/rpc_meta/me", b"{}")[0] == 200
+    assert http(service, "GET", path(mine), "mooncake/rpc_meta/me")[0] == 200
+    assert len(tokens) * KEYS * MAX_VALUE > 64 * MiB_  # the attack asked for far more
+
+
+MiB_ = 1 << 20
+
+
 def raw(m: MetadataService, data: bytes) -> bytes:
     """What the service answers to `data` sent on a connection of its own, up to its close."""
     with socket.create_connection(("127.0.0.1", m.port), timeout=HANG_GUARD) as s:

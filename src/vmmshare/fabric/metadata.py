@@ -46,6 +46,7 @@ log = logging.getLogger("vmmshare.fabric")
 TOKEN_BYTES = 16  # 128 bits: a path token is guessed with probability 2^-128 per try
 MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with a few hundred buffers)
 MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
+MAX_PUT_BYTES = 16 << 20  # bytes the engines of one user (the connecting socket's uid) may have PUT, all tokens
 REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
 MAX_CONNECTIONS = 64  # connections open at once; one more closes the oldest of the user that holds the most
 
@@ -59,11 +60,21 @@ def new_token() -> bytes:
 
 
 class Store:
-    """The keys of each token: those the broker installed, and those the token's engine PUT itself."""
+    """The keys of each token: those the broker installed, and those the token's engine PUT itself (counted against
+    the user whose engine PUT them: at most MAX_PUT_BYTES a user, whatever tokens it has)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, dict[str, bytes]] = {}
         self.put_keys: dict[str, set[str]] = {}
+        self.put_by: dict[tuple[str, str], tuple[int | None, int]] = {}  # (token, key) -> (uid, bytes) of a PUT
+        self.put_bytes: Counter[int | None] = Counter()  # uid -> bytes its engines have PUT
+
+    def _unput(self, token: str, key: str) -> None:
+        """An engine's key went: its bytes no longer count against the user that PUT it."""
+        uid, size = self.put_by.pop((token, key), (None, 0))
+        self.put_bytes[uid] -= size
+        if self.put_bytes[uid] <= 0:
+            del self.put_bytes[uid]
 
     def command(self, cmd: list[Any]) -> str:
         """One command of the broker's (add, drop, put, del, get); the answer line."""
@@ -74,7 +85,8 @@ class Store:
             return "ok"
         if op == "drop":
             self.tokens.pop(token, None)
-            self.put_keys.pop(token, None)
+            for key in self.put_keys.pop(token, set()):
+                self._unput(token, key)
             return "ok"
         keys = self.tokens.get(token)
         if keys is None:
@@ -84,15 +96,18 @@ class Store:
             return "ok"
         if op == "del":
             keys.pop(str(cmd[2]), None)
-            self.put_keys[token].discard(str(cmd[2]))
+            if str(cmd[2]) in self.put_keys[token]:
+                self.put_keys[token].discard(str(cmd[2]))
+                self._unput(token, str(cmd[2]))
             return "ok"
         if op == "get":
             value = keys.get(str(cmd[2]))
             return "none" if value is None else "value " + value.decode(errors="replace")
         return f"unknown command {op!r}"
 
-    def request(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
-        """An engine's request: (status, body). Anything not under a known token's path is 404."""
+    def request(self, method: str, target: str, body: bytes, uid: int | None = None) -> tuple[int, bytes]:
+        """An engine's request (`uid`: whose socket sent it): (status, body). Anything not under a known token's
+        path is 404."""
         url = urllib.parse.urlsplit(target)
         parts = url.path.split("/")
         key = urllib.parse.parse_qs(url.query).get("key", [""])[0]
@@ -108,14 +123,23 @@ class Store:
             if key not in keys:
                 if len(mine) >= MAX_PUT_KEYS:
                     return 404, b"too many keys"
-                mine.add(key)
-            if key in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
-                keys[key] = body
+            elif key not in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
+                return 200, b""
+            earlier = self.put_by.get((token, key), (uid, 0))
+            held = self.put_bytes[uid] - (earlier[1] if earlier[0] == uid else 0)
+            if held + len(body) > MAX_PUT_BYTES:
+                return 413, b"this user's engines hold all the metadata they may"
+            self._unput(token, key)
+            mine.add(key)
+            keys[key] = body
+            self.put_by[token, key] = (uid, len(body))
+            self.put_bytes[uid] += len(body)
             return 200, b""
         if method == "DELETE":
             if key in mine:
                 mine.discard(key)
                 keys.pop(key, None)
+                self._unput(token, key)
             return 200, b""
         return 405, b"method not allowed"
 
@@ -316,7 +340,7 @@ class Service:
         body = bytes(conn.inbox[end + 4 : end + 4 + length])
         del conn.inbox[: end + 4 + length]
         self._commands()
-        status, reply = self.store.request(request[0], request[1], body)
+        status, reply = self.store.request(request[0], request[1], body, conn.uid)
         close = headers.get("connection", "").lower() == "close" or request[2] == "HTTP/1.0"
         self._answer(conn, status, reply, close)
         conn.deadline = time.monotonic() + REQUEST_TIMEOUT

@@ -275,6 +275,48 @@ def test_another_user_with_many_tokens_cannot_fill_the_services_memory(service: 
 MiB_ = 1 << 20
 
 
+UNREAD = """
+import socket, sys
+port, total = int(sys.argv[1]), int(sys.argv[2])
+ask = b"GET /x/metadata?key=k HTTP/1.1\\r\\n\\r\\n" * 1024  # each answered 404, and none of the answers read
+s = socket.create_connection(("127.0.0.1", port))
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+s.settimeout(1.0)  # the attack's own pace: it stops once the service stops taking its requests
+sent = 0
+try:
+    while sent < total:
+        sent += s.send(ask)
+except (TimeoutError, OSError):
+    pass
+print(sent, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_another_user_that_never_reads_its_answers_cannot_fill_the_services_memory(
+        service: MetadataService, as_nobody: list[str]) -> None:
+    """The attack: a local user (no token needed) pipelines requests on one connection and never reads the answers.
+    The service read every request and queued every answer (each longer than its request), so its memory grew as
+    long as the attacker kept sending. A connection whose answers wait unread is not read from until they are
+    sent, and is cut off when they have not gone within REQUEST_TIMEOUT."""
+    assert service.proc is not None
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    before = _rss(service.proc.pid)
+    attacker = subprocess.Popen([*as_nobody, sys.executable, "-c", UNREAD, str(service.port), str(64 * MiB_)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None
+        sent = int(attacker.stdout.readline())
+        grown = _rss(service.proc.pid) - before
+        assert http(service, "GET", path(mine), KEY)[0] == 200
+    finally:
+        attacker.kill()
+        attacker.wait(HANG_GUARD)
+    assert grown < 16 * MiB_, f"the service grew by {grown >> 20} MiB for {sent >> 20} MiB of requests"
+
+
 def raw(m: MetadataService, data: bytes) -> bytes:
     """What the service answers to `data` sent on a connection of its own, up to its close."""
     with socket.create_connection(("127.0.0.1", m.port), timeout=HANG_GUARD) as s:

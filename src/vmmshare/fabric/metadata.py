@@ -48,6 +48,7 @@ MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with 
 MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
 MAX_PUT_BYTES = 16 << 20  # bytes the engines of one user (the connecting socket's uid) may have PUT, all tokens
 REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
+MAX_OUTBOX = 256 << 10  # bytes of answers waiting for a connection to read them: past this it is not read from
 MAX_CONNECTIONS = 64  # connections open at once; one more closes the oldest of the user that holds the most
 
 
@@ -291,7 +292,7 @@ class Service:
                 print(f"vmmshare metadata service: {answer}", file=sys.stderr, flush=True)
 
     def _serve(self, conn: _Connection, mask: int) -> None:
-        if mask & selectors.EVENT_READ:
+        if mask & selectors.EVENT_READ and len(conn.outbox) < MAX_OUTBOX:
             try:
                 data = conn.sock.recv(1 << 16)
             except (BlockingIOError, InterruptedError):
@@ -303,9 +304,14 @@ class Service:
                 return
             if data:
                 conn.inbox += data
-                while not conn.closing and self._one(conn):
-                    pass
+                self._answer_inbox(conn)
         self._flush(conn)
+
+    def _answer_inbox(self, conn: _Connection) -> None:
+        """Answer the whole requests in the inbox, until the answers waiting to be read reach MAX_OUTBOX (the rest
+        waits until the client has read them: one that never reads costs the service no more than that)."""
+        while not conn.closing and len(conn.outbox) < MAX_OUTBOX and self._one(conn):
+            pass
 
     def _one(self, conn: _Connection) -> bool:
         """Answer the first whole request in the inbox; False when there is none yet."""
@@ -364,10 +370,13 @@ class Service:
                 self._close(conn)
                 return
             del conn.outbox[:sent]
+            if len(conn.outbox) < MAX_OUTBOX and conn.inbox and not conn.closing:
+                self._answer_inbox(conn)  # requests left waiting while their answers could not be queued
         if conn.closing and not conn.outbox:
             self._close(conn)
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        want = (selectors.EVENT_READ if len(conn.outbox) < MAX_OUTBOX else 0) | (
+            selectors.EVENT_WRITE if conn.outbox else 0)
         self.sel.modify(conn.sock, want)
 
     def _close(self, conn: _Connection) -> None:

@@ -132,7 +132,7 @@ class Agent(Serving):
         self.key = read_cluster_key(self.config.cluster_key_file)
         try:
             self.meta.start()
-            self.meta.add(self.meta_token)
+            self.meta.add(self.meta_token, broker=True)
         except AclError as exc:
             self.meta.close()
             raise FabricSetupError(exc.message) from None

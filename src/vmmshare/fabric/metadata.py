@@ -45,6 +45,8 @@ from ..errors import IpcError
 log = logging.getLogger("vmmshare.fabric")
 TOKEN_BYTES = 16  # 128 bits: a path token is guessed with probability 2^-128 per try
 MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with a few hundred buffers)
+BROKER_MAX_VALUE = 16 << 20  # under the broker's own token: its engine's descriptor lists every remote hold's
+# registration (about 60 bytes each), which must not be what bounds how many the node serves
 MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
 MAX_PUT_BYTES = 16 << 20  # bytes the engines of one user (the connecting socket's uid) may have PUT, all tokens
 REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
@@ -69,6 +71,7 @@ class Store:
         self.put_keys: dict[str, set[str]] = {}
         self.put_by: dict[tuple[str, str], tuple[int | None, int]] = {}  # (token, key) -> (uid, bytes) of a PUT
         self.put_bytes: Counter[int | None] = Counter()  # uid -> bytes its engines have PUT
+        self.broker_tokens: set[str] = set()  # the broker's own engine's: larger values, not counted against a user
 
     def _unput(self, token: str, key: str) -> None:
         """An engine's key went: its bytes no longer count against the user that PUT it."""
@@ -83,9 +86,12 @@ class Store:
         if op == "add":
             self.tokens.setdefault(token, {})
             self.put_keys.setdefault(token, set())
+            if cmd[2:] == ["broker"]:
+                self.broker_tokens.add(token)
             return "ok"
         if op == "drop":
             self.tokens.pop(token, None)
+            self.broker_tokens.discard(token)
             for key in self.put_keys.pop(token, set()):
                 self._unput(token, key)
             return "ok"
@@ -125,6 +131,10 @@ class Store:
                 if len(mine) >= MAX_PUT_KEYS:
                     return 404, b"too many keys"
             elif key not in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
+                return 200, b""
+            if token in self.broker_tokens:  # the broker's engine: bounded by BROKER_MAX_VALUE a key only
+                mine.add(key)
+                keys[key] = body
                 return 200, b""
             earlier = self.put_by.get((token, key), (uid, 0))
             held = self.put_bytes[uid] - (earlier[1] if earlier[0] == uid else 0)
@@ -334,7 +344,7 @@ class Service:
         if len(request) != 3 or not request[2].startswith("HTTP/1.") or length < 0:
             self._answer(conn, 400, b"bad request", close=True)
             return False
-        if length > MAX_VALUE:
+        if length > self._max_value(request[1]):
             self._answer(conn, 413, b"too large", close=True)
             return False
         if len(conn.inbox) < end + 4 + length:
@@ -351,6 +361,12 @@ class Service:
         self._answer(conn, status, reply, close)
         conn.deadline = time.monotonic() + REQUEST_TIMEOUT
         return True
+
+    def _max_value(self, target: str) -> int:
+        """The most bytes a request body may have: MAX_VALUE, or BROKER_MAX_VALUE under the broker's own token."""
+        self._commands()  # a token the broker has just added is known
+        parts = urllib.parse.urlsplit(target).path.split("/")
+        return BROKER_MAX_VALUE if len(parts) == 3 and parts[1] in self.store.broker_tokens else MAX_VALUE
 
     def _answer(self, conn: _Connection, status: int, body: bytes, close: bool = False) -> None:
         kind = "application/json" if status == 200 and body else "text/plain"
@@ -434,8 +450,13 @@ class MetadataService:
     # add, drop, put and delete are not answered: the service carries out what the broker wrote before it answers
     # any engine's request, so a process told of an entry finds it (no round trip in the broker's loop)
 
-    def add(self, token: bytes) -> None:
-        self._send("add", token.hex())
+    def add(self, token: bytes, broker: bool = False) -> None:
+        """A namespace for `token` (`broker`: the broker's own engine's, whose descriptor lists every remote hold's
+        registration: values up to BROKER_MAX_VALUE)."""
+        if broker:
+            self._send("add", token.hex(), "broker")
+        else:
+            self._send("add", token.hex())
 
     def drop(self, token: bytes) -> None:
         self._send("drop", token.hex())

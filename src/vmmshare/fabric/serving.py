@@ -44,16 +44,19 @@ FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
 SERVED_SHARES = 4  # one (server id, uid) may have at most this fraction of the node's registrations (1/4)
 
 
+MAX_SERVED = 8192  # registrations at once: the engine writes its whole descriptor (about 60 bytes each) at each one
+
+
 def map_budget() -> int:
-    """How many registrations (one mapping each) this broker serves at once: half the mappings the kernel allows a
-    process (vm.max_map_count), the other half left to the broker's own memory, which a process out of mappings
-    can no longer grow."""
+    """How many registrations (one mapping each) this broker serves at once: MAX_SERVED, and at most half the
+    mappings the kernel allows a process (vm.max_map_count), the other half left to the broker's own memory, which
+    a process out of mappings can no longer grow."""
     try:
         with open("/proc/sys/vm/max_map_count", "rb") as f:
             allowed = int(f.read())
     except (OSError, ValueError):
         allowed = 65530  # the kernel's default
-    return max(SERVED_SHARES, allowed // 2)
+    return max(SERVED_SHARES, min(MAX_SERVED, allowed // 2))
 
 
 ALIAS_LOW, ALIAS_HIGH = 1 << 32, 1 << 46  # where a hold's mapping is placed: 2^34 page-aligned places at random
@@ -197,7 +200,7 @@ class Serving:
         budget = self.map_budget
         if len(self.served) + len(self.unmaps) >= budget:
             raise AclError(f"this node serves {len(self.served)} remote imports (and {len(self.unmaps)} just ended), "
-                           f"all the mappings its broker may use for them (half of vm.max_map_count); try again "
+                           f"all its broker serves at once ({budget}); try again "
                            "once some are released", C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL)
         held = self.ledger.usage.remote_holds[(server, uid)]
         if held > budget // SERVED_SHARES:

@@ -453,7 +453,7 @@ def test_one_remote_user_cannot_use_up_the_exporting_brokers_mappings(cluster: C
     would run out of mappings, and then of memory of its own. Each (server id, uid) gets at most a quarter of the
     broker's budget (half of vm.max_map_count), refused with 207005 past it; another user still imports."""
     with open("/proc/sys/vm/max_map_count", "rb") as f:
-        share = min(8192, int(f.read()) // 2) // 4  # a quarter of what the broker serves at once
+        share = min(4096, int(f.read()) // 2) // 4  # a quarter of what the broker serves at once
     handle = cluster.export()
     attacker = cluster.a.ledger.connect(1111, 1000, (1, 1))
     before = _mappings()

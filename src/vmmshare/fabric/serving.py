@@ -44,7 +44,8 @@ FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
 SERVED_SHARES = 4  # one (server id, uid) may have at most this fraction of the node's registrations (1/4)
 
 
-MAX_SERVED = 8192  # registrations at once: the engine writes its whole descriptor (about 60 bytes each) at each one
+MAX_SERVED = 4096  # registrations at once: the engine rewrites its whole descriptor (about 60 bytes each) at each
+# one, in the broker's loop (measured: 2.2 ms at 1,000 registrations, 8.5 ms at 4,000, 17.5 ms at 8,000)
 
 
 def map_budget() -> int:

@@ -451,7 +451,8 @@ def test_one_remote_user_cannot_use_up_the_exporting_brokers_mappings(cluster: C
     """The attack: a user with a process on another server imports one export over and over (each remote hold maps
     the memory once in the exporting broker, and its quota of holds, 65536, is past vm.max_map_count): the broker
     would run out of mappings, and then of memory of its own. Each (server id, uid) gets at most a quarter of the
-    broker's budget (half of vm.max_map_count), refused with 207005 past it; another user still imports."""
+    broker's budget (4,096 registrations, and half of vm.max_map_count), refused with 207005 past it; another user
+    still imports."""
     with open("/proc/sys/vm/max_map_count", "rb") as f:
         share = min(4096, int(f.read()) // 2) // 4  # a quarter of what the broker serves at once
     handle = cluster.export()

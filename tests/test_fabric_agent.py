@@ -338,30 +338,72 @@ def test_reconnections_stop_when_the_exporters_lease_has_ended(node: Node, monke
     assert client not in node.ledger.clients
 
 
-def test_one_client_cannot_make_the_broker_dial_without_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+def _silent_peers(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
+    """Every dial connects to a listener that never proves the key (a keyless user's own listener)."""
     peers: list[socket.socket] = []
 
-    def silent_peer(address: str, port: int) -> socket.socket:  # connects, never proves the key
+    def silent_peer(address: str, port: int) -> socket.socket:
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
         peers.append(far)
         return near
 
     monkeypatch.setattr(agent_module, "dial", silent_peer)
+    return peers
+
+
+def _made_up(i: int) -> bytes:
+    """A FABRIC handle naming a listener of its own (10.1.x.y:17017)."""
+    return FabricHandle(2 + i, 0, 0x1234, MiB2, secrets.token_bytes(32), 0,
+                        Endpoint(4, f"10.1.{i // 250}.{1 + i % 250}", 17017)).pack()
+
+
+def test_one_client_cannot_make_the_broker_dial_without_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Links in all are bounded (MAX_LINKS), and so are the links one user's imports keep waiting on their key
+    handshake (MAX_DIALS_PER_USER); every import waiting on a link fails with 507022 when the broker stops."""
+    from vmmshare.fabric.agent import MAX_DIALS_PER_USER
+
+    peers = _silent_peers(monkeypatch)
     a = fabric_agent(1, EP_A)
     try:
-        client = a.ledger.connect(1111, 1000, (1, 1))
+        users = MAX_LINKS // MAX_DIALS_PER_USER + 1
+        clients = [a.ledger.connect(1000 + u, 1000 + u, (u, u)) for u in range(users)]
         answers: list[P.Message] = []
-        for i in range(MAX_LINKS + 5):
-            handle = FabricHandle(2 + i, 0, 0x1234, MiB2, secrets.token_bytes(32), 0,
-                                  Endpoint(4, f"10.1.{i // 250}.{1 + i % 250}", 17017)).pack()
-            now = a.local(client, P.RemoteImport(handle), answers.append)
+        for i in range(users * (MAX_DIALS_PER_USER + 1)):
+            now = a.local(clients[i % users], P.RemoteImport(_made_up(i)), answers.append)
             if now is not None:
                 answers.append(now)
         assert len(a.links) == MAX_LINKS
-        assert len(answers) == 5 and all(isinstance(m, P.Error) and m.code == RESOURCE for m in answers)
+        refused = users * (MAX_DIALS_PER_USER + 1) - MAX_LINKS
+        assert len(answers) == refused and all(isinstance(m, P.Error) and m.code == RESOURCE for m in answers)
         a.close()  # every import waiting on a link fails with 507022
-        assert len(answers) == MAX_LINKS + 5 and not a.links
+        assert len(answers) == refused + MAX_LINKS and not a.links
+        assert all(m.code == IPC_ERROR for m in answers[refused:])  # type: ignore[attr-defined]
+    finally:
+        a.close()
+        for far in peers:
+            far.close()
+
+
+def test_one_user_filling_the_links_with_silent_listeners_does_not_keep_another_user_from_importing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack: a keyless local user hands its broker made-up FABRIC handles naming 256 listeners of its own,
+    which accept and never answer, and hands it new ones as they time out: the broker held MAX_LINKS links, and every
+    other user's import from a server it had no link to was refused (207005). One user's imports may keep at most
+    MAX_DIALS_PER_USER links waiting on their key handshake; another user's import still dials."""
+    peers = _silent_peers(monkeypatch)
+    a = fabric_agent(1, EP_A)
+    try:
+        attacker, bystander = a.ledger.connect(1111, 1000, (1, 1)), a.ledger.connect(2222, 2000, (2, 2))
+        answers: list[P.Message] = []
+        for i in range(MAX_LINKS):
+            now = a.local(attacker, P.RemoteImport(_made_up(i)), answers.append)
+            if now is not None:
+                answers.append(now)
+        assert len(a.links) < MAX_LINKS, "one user's made-up handles hold every link"
+        assert all(isinstance(m, P.Error) and m.code == RESOURCE and "uid 1000" in m.message for m in answers)
+        waiting = a.local(bystander, P.RemoteImport(_made_up(MAX_LINKS)), answers.append)
+        assert waiting is None, waiting  # dialed: its answer comes once the exporter's broker answers
     finally:
         a.close()
         for far in peers:
@@ -440,6 +482,36 @@ def test_remote_holds_count_against_the_server_and_uid_not_a_local_user(cluster:
     cluster.a.ledger.disconnect(x)
     cluster.pump()
     assert not cluster.b.ledger.usage.remote_holds
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+def test_one_remote_user_cannot_use_up_the_exporting_brokers_mappings(cluster: Cluster) -> None:
+    """The attack: a user with a process on another server imports one export over and over (each remote hold maps
+    the memory once in the exporting broker, and its quota of holds, 65536, is past vm.max_map_count): the broker
+    would run out of mappings, and then of memory of its own. Each (server id, uid) gets at most a quarter of the
+    broker's budget (4,096 registrations, and half of vm.max_map_count), refused with 207005 past it; another user
+    still imports."""
+    with open("/proc/sys/vm/max_map_count", "rb") as f:
+        share = min(4096, int(f.read()) // 2) // 4  # a quarter of what the broker serves at once
+    handle = cluster.export()
+    attacker = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    before = _mappings()
+    for n in range(share):
+        got = cluster.import_(attacker, handle)
+        assert isinstance(got, P.RemoteImported), (n, got)
+    refused = cluster.import_(attacker, handle)
+    assert isinstance(refused, P.Error) and refused.code == RESOURCE and "uid 1000 of server 0x1" in refused.message
+    assert _mappings() - before <= share + 64, "one mapping per remote hold, and no more past the share"
+    bystander = cluster.a.ledger.connect(2222, 2000, (2, 2))
+    assert isinstance(cluster.import_(bystander, handle), P.RemoteImported)
+    assert len(cluster.b.served) == share + 1
+    cluster.a.ledger.disconnect(attacker)
+    cluster.pump()
+    assert len(cluster.b.served) == 1 and cluster.b.ledger.usage.remote_holds == {(1, 2000): 1}
 
 
 def test_an_import_must_prove_the_secret_for_its_own_link(cluster: Cluster) -> None:

@@ -6,11 +6,14 @@ engine (`vmmshare[fabric]`); CI installs it, so there these tests must run.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -164,3 +167,40 @@ except AclError as exc:
     print(exc.code, exc.message)
 """)
     assert "207000" in out.stdout and "vmmshare[fabric]" in out.stdout and "libibverbs1" in out.stdout
+
+
+def test_the_exporting_brokers_engine_serves_more_registrations_than_a_process_engines_value_holds() -> None:
+    """The attack: each remote hold is a registration of its own, and the exporting engine writes its whole
+    descriptor (every registration, about 60 bytes each) to the node's metadata service at each one; past 64 KiB
+    (MAX_VALUE, about 1,100 registrations) the service refused it (413) and the engine refused to serve, so one
+    user of another server holding 1,100 remote imports made every other user's fail. Under the broker's own token
+    the descriptor may be as large as the registrations the broker serves; a process's token keeps MAX_VALUE."""
+    from vmmshare.fabric.metadata import MAX_VALUE, MetadataService, new_token
+
+    meta = MetadataService(5.0)
+    meta.start()
+    try:
+        broker, process = new_token(), new_token()
+        meta.add(broker, broker=True)
+        meta.add(process)
+        count = 2 * MAX_VALUE // 60
+        out = run_child(f"""
+import ctypes, mmap
+from vmmshare.fabric.engine import Engine
+e = Engine("127.0.0.1", "tcp", 2.0, {meta.url(broker)!r})
+m = mmap.mmap(-1, {count} * 4096)
+base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+for i in range({count}):
+    e.register(base + i * 4096, 4096)
+import json, urllib.request
+with urllib.request.urlopen({meta.url(broker)!r} + "?key=mooncake/ram/" + e.segment, timeout=60) as reply:
+    print("served", len(json.loads(reply.read())["buffers"]))
+""")
+        assert out.returncode == 0 and f"served {count}" in out.stdout, out.stdout + out.stderr[-2000:]
+        big = json.dumps({"buffers": [{"addr": i, "length": 4096} for i in range(count)]}).encode()
+        req = urllib.request.Request(f"{meta.url(process)}?key=mooncake/ram/x", data=big, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 413, "a process's engine keeps the limit of MAX_VALUE a value"
+    finally:
+        meta.close()

@@ -174,6 +174,149 @@ def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(ser
             t.join(HANG_GUARD)
 
 
+HOLD_SLOTS = """
+import select, socket, sys
+port, count = int(sys.argv[1]), int(sys.argv[2])
+ask = b"GET /x/metadata?key=k HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n"
+conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+for c in conns:  # each one answered: the service accepted it
+    c.sendall(ask)
+    c.recv(4096)
+print("holding", flush=True)
+while not select.select([sys.stdin], [], [], 0.5)[0]:  # the attack's own pace: a whole request well within the limit
+    for c in list(conns):
+        try:
+            c.sendall(ask)
+            c.recv(4096)
+        except OSError:
+            conns.remove(c)
+"""
+
+
+def test_another_user_keeping_every_connection_busy_with_whole_requests_does_not_keep_the_engines_out(
+        service: MetadataService, as_nobody: list[str]) -> None:
+    """Another local user opens as many connections as the service keeps open at once and keeps each one busy with
+    whole requests, answered well within REQUEST_TIMEOUT (so none is cut off): an engine of another user connecting
+    then is still answered. Each user is owed a share of the connections: the new one closes the oldest connection
+    of the user that holds the most."""
+    from vmmshare.fabric.metadata import MAX_CONNECTIONS
+
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    attacker = subprocess.Popen([*as_nobody, sys.executable, "-c", HOLD_SLOTS, str(service.port),
+                                 str(MAX_CONNECTIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None
+        assert attacker.stdout.readline() == "holding\n"
+        for _ in range(3):
+            assert http(service, "GET", path(mine), KEY) == (200, json.dumps(DESC, separators=(",", ":")).encode())
+        assert attacker.poll() is None
+    finally:
+        attacker.kill()
+        attacker.wait(HANG_GUARD)
+    assert http(service, "GET", path(mine), KEY)[0] == 200
+
+
+FILL = """
+import socket, sys
+port, value, tokens = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+body = b"x" * value
+refused = 0
+with socket.create_connection(("127.0.0.1", port)) as s:
+    for token in tokens:
+        for k in range(16):
+            s.sendall(f"PUT /{token}/metadata?key=k{k} HTTP/1.1\\r\\nContent-Length: {value}\\r\\n\\r\\n".encode()
+                      + body)
+            reply = b""
+            while b"\\r\\n\\r\\n" not in reply:
+                reply += s.recv(4096)
+            head, _, rest = reply.partition(b"\\r\\n\\r\\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\\r")[0])
+            while len(rest) < length:
+                rest += s.recv(4096)
+            refused += not head.startswith(b"HTTP/1.1 200 ")
+print(refused, flush=True)
+"""
+
+
+def _rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) << 10
+
+
+def test_another_user_with_many_tokens_cannot_fill_the_services_memory(service: MetadataService,
+                                                                       as_nobody: list[str]) -> None:
+    """The attack: a local user with many connections to its broker gets a token for each (one remote import
+    each) and has each engine PUT its 16 keys of 64 KiB: a MiB a token, a GiB for the 1,024 connections its quota
+    allows, in the service's memory. What one user's engines may PUT is bounded in all (MAX_PUT_BYTES), past which
+    a PUT is refused (413); another user's engine still writes its own keys."""
+    from vmmshare.fabric.metadata import MAX_PUT_KEYS as KEYS
+
+    assert service.proc is not None
+    tokens = [new_token() for _ in range(96)]
+    for token in tokens:
+        service.add(token)
+    before = _rss(service.proc.pid)
+    out = subprocess.run([*as_nobody, sys.executable, "-c", FILL, str(service.port), str(MAX_VALUE),
+                          *(t.hex() for t in tokens)], capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr
+    refused = int(out.stdout)
+    grown = _rss(service.proc.pid) - before
+    assert refused > 0, "every PUT of the other user's engines was taken"
+    assert grown < 32 * MiB_, f"the service grew by {grown >> 20} MiB for one user's engines"
+    mine = new_token()
+    service.add(mine)
+    assert http(service, "PUT", path(mine), "mooncake/rpc_meta/me", b"{}")[0] == 200
+    assert http(service, "GET", path(mine), "mooncake/rpc_meta/me")[0] == 200
+    assert len(tokens) * KEYS * MAX_VALUE > 64 * MiB_  # the attack asked for far more
+
+
+MiB_ = 1 << 20
+
+
+UNREAD = """
+import socket, sys
+port, total = int(sys.argv[1]), int(sys.argv[2])
+ask = b"GET /x/metadata?key=k HTTP/1.1\\r\\n\\r\\n" * 1024  # each answered 404, and none of the answers read
+s = socket.create_connection(("127.0.0.1", port))
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+s.settimeout(1.0)  # the attack's own pace: it stops once the service stops taking its requests
+sent = 0
+try:
+    while sent < total:
+        sent += s.send(ask)
+except (TimeoutError, OSError):
+    pass
+print(sent, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_another_user_that_never_reads_its_answers_cannot_fill_the_services_memory(
+        service: MetadataService, as_nobody: list[str]) -> None:
+    """The attack: a local user (no token needed) pipelines requests on one connection and never reads the answers.
+    The service read every request and queued every answer (each longer than its request), so its memory grew as
+    long as the attacker kept sending. A connection whose answers wait unread is not read from until they are
+    sent, and is cut off when they have not gone within REQUEST_TIMEOUT."""
+    assert service.proc is not None
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    before = _rss(service.proc.pid)
+    attacker = subprocess.Popen([*as_nobody, sys.executable, "-c", UNREAD, str(service.port), str(64 * MiB_)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None
+        sent = int(attacker.stdout.readline())
+        grown = _rss(service.proc.pid) - before
+        assert http(service, "GET", path(mine), KEY)[0] == 200
+    finally:
+        attacker.kill()
+        attacker.wait(HANG_GUARD)
+    assert grown < 16 * MiB_, f"the service grew by {grown >> 20} MiB for {sent >> 20} MiB of requests"
+
+
 def raw(m: MetadataService, data: bytes) -> bytes:
     """What the service answers to `data` sent on a connection of its own, up to its close."""
     with socket.create_connection(("127.0.0.1", m.port), timeout=HANG_GUARD) as s:

@@ -362,6 +362,30 @@ def test_quota_memory_kept_alive_only_by_another_servers_importer_stays_with_its
     assert _held_memory(books, 2000) == 0 and books.free() == CAPACITY
 
 
+def test_quota_memory_an_importer_freed_is_not_left_charged_to_it_while_another_server_keeps_it_alive() -> None:
+    """The attack: a user exports FABRIC memory, has a process of its own on another server import it, hands the
+    handle to a local user (who imports it), and frees: the charge moves to that local importer. The importer frees
+    too, and stayed charged for memory it no longer holds for as long as the other server's hold lives (its next
+    allocation refused, 207001). Memory only another server keeps alive is charged to its exporter's user."""
+    books = Books(quotas=Quotas(memory=4 * MiB2))
+    books.ledger.endpoint = ENDPOINT
+    attacker, victim = books.client(1, uid=1000), books.client(2, uid=2000)
+    far = books.ledger.connect(77, 1000, (None, None), server=OTHER)  # the attacker's process on another server
+    hold, shareable, secret, _ = books.export(attacker, FABRIC, flags=NO_PID_CHECK)
+    books.ledger.admit(far, shareable, FABRIC, secret)
+    assert books.imports(victim, shareable, FABRIC, secret) == 0
+    (imported,) = victim.holds
+    assert books.code(attacker, P.Release(hold)) == 0
+    assert _held_memory(books, 2000) == MiB2, "the local importer keeps it alive: it is charged"
+    assert books.code(victim, P.Release(imported)) == 0
+    assert _held_memory(books, 2000) == 0, "the importer holds nothing: it is charged nothing"
+    assert _held_memory(books, 1000) == MiB2, "kept alive by another server only: its exporter's user is charged"
+    assert books.code(victim, P.Charge(0, 4 * MiB2)) == 0
+    assert books.free() == CAPACITY - 5 * MiB2
+    books.ledger.disconnect(far)
+    assert _held_memory(books, 1000) == 0 and books.free() == CAPACITY - 4 * MiB2
+
+
 def test_the_broker_fd_budget_covers_connections_and_exports() -> None:
     """Whatever the quotas, the broker never hands out the file descriptors it needs itself (to accept, to look a
     pid up): connections and exports past its budget are refused with 207005."""

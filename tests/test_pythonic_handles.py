@@ -23,6 +23,28 @@ def resized(raw: bytes, size: int) -> bytes:
     return dataclasses.replace(decode_fabric(raw), size=size).pack()
 
 
+def test_rule16_a_fabric_handle_with_an_altered_size_is_refused_by_a_process_that_imported_the_true_one() -> None:
+    """Rule 13's re-import in one process returns the handle it holds, once the broker admits the import again; a
+    handle whose size field was altered is still not the handle that was exported (107017), whether or not the
+    process holds an import of the true one, and the reference it would have added is not left behind."""
+    mem = vmmshare.Device(0).allocate(4 * MiB)
+    raw = bytes(mem.export("fabric", validate_pids=False))
+    bad = resized(raw, 2 * MiB)
+    child_ok(f"""
+bad, good = bytes.fromhex('{bad.hex()}'), bytes.fromhex('{raw.hex()}')
+acl.rt.set_device(0)
+h, ret = acl.rt.mem_import_from_shareable_handle_v2(good, {FABRIC}, 0)
+assert ret == 0, acl.get_recent_err_msg()
+counts = runtime().counts()
+again, ret = acl.rt.mem_import_from_shareable_handle_v2(bad, {FABRIC}, 0)
+assert ret == {BAD_HANDLE} and "does not match" in acl.get_recent_err_msg(), (ret, again, acl.get_recent_err_msg())
+assert runtime().counts() == counts
+assert acl.rt.free_physical(h) == 0
+assert acl.rt.free_physical(h) != 0, "the altered import added a reference"
+""", env={"VMMSHARE_SOCKET": os.environ["VMMSHARE_SOCKET"]})
+    mem.close()
+
+
 @pytest.mark.parametrize("factor", [2, 0.5, 0])
 def test_rule_16_a_fabric_handle_with_an_altered_size_is_refused_locally(factor: float) -> None:
     """Another process imports the altered handle (Pythonic and pyACL): 107017 naming the mismatch, no fd, hold

@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -516,6 +517,34 @@ def test_rule_12_without_pidfs_a_pinned_process_that_exited_before_it_was_named_
         child.wait()
     assert gone == identity.DEAD
     assert not identity.same_process(gone, (alive[0], None)) and not identity.same_process(gone, (None, None))
+
+
+HIDDEN_PROC = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from vmmshare.broker.identity import live_pids
+snapshot = live_pids(1 << 30)  # as many pids as a long list may name: a snapshot whenever one is taken
+print("missing" if snapshot is not None and int(sys.argv[2]) not in snapshot else "ok", flush=True)
+"""
+
+
+def test_rule_12_a_broker_whose_proc_hides_other_users_processes_takes_no_snapshot_of_it(as_nobody: list[str]) -> None:
+    """T18 on a system with /proc mounted hidepid=invisible (a hardened node) and a broker that runs as a user of
+    its own: /proc lists that user's processes only, so a snapshot of it took another user's live process for a
+    pid nobody has, and a long trustlist bound its entry to nobody (whoever got the pid later would import). The
+    broker then names each pid by pidfd_open, which sees every process."""
+    require(shutil.which("unshare") is not None, "unshare is not installed")
+    other = subprocess.Popen(["sleep", "60"])  # a process of another user (root) than the broker's (nobody)
+    try:
+        inner = shlex.join([*as_nobody, sys.executable, "-c", HIDDEN_PROC, str(c.SRC), str(other.pid)])
+        out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                              f"mount -t proc -o hidepid=invisible proc /proc && exec {inner}"],
+                             capture_output=True, text=True, timeout=c.HANG_GUARD)
+    finally:
+        other.kill()
+        other.wait()
+    require("hidepid" not in out.stderr and "mount" not in out.stderr, f"cannot mount /proc hidepid: {out.stderr}")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.stdout, out.stderr)
 
 
 def test_fail_closed_a_long_trustlist_that_cannot_be_pinned_is_refused_whole(broker: c.LoggedBroker) -> None:

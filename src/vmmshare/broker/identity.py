@@ -78,13 +78,26 @@ def pin(pid: int) -> int:
         raise
 
 
+HIDING = {"2", "invisible", "4", "ptraceable"}  # hidepid= values under which /proc lists others' processes not
+
+
 @functools.cache
 def _proc_is_ours() -> bool:
-    """Whether /proc shows this process's own pid namespace (a broker in a container may see the host's)."""
+    """Whether /proc shows every process of this process's own pid namespace: not another namespace's (a broker in
+    a container may see the host's), and not only this user's (/proc mounted with hidepid=invisible, for a broker
+    that is not root)."""
     try:
-        return os.readlink("/proc/self") == str(os.getpid())
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return False
+        with open("/proc/self/mountinfo", "rb") as f:
+            mounts = [line.split(b" - ", 1) for line in f.read().splitlines()]
     except OSError:
         return False
+    options = [after.split()[2] for before, after in mounts if before.split()[4:5] == [b"/proc"] and after.split()[2:]]
+    if not options:
+        return False
+    hidepid = [o.split(b"=", 1)[1].decode() for o in options[-1].split(b",") if o.startswith(b"hidepid=")]
+    return not (hidepid and hidepid[0] in HIDING and os.geteuid() != 0)
 
 
 def live_pids(wanted: int) -> set[int] | None:

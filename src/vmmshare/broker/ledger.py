@@ -239,9 +239,10 @@ class Ledger:
                 memory.gone()
         elif share is not None and memory.charger is client and not self._still_holds(client, memory, self_import):
             # the earliest remaining importer of this node: another server's user has no memory tally here, and
-            # memory only another server keeps alive stays charged where it was (no quota is escaped that way)
-            heir = next((c for c in share.importers.values() if c.server is None), None)
-            if heir is not None:
+            # memory only another server keeps alive is charged to its exporter's user (no quota is escaped that
+            # way, and a local importer that freed it is not left paying for another server's hold)
+            heir = next((c for c in share.importers.values() if c.server is None), share.exporter)
+            if heir is not client:
                 self._recharge(memory, heir)
 
     def _still_holds(self, client: Client, memory: ChargedMemory, self_import: bool) -> bool:

@@ -38,11 +38,12 @@ from . import peer_protocol as F
 from .engine import Engine, missing
 from .link import Link, State, dial
 from .metadata import MetadataService, new_token
-from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving
+from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving, map_budget
 
 log = logging.getLogger("vmmshare.fabric")
 HEARTBEAT_FACTOR = 0.5  # a link with remote holds sends a heartbeat after this many fabric timeouts of quiet
 SILENCE_FACTOR = 3  # an accepted link heard nothing from for this many fabric timeouts is closed
+MAX_DIALS_PER_USER = 16  # links one user's imports may have waiting on their key handshake at once
 MIN_KEY, MAX_KEY = 32, 4096
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
 Endpoint_ = tuple[str, int]
@@ -115,6 +116,8 @@ class Agent(Serving):
         self.remote_holds: dict[int, RemoteHold] = {}
         self.served: dict[int, Served] = {}  # remote hold id -> its registration with the engine
         self.unmaps: list[tuple[float, int, int]] = []  # (when, address, size) of mappings no longer served
+        self.map_budget = map_budget()
+        self.dialed_by: dict[Endpoint_, int] = {}  # endpoint -> the uid whose import made this broker dial it
 
     # ------------------------------------------------------------ life
 
@@ -131,7 +134,7 @@ class Agent(Serving):
         self.key = read_cluster_key(self.config.cluster_key_file)
         try:
             self.meta.start()
-            self.meta.add(self.meta_token)
+            self.meta.add(self.meta_token, broker=True)
         except AclError as exc:
             self.meta.close()
             raise FabricSetupError(exc.message) from None
@@ -256,12 +259,22 @@ class Agent(Serving):
             return P.Error(C.ACL_ERROR_RT_PARAM_INVALID, (
                 f"this FABRIC handle was exported on this node (server id {handle.server_id:#x} in the handle, "
                 f"{self.server_id:#x} here): import it in a process whose VMMSHARE_SERVER_ID matches its broker's"))
-        if endpoint not in self.links and len(self.links) >= MAX_LINKS:
+        fresh = endpoint not in self.links
+        if fresh and len(self.links) >= MAX_LINKS:
             return P.Error(C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, (
                 f"this broker has links to {len(self.links)} other servers' brokers, its limit: the import from "
                 f"{ep.address}:{ep.port} is refused (release imports of other servers first)"))
+        unproved = [e for e, u in self.dialed_by.items() if u == client.uid and e in self.links
+                    and self.links[e].state is not State.READY]
+        if fresh and len(unproved) >= MAX_DIALS_PER_USER:  # a user cannot fill the links with silent listeners
+            return P.Error(C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, (
+                f"uid {client.uid} has {len(unproved)} links to other servers' brokers waiting on their key handshake, "
+                f"its limit ({MAX_DIALS_PER_USER}): the import from {ep.address}:{ep.port} is refused until they are "
+                "done"))
         try:
             link = self._link(endpoint)
+            if fresh:
+                self.dialed_by[endpoint] = client.uid
         except OSError as exc:
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"cannot reach the broker of server {handle.server_id:#x} at "
                                                      f"{ep.address}:{ep.port}: {exc.strerror}")
@@ -411,6 +424,7 @@ class Agent(Serving):
     def _outbound_closed(self, link: Link) -> None:
         if self.links.get(link.endpoint) is link:
             del self.links[link.endpoint]
+            self.dialed_by.pop(link.endpoint, None)
         if self.held.get(link.endpoint):
             self.lost_at.setdefault(link.endpoint, time.monotonic())
             self._retry_later(link.endpoint)

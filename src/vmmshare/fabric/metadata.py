@@ -23,6 +23,7 @@ would deadlock on its first request.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -31,10 +32,12 @@ import select
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.parse
+from collections import Counter
 from typing import Any
 
 from ..errors import IpcError
@@ -42,9 +45,13 @@ from ..errors import IpcError
 log = logging.getLogger("vmmshare.fabric")
 TOKEN_BYTES = 16  # 128 bits: a path token is guessed with probability 2^-128 per try
 MAX_VALUE = 64 << 10  # bytes of one value an engine may PUT (a descriptor with a few hundred buffers)
+BROKER_MAX_VALUE = 16 << 20  # under the broker's own token: its engine's descriptor lists every remote hold's
+# registration (about 60 bytes each), which must not be what bounds how many the node serves
 MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: rpc_meta and ram)
+MAX_PUT_BYTES = 16 << 20  # bytes the engines of one user (the connecting socket's uid) may have PUT, all tokens
 REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
-MAX_CONNECTIONS = 64  # connections open at once; more wait in the listen queue
+MAX_OUTBOX = 256 << 10  # bytes of answers waiting for a connection to read them: past this it is not read from
+MAX_CONNECTIONS = 64  # connections open at once; one more closes the oldest of the user that holds the most
 
 
 def new_token() -> bytes:
@@ -56,11 +63,22 @@ def new_token() -> bytes:
 
 
 class Store:
-    """The keys of each token: those the broker installed, and those the token's engine PUT itself."""
+    """The keys of each token: those the broker installed, and those the token's engine PUT itself (counted against
+    the user whose engine PUT them: at most MAX_PUT_BYTES a user, whatever tokens it has)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, dict[str, bytes]] = {}
         self.put_keys: dict[str, set[str]] = {}
+        self.put_by: dict[tuple[str, str], tuple[int | None, int]] = {}  # (token, key) -> (uid, bytes) of a PUT
+        self.put_bytes: Counter[int | None] = Counter()  # uid -> bytes its engines have PUT
+        self.broker_tokens: set[str] = set()  # the broker's own engine's: larger values, not counted against a user
+
+    def _unput(self, token: str, key: str) -> None:
+        """An engine's key went: its bytes no longer count against the user that PUT it."""
+        uid, size = self.put_by.pop((token, key), (None, 0))
+        self.put_bytes[uid] -= size
+        if self.put_bytes[uid] <= 0:
+            del self.put_bytes[uid]
 
     def command(self, cmd: list[Any]) -> str:
         """One command of the broker's (add, drop, put, del, get); the answer line."""
@@ -68,10 +86,14 @@ class Store:
         if op == "add":
             self.tokens.setdefault(token, {})
             self.put_keys.setdefault(token, set())
+            if cmd[2:] == ["broker"]:
+                self.broker_tokens.add(token)
             return "ok"
         if op == "drop":
             self.tokens.pop(token, None)
-            self.put_keys.pop(token, None)
+            self.broker_tokens.discard(token)
+            for key in self.put_keys.pop(token, set()):
+                self._unput(token, key)
             return "ok"
         keys = self.tokens.get(token)
         if keys is None:
@@ -81,15 +103,18 @@ class Store:
             return "ok"
         if op == "del":
             keys.pop(str(cmd[2]), None)
-            self.put_keys[token].discard(str(cmd[2]))
+            if str(cmd[2]) in self.put_keys[token]:
+                self.put_keys[token].discard(str(cmd[2]))
+                self._unput(token, str(cmd[2]))
             return "ok"
         if op == "get":
             value = keys.get(str(cmd[2]))
             return "none" if value is None else "value " + value.decode(errors="replace")
         return f"unknown command {op!r}"
 
-    def request(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
-        """An engine's request: (status, body). Anything not under a known token's path is 404."""
+    def request(self, method: str, target: str, body: bytes, uid: int | None = None) -> tuple[int, bytes]:
+        """An engine's request (`uid`: whose socket sent it): (status, body). Anything not under a known token's
+        path is 404."""
         url = urllib.parse.urlsplit(target)
         parts = url.path.split("/")
         key = urllib.parse.parse_qs(url.query).get("key", [""])[0]
@@ -105,14 +130,27 @@ class Store:
             if key not in keys:
                 if len(mine) >= MAX_PUT_KEYS:
                     return 404, b"too many keys"
+            elif key not in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
+                return 200, b""
+            if token in self.broker_tokens:  # the broker's engine: bounded by BROKER_MAX_VALUE a key only
                 mine.add(key)
-            if key in mine:  # the broker's entries are not the engine's to change (answered 200 all the same)
                 keys[key] = body
+                return 200, b""
+            earlier = self.put_by.get((token, key), (uid, 0))
+            held = self.put_bytes[uid] - (earlier[1] if earlier[0] == uid else 0)
+            if held + len(body) > MAX_PUT_BYTES:
+                return 413, b"this user's engines hold all the metadata they may"
+            self._unput(token, key)
+            mine.add(key)
+            keys[key] = body
+            self.put_by[token, key] = (uid, len(body))
+            self.put_bytes[uid] += len(body)
             return 200, b""
         if method == "DELETE":
             if key in mine:
                 mine.discard(key)
                 keys.pop(key, None)
+                self._unput(token, key)
             return 200, b""
         return 405, b"method not allowed"
 
@@ -124,8 +162,9 @@ MAX_HEAD = 8 << 10  # bytes of a request line and headers
 class _Connection:
     """One engine's connection: what it sent so far, what is left to send it, and when its request must be done."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, uid: int | None) -> None:
         self.sock = sock
+        self.uid = uid  # the connecting socket's owner, as the kernel says (None: it could not be told)
         self.inbox = bytearray()
         self.outbox = bytearray()
         self.deadline = time.monotonic() + REQUEST_TIMEOUT
@@ -133,10 +172,53 @@ class _Connection:
         self.continued = False  # "100 Continue" sent for the request in the inbox
 
 
+_DIAG = struct.Struct("=IHHIIBBBBI")  # nlmsghdr and inet_diag_req_v2 up to its inet_diag_sockid
+_SOCKID = struct.Struct("!HH16s16sIII")  # inet_diag_sockid: ports and addresses in network order, if, cookie
+SOCK_DIAG_BY_FAMILY, NETLINK_SOCK_DIAG, DIAG_UID = 20, 4, 16 + 64  # the uid's offset in the reply (inet_diag_msg)
+_SEQ = itertools.count(1)
+
+
+def peer_uid(diag: socket.socket | None, port: int, peer: tuple[str, int]) -> int | None:
+    """The uid that owns the socket which connected from `peer` to this service's `port` on 127.0.0.1, asked of
+    the kernel (sock_diag, which any user may ask about one socket by its addresses); None where it cannot tell."""
+    if diag is None:
+        return None
+    try:
+        addr = socket.inet_aton(peer[0]).ljust(16, b"\0")
+        here = socket.inet_aton("127.0.0.1").ljust(16, b"\0")
+        seq = next(_SEQ)
+        sockid = _SOCKID.pack(peer[1], port, addr, here, 0, 0xFFFFFFFF, 0xFFFFFFFF)  # the connecting side's view
+        diag.send(_DIAG.pack(_DIAG.size + len(sockid), SOCK_DIAG_BY_FAMILY, 1, seq, 0, socket.AF_INET,
+                             socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid)  # the kernel answers within the send
+        while True:
+            reply = diag.recv(1 << 12)
+            if len(reply) >= 12 and struct.unpack_from("=I", reply, 8)[0] == seq:
+                break  # (an answer to an earlier question that was given up on is passed over)
+    except OSError:
+        return None
+    if len(reply) < DIAG_UID + 4 or struct.unpack_from("=H", reply, 4)[0] != SOCK_DIAG_BY_FAMILY:
+        return None
+    uid: int = struct.unpack_from("=I", reply, DIAG_UID)[0]
+    return uid
+
+
+def _diag_socket() -> socket.socket | None:
+    try:
+        diag = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+        diag.settimeout(1.0)
+        diag.connect((0, 0))
+    except OSError:
+        return None
+    return diag
+
+
 class Service:
     """The HTTP side, one thread and one selector: the listener, the broker's pipe and every connection. Each
     request must arrive and be answered within REQUEST_TIMEOUT of the connection's last answer (or its start), so
-    a client that trickles its bytes or sits idle is cut off; at most MAX_CONNECTIONS are open at once."""
+    a client that trickles its bytes or sits idle is cut off. At most MAX_CONNECTIONS are open at once, shared
+    among the local users whose engines connect: a connection past that closes the oldest connection of the user
+    (by the kernel's uid of the connecting socket) that holds the most, so another user who keeps every slot busy
+    with whole requests cannot keep an engine out; each user is owed its share of the slots."""
 
     def __init__(self, store: Store, commands: int, answers: Any) -> None:
         self.store, self.commands, self.answers = store, commands, answers
@@ -147,7 +229,9 @@ class Service:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.sel.register(commands, selectors.EVENT_READ)
-        self.conns: dict[socket.socket, _Connection] = {}
+        self.conns: dict[socket.socket, _Connection] = {}  # in the order they were accepted
+        self.diag = _diag_socket()
+        self.listening = True
         self.pending = b""
         self.running = True
 
@@ -169,18 +253,29 @@ class Service:
                 self._close(conn)
 
     def _accept(self) -> None:
-        while len(self.conns) < MAX_CONNECTIONS:
+        while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of fds: the connection waits in the queue
+            except OSError:  # out of fds: the connections wait in the queue until one closes
+                self.sel.unregister(self.listener)
+                self.listening = False
                 return
             sock.setblocking(False)
-            self.conns[sock] = _Connection(sock)
+            conn = _Connection(sock, peer_uid(self.diag, self.port, peer))
+            if len(self.conns) >= MAX_CONNECTIONS:
+                self._close(self._oldest_of_the_busiest(conn.uid))
+            self.conns[sock] = conn
             self.sel.register(sock, selectors.EVENT_READ)
-        if len(self.conns) >= MAX_CONNECTIONS:
-            self.sel.unregister(self.listener)  # taken again when a connection closes
+
+    def _oldest_of_the_busiest(self, newcomer: int | None) -> _Connection:
+        """The connection to give up for a newcomer's: the oldest of the user that holds the most (the newcomer's
+        own counted in), or the oldest of all when each user holds one."""
+        held = Counter(c.uid for c in self.conns.values())
+        held[newcomer] += 1
+        busiest = max(held.values())
+        return next(c for c in self.conns.values() if held[c.uid] == busiest or busiest == 1)
 
     def _commands(self) -> None:
         """Carry out the broker's commands that have arrived (also before each request is answered: a command the
@@ -207,7 +302,7 @@ class Service:
                 print(f"vmmshare metadata service: {answer}", file=sys.stderr, flush=True)
 
     def _serve(self, conn: _Connection, mask: int) -> None:
-        if mask & selectors.EVENT_READ:
+        if mask & selectors.EVENT_READ and len(conn.outbox) < MAX_OUTBOX:
             try:
                 data = conn.sock.recv(1 << 16)
             except (BlockingIOError, InterruptedError):
@@ -219,9 +314,14 @@ class Service:
                 return
             if data:
                 conn.inbox += data
-                while not conn.closing and self._one(conn):
-                    pass
+                self._answer_inbox(conn)
         self._flush(conn)
+
+    def _answer_inbox(self, conn: _Connection) -> None:
+        """Answer the whole requests in the inbox, until the answers waiting to be read reach MAX_OUTBOX (the rest
+        waits until the client has read them: one that never reads costs the service no more than that)."""
+        while not conn.closing and len(conn.outbox) < MAX_OUTBOX and self._one(conn):
+            pass
 
     def _one(self, conn: _Connection) -> bool:
         """Answer the first whole request in the inbox; False when there is none yet."""
@@ -244,7 +344,7 @@ class Service:
         if len(request) != 3 or not request[2].startswith("HTTP/1.") or length < 0:
             self._answer(conn, 400, b"bad request", close=True)
             return False
-        if length > MAX_VALUE:
+        if length > self._max_value(request[1]):
             self._answer(conn, 413, b"too large", close=True)
             return False
         if len(conn.inbox) < end + 4 + length:
@@ -256,11 +356,17 @@ class Service:
         body = bytes(conn.inbox[end + 4 : end + 4 + length])
         del conn.inbox[: end + 4 + length]
         self._commands()
-        status, reply = self.store.request(request[0], request[1], body)
+        status, reply = self.store.request(request[0], request[1], body, conn.uid)
         close = headers.get("connection", "").lower() == "close" or request[2] == "HTTP/1.0"
         self._answer(conn, status, reply, close)
         conn.deadline = time.monotonic() + REQUEST_TIMEOUT
         return True
+
+    def _max_value(self, target: str) -> int:
+        """The most bytes a request body may have: MAX_VALUE, or BROKER_MAX_VALUE under the broker's own token."""
+        self._commands()  # a token the broker has just added is known
+        parts = urllib.parse.urlsplit(target).path.split("/")
+        return BROKER_MAX_VALUE if len(parts) == 3 and parts[1] in self.store.broker_tokens else MAX_VALUE
 
     def _answer(self, conn: _Connection, status: int, body: bytes, close: bool = False) -> None:
         kind = "application/json" if status == 200 and body else "text/plain"
@@ -280,10 +386,13 @@ class Service:
                 self._close(conn)
                 return
             del conn.outbox[:sent]
+            if len(conn.outbox) < MAX_OUTBOX and conn.inbox and not conn.closing:
+                self._answer_inbox(conn)  # requests left waiting while their answers could not be queued
         if conn.closing and not conn.outbox:
             self._close(conn)
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        want = (selectors.EVENT_READ if len(conn.outbox) < MAX_OUTBOX else 0) | (
+            selectors.EVENT_WRITE if conn.outbox else 0)
         self.sel.modify(conn.sock, want)
 
     def _close(self, conn: _Connection) -> None:
@@ -292,7 +401,8 @@ class Service:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
-        if len(self.conns) == MAX_CONNECTIONS - 1:
+        if not self.listening:
+            self.listening = True
             self.sel.register(self.listener, selectors.EVENT_READ)
 
 
@@ -340,8 +450,13 @@ class MetadataService:
     # add, drop, put and delete are not answered: the service carries out what the broker wrote before it answers
     # any engine's request, so a process told of an entry finds it (no round trip in the broker's loop)
 
-    def add(self, token: bytes) -> None:
-        self._send("add", token.hex())
+    def add(self, token: bytes, broker: bool = False) -> None:
+        """A namespace for `token` (`broker`: the broker's own engine's, whose descriptor lists every remote hold's
+        registration: values up to BROKER_MAX_VALUE)."""
+        if broker:
+            self._send("add", token.hex(), "broker")
+        else:
+            self._send("add", token.hex())
 
     def drop(self, token: bytes) -> None:
         self._send("drop", token.hex())

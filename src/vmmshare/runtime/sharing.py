@@ -127,6 +127,9 @@ class Sharing:
             got = rt.node.import_handle(shareable.value, shareable.share_type, fabric.secret if fabric else b"")
             os.close(got.fd)
             ref = got.node_ref
+            if fabric is not None and fabric.size != got.size:  # as a first import refuses it (rule 16)
+                rt.safe_node_call(rt.node.release, ref)
+                raise _altered(fabric.size, got.size)
         rt.safe_node_call(rt.node.release, ref)
 
     def _import_any(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:

@@ -543,7 +543,7 @@ def test_a_bare_engine_that_never_held_an_export_learns_no_address(fabric: TestC
         assert set(json.loads(lines["descriptors"]).values()) == {0}, f"server {n}: {lines['descriptors']}"
         assert json.loads(lines["metadata"]) == [404], f"server {n}: {lines['metadata']}"
         cmdline = Path(f"/proc/{service}/cmdline").read_bytes().split(b"\0")
-        assert cmdline[1:3] == [b"-m", b"vmmshare.fabric.metadata"] and len(cmdline) == 4  # nothing else
+        assert cmdline[1:3] == [b"-m", b"vmmshare.fabric.metadata_service"] and len(cmdline) == 4  # nothing else
         environ = Path(f"/proc/{service}/environ").read_bytes()
         words = set(re.findall(rb"[0-9a-f]{32}", environ + b"".join(cmdline)))
         for word in words:  # no path token there (a 32-hex-digit value that the service would answer under)

@@ -23,7 +23,7 @@ def resized(raw: bytes, size: int) -> bytes:
     return dataclasses.replace(decode_fabric(raw), size=size).pack()
 
 
-def test_rule16_a_fabric_handle_with_an_altered_size_is_refused_by_a_process_that_imported_the_true_one() -> None:
+def test_rule_16_a_fabric_handle_with_an_altered_size_is_refused_by_a_process_that_imported_the_true_one() -> None:
     """Rule 13's re-import in one process returns the handle it holds, once the broker admits the import again; a
     handle whose size field was altered is still not the handle that was exported (107017), whether or not the
     process holds an import of the true one, and the reference it would have added is not left behind."""

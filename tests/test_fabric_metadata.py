@@ -1,5 +1,6 @@
-"""The node's metadata service for the transfer engines (fabric/metadata.py and metadata_service.py), a child process of the broker: what it
-answers under which path, what an engine may and may not change there, and that it never outlives its broker."""
+"""The node's metadata service for the transfer engines (fabric/metadata.py and metadata_service.py), a child
+process of the broker: what it answers under which path, what an engine may and may not change there, and that it
+never outlives its broker."""
 
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import constants as C
-from .errors import AclInvalidParamError, InvalidParamError
+from ._process import runtime
+from .errors import AclInvalidParamError, ContextNullError, InvalidParamError
 from .handles import ShareType
-from .props import U64, check_int, check_pids
+from .props import U64, check_device, check_int, check_pids
 
 _ATTRS = {
     "normal": C.ACL_HBM_MEM_NORMAL,
@@ -64,3 +65,14 @@ def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
     except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
         raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
     return check_pids(listed, allow_empty)
+
+
+def _device(device: object) -> int:
+    """A device argument as the runtime numbers it: `device`, or (None) this thread's device, else 0."""
+    rt = runtime()
+    if device is None:
+        try:
+            device = rt.devices.current()
+        except ContextNullError:
+            device = 0
+    return rt.device_id(check_device(device))

@@ -11,9 +11,10 @@ from typing import Any
 
 from . import _inherit
 from . import constants as C
+from ._checks import _device
 from ._process import runtime
 from .backends.base import MemoryKind
-from .errors import AclInvalidParamError, ContextNullError, InvalidParamError, NoPermissionError
+from .errors import AclInvalidParamError, InvalidParamError, NoPermissionError
 from .props import U64, check_device, check_int, check_pids
 from .runtime.blocks import IPC, MALLOC
 from .runtime.ipc import MAX_PIDS_PER_CALL
@@ -186,12 +187,7 @@ def ipc_open(key: str, device: int | None = None) -> IpcMemory:
     if not isinstance(key, str):
         raise InvalidParamError(f"an IPC key is a str, got {type(key).__name__}")
     rt = runtime()
-    if device is None:
-        try:
-            device = rt.devices.current()
-        except ContextNullError:
-            device = 0
-    dev = rt.device_id(check_device(device))
+    dev = _device(device)
     ptr = rt.ipc.import_key(key, dev)
     block = rt.blocks.at(ptr, IPC)
     return IpcMemory._make(key, ptr, block.alloc.size, dev, block.alloc.backend.kind is MemoryKind.GPU)

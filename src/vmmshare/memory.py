@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import _inherit
 from . import constants as C
-from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _flag, _pids, _size
+from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _device, _flag, _pids, _size
 from ._process import runtime
 from .backends.base import MemoryKind
-from .errors import ContextNullError, InvalidHandleError, InvalidParamError, NoPermissionError
+from .errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from .handles import ShareableHandle
 from .props import U64, Location, PhysicalProp, check_device, check_int, check_prop
 
@@ -379,12 +379,7 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
     each object is closed on its own, and the memory stays until the last is."""
     h = ShareableHandle.from_value(handle)
     rt = runtime()
-    if device is None:
-        try:
-            device = rt.devices.current()
-        except ContextNullError:
-            device = 0
-    dev = rt.device_id(check_device(device))
+    dev = _device(device)
     try:
         imported = rt.sharing.import_handle(h, dev)
     except InvalidHandleError as exc:

@@ -1,4 +1,4 @@
-"""A FABRIC handle whose size field was altered is not the handle that was exported (issue 29 item 6): rule 16,
+"""A FABRIC handle whose size field was altered is not the handle that was exported: rule 16,
 107017 and nothing held, through the Pythonic and the pyACL import; refused by the cross-server transport too."""
 
 from __future__ import annotations

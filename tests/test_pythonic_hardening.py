@@ -306,7 +306,7 @@ def test_resource_classes_cannot_be_instantiated_directly(name: str) -> None:
 
 
 def test_a_mapping_over_unmapped_memory_cannot_be_made_in_a_child() -> None:
-    """The crash of issue 29: `Mapping(0x1000, memory, None).numpy()` killed the process with SIGSEGV."""
+    """A crash from the public API: `Mapping(0x1000, memory, None).numpy()` killed the process with SIGSEGV."""
     proc = run_child("""
 import vmmshare
 mem = vmmshare.Device(0).allocate(2 << 20)

@@ -1,4 +1,4 @@
-"""Shareable memory pools (issue 29 item 4): one export per chunk, many buffers carved from them, buffers that
+"""Shareable memory pools: one export per chunk, many buffers carved from them, buffers that
 travel as (pool, offset, size) and import through the receiver's one import of the pool; freed buffers go back;
 the pool grows by chunks up to its max_size; a buffer used after its pool closed is refused, not a crash."""
 

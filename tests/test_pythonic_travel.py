@@ -1,4 +1,4 @@
-"""Live objects travel (issue 29 items 2 and 5): a PhysicalMemory, Mapping or DeviceBuffer sent through a
+"""Live objects travel: a PhysicalMemory, Mapping or DeviceBuffer sent through a
 multiprocessing Queue, Pipe or Process argument arrives working in the other process; one that cannot travel says
 what to send instead; a grown mapping arrives as one range, before and after it grew.
 

@@ -47,6 +47,43 @@ def test_cluster_up_status_exec_down() -> None:
     assert bad.returncode == 2 and "cluster name" in bad.stderr
 
 
+def test_a_cluster_of_64_servers_reaches_every_server_and_leaves_nothing() -> None:
+    """Past 33 servers on one bridge, the learned ARP entries (N(N-1)) outgrew the kernel's neighbour table and
+    servers stopped reaching each other; `up` refused more than 8. Now every server knows every other as a
+    permanent neighbour, up to the /24's 254, and `down` leaves no namespace or folder behind."""
+    name = f"b{os.getpid() % 100000}"
+    up = vmmshare("cluster", "up", "--name", name, "--servers", "64")
+    try:
+        assert up.returncode == 0, up.stderr
+        for n in (1, 33, 64):
+            neigh = subprocess.run(["ip", "-n", f"vmms-{name}-{n}", "neigh", "show", "nud", "permanent"],
+                                   capture_output=True, text=True, timeout=60).stdout
+            assert len(neigh.splitlines()) == 63, neigh
+        server = ("import socket\ns = socket.create_server(('10.77.0.64', 5555))\nprint('up', flush=True)\n"
+                  "c, _ = s.accept()\nc.sendall(c.recv(4))")
+        listener = subprocess.Popen(["ip", "netns", "exec", f"vmms-{name}-64", sys.executable, "-c", server],
+                                    stdout=subprocess.PIPE, text=True)
+        try:
+            assert listener.stdout is not None and listener.stdout.readline().strip() == "up"
+            client = ("import socket\nc = socket.create_connection(('10.77.0.64', 5555), timeout=10)\n"
+                      "c.sendall(b'ping')\nprint(c.recv(4).decode())")
+            ran = vmmshare("cluster", "exec", "1", "--name", name, "--", sys.executable, "-c", client)
+            assert ran.returncode == 0 and ran.stdout.strip() == "ping", ran.stderr
+        finally:
+            listener.kill()
+            listener.wait(30)
+        status = vmmshare("cluster", "status", "--name", name)
+        assert status.returncode == 0 and "server 64:" in status.stdout
+    finally:
+        down = vmmshare("cluster", "down", "--name", name)
+    assert down.returncode == 0 and "is down" in down.stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=60).stdout
+    assert f"vmms-{name}-" not in namespaces
+    assert not Path(f"/run/vmmshare-cluster/{name}").exists()
+    too_many = vmmshare("cluster", "up", "--name", name, "--servers", "255")
+    assert too_many.returncode == 2 and "1 to 254 servers" in too_many.stderr
+
+
 def test_cluster_up_needs_root_and_says_so() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *CLI, "cluster",

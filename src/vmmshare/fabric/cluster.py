@@ -1,4 +1,4 @@
-"""A test cluster on one machine: 1 to 8 "servers" (2 by default) as network namespaces on a private bridge
+"""A test cluster on one machine: 1 to 254 "servers" (2 by default) as network namespaces on a private bridge
 (`vmmshare cluster`).
 
 Each server is a network namespace with one interface on a bridge that lives in a hub namespace of its own (the
@@ -6,6 +6,11 @@ machine's own namespace is not touched), a private address, its own broker socke
 key for all. `up` writes each server's VMMSHARE_* settings to ``server<N>.env`` in the cluster's folder; a program
 runs on server N with ``vmmshare cluster exec N -- program``, whose brokers start themselves in that namespace.
 Needs root (network namespaces).
+
+Every server's interface has a MAC address derived from its number, and every server knows every other's as a
+permanent neighbour entry: N servers on one bridge would otherwise need N(N-1) learned ARP entries, past the kernel's
+neighbour table limit (`gc_thresh3`, 1024) from 33 servers on. `up` and `down` set up and take down the servers in
+parallel.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +36,8 @@ from ..config import FABRIC_PORT
 STATE_ROOT = Path("/run/vmmshare-cluster")
 SUBNET = "10.77.0.0/24"
 KEY_BYTES = 48
+MAX_SERVERS = 254  # the hosts of SUBNET, a /24
+PARALLEL = 8  # servers set up or taken down at once
 _NAME = re.compile(r"^[a-z0-9]{1,8}$")
 
 
@@ -37,10 +45,10 @@ class ClusterError(RuntimeError):
     """A cluster that cannot be made, found or removed; the message says why and what to do."""
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _ip(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     try:
         # a hang guard only: ip returns at once
-        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=60, input=stdin)
     except FileNotFoundError:
         raise ClusterError("the `ip` command (iproute2) is not installed: apt-get install iproute2") from None
     if check and done.returncode != 0:
@@ -71,8 +79,8 @@ class Cluster:
                  port: int = FABRIC_PORT, timeout: float | None = None) -> None:
         if not _NAME.match(name):
             raise ClusterError(f"cluster name {name!r}: 1 to 8 lower-case letters or digits")
-        if not 1 <= servers <= 8:
-            raise ClusterError(f"{servers} servers: a test cluster has 1 to 8")
+        if not 1 <= servers <= MAX_SERVERS:
+            raise ClusterError(f"{servers} servers: a test cluster has 1 to {MAX_SERVERS}")
         self.name, self.count, self.port, self.timeout = name, servers, port, timeout
         self.folder = (root or STATE_ROOT) / name
         self.hub = f"vmms-{name}-hub"
@@ -95,6 +103,12 @@ class Cluster:
         if self.timeout is not None:
             env["VMMSHARE_FABRIC_TIMEOUT"] = f"{self.timeout:g}"
         return Server(number, f"vmms-{self.name}-{number}", address, server_id, env)
+
+    @staticmethod
+    def mac(number: int) -> str:
+        """Server `number`'s interface address: locally administered, from its number (so every neighbour entry
+        can be written before any server has spoken)."""
+        return f"02:76:6d:00:{number >> 8 & 0xFF:02x}:{number & 0xFF:02x}"
 
     @property
     def servers(self) -> list[Server]:
@@ -128,26 +142,43 @@ class Cluster:
         _ip("-n", self.hub, "link", "set", "lo", "up")
         _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.hub, "link", "set", "br0", "up")
-        for s in self.servers:
-            _ip("netns", "add", s.namespace)
-            _ip("-n", self.hub, "link", "add", f"h{s.number}", "type", "veth", "peer", "name", "fab0",
-                "netns", s.namespace)
-            _ip("-n", self.hub, "link", "set", f"h{s.number}", "master", "br0", "up")
-            _ip("-n", s.namespace, "addr", "add", f"{s.address}/{self.net.prefixlen}", "dev", "fab0")
-            _ip("-n", s.namespace, "link", "set", "lo", "up")
-            _ip("-n", s.namespace, "link", "set", "fab0", "up")
-            folder = Path(s.env["VMMSHARE_SOCKET"]).parent
-            folder.mkdir(mode=0o700, exist_ok=True)
-            lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in s.env.items())
-            (self.folder / f"server{s.number}.env").write_text(lines)
+        servers = self.servers
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            list(pool.map(self._make_server, servers))
+            list(pool.map(lambda s: self._neighbours(s, servers), servers))
+
+    def _make_server(self, s: Server) -> None:
+        _ip("netns", "add", s.namespace)
+        _ip("-n", self.hub, "link", "add", f"h{s.number}", "type", "veth", "peer", "name", "fab0",
+            "address", self.mac(s.number), "netns", s.namespace)
+        _ip("-n", self.hub, "link", "set", f"h{s.number}", "master", "br0", "up")
+        _ip("-n", s.namespace, "addr", "add", f"{s.address}/{self.net.prefixlen}", "dev", "fab0")
+        _ip("-n", s.namespace, "link", "set", "lo", "up")
+        _ip("-n", s.namespace, "link", "set", "fab0", "up")
+        folder = Path(s.env["VMMSHARE_SOCKET"]).parent
+        folder.mkdir(mode=0o700, exist_ok=True)
+        lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in s.env.items())
+        (self.folder / f"server{s.number}.env").write_text(lines)
+
+    def _neighbours(self, s: Server, servers: list[Server]) -> None:
+        """Every other server as a permanent neighbour of `s` (one `ip -batch`)."""
+        batch = "".join(f"neigh replace {o.address} lladdr {self.mac(o.number)} dev fab0 nud permanent\n"
+                        for o in servers if o is not s)
+        if batch:
+            _ip("-n", s.namespace, "-batch", "-", stdin=batch)
 
     def down(self) -> None:
         """Stop every process left in the cluster's namespaces, then remove them, the bridge and the folder."""
         present = _namespaces()
-        for ns in [s.namespace for s in self.servers] + [self.hub]:
+
+        def remove(ns: str) -> None:
             if ns in present:
                 _stop_processes(ns)
                 _ip("netns", "del", ns, check=False)
+
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            list(pool.map(remove, [s.namespace for s in self.servers]))
+        remove(self.hub)
         if self.folder.is_dir():
             for path in sorted(self.folder.rglob("*"), reverse=True):
                 with contextlib.suppress(OSError):
@@ -217,8 +248,8 @@ def _servers_option(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= 8:
-        raise argparse.ArgumentTypeError(f"{text!r}: a test cluster has 1 to 8 servers")
+    if not 1 <= value <= MAX_SERVERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a test cluster has 1 to {MAX_SERVERS} servers")
     return value
 
 
@@ -230,7 +261,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("number", nargs="?", type=count_option, help="exec: the server to run on (1, 2, ...)")
     ap.add_argument("--name", type=_name_option, default="demo",
                     help="the cluster's name: 1 to 8 lower-case letters or digits (default demo)")
-    ap.add_argument("--servers", type=_servers_option, default=2, help="up: how many servers, 1 to 8 (default 2)")
+    ap.add_argument("--servers", type=_servers_option, default=2,
+                    help=f"up: how many servers, 1 to {MAX_SERVERS} (default 2)")
     ap.add_argument("--timeout", type=seconds_option, default=None, metavar="SECONDS",
                     help="up: VMMSHARE_FABRIC_TIMEOUT for every server (a positive number of seconds)")
     ap.epilog = "exec runs: vmmshare cluster exec N [--name NAME] -- COMMAND [ARGS]"

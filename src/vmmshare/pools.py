@@ -103,6 +103,7 @@ class MemoryPool:
     @classmethod
     def _import(cls, ticket: _PoolTicket) -> MemoryPool:
         """The pool a ticket names, as this process imported it (once: later tickets add the chunks they bring)."""
+        _check_ticket(ticket)
         with _imported_lock:
             pool = _imported.get(ticket.pool_id)
             if pool is None or pool.closed:
@@ -361,6 +362,28 @@ def _check_alignment(alignment: object) -> int:
     if a & (a - 1):
         raise InvalidParamError(f"alignment {a} is not a power of two")
     return a
+
+
+def _check_ticket(ticket: object) -> None:
+    """Refuse (107000) a pool descriptor that no MemoryPool sends (a crafted pickle): a layout that is not whole
+    chunks, an alignment no pool has, a chunk list that is not (index, chunk ticket) pairs."""
+    if not isinstance(ticket, _PoolTicket) or not isinstance(ticket.pool_id, str):
+        raise InvalidParamError(f"not a MemoryPool's descriptor: {type(ticket).__name__}")
+    chunk = ticket.chunk_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise InvalidParamError(f"the pool's descriptor has chunk size {chunk!r}: not a positive int")
+    capacity = ticket.capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0 or capacity % chunk:
+        raise InvalidParamError(f"the pool's descriptor has capacity {capacity!r}: not whole chunks of {chunk}")
+    a = ticket.alignment
+    if isinstance(a, bool) or not isinstance(a, int) or not 1 <= a <= _MAX_ALIGNMENT or a & (a - 1):
+        raise InvalidParamError(f"the pool's descriptor has alignment {a!r}: not a power of two up to "
+                                f"{_MAX_ALIGNMENT}")
+    chunks = ticket.chunks
+    if not isinstance(chunks, tuple) or not all(
+            isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], int) and not isinstance(c[0], bool)
+            and isinstance(c[1], _Ticket) for c in chunks):
+        raise InvalidParamError("the pool's descriptor does not list its chunks as (index, chunk) pairs")
 
 
 def _unmap_pool(rng: VirtualRange, chunks: dict[int, PhysicalMemory], imported: bool) -> None:

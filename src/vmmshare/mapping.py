@@ -323,6 +323,8 @@ def _map_back_to_back(memories: list[PhysicalMemory], access: str, room: int = 0
 def _arrive_mapping(tickets: list[_Ticket], access: str) -> Mapping:
     """Unpickling a Mapping: its chunks imported here (one import per handle in this process), mapped back to
     back; the mapping holds the imports, and the last holder of one closes it."""
+    if not isinstance(tickets, list) or not tickets:
+        raise InvalidParamError("not a Mapping's descriptor (a crafted pickle?): it lists no memory")
     memories: list[PhysicalMemory] = []
     try:
         for ticket in tickets:

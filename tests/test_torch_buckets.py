@@ -396,7 +396,8 @@ def test_a_ticket_whose_layout_lies_is_refused() -> None:
         t = pub.ticket()
         a = t.entries[0]
         for bad in (replace(a, offset=pub.nbytes), replace(a, nbytes=4), replace(a, dtype="nope"),
-                    replace(a, offset=2), replace(a, shape=(1 << 40,)), replace(a, offset=-4)):
+                    replace(a, offset=2), replace(a, shape=(1 << 40,)), replace(a, offset=-4),
+                    replace(a, name=["a"])):  # a name that is not text could not key the snapshot's dict
             with pytest.raises(vmmshare.InvalidParamError):
                 vt.Subscriber(vt.BucketTicket(t.header, t.slots, (bad,)))
         sub = vt.Subscriber(t)  # the true layout: the publisher's own process may read its bucket too

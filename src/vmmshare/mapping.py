@@ -267,10 +267,8 @@ class Mapping(MemoryViews):
 
     def close(self) -> None:
         """Unmap (and release the range it owns); BufferError while views of it are alive."""
-        if not self._finalizer.alive:
+        if self._start_close() is None:
             return
-        self._check_closable()
-        self._finalizer.detach()
         if self._forked:
             return  # the parent's: it stays mapped here until this process exits
         rt = runtime()

@@ -26,6 +26,7 @@ from .mapping import VirtualRange
 from .memory import Device, PhysicalMemory, _hold, _let_go, _quietly, _receive, _Ticket
 from .pool_buffers import PoolBuffer
 from .props import check_int
+from .views import _VIEWS_LOCK
 
 __all__ = ["MemoryPool"]
 
@@ -330,12 +331,13 @@ class MemoryPool:
         with self._lock:
             if self.closed:
                 return
-            busy = sum(b.live_views() for b in self._buffers)
-            if busy:
-                raise BufferError(f"{busy} view(s) of this MemoryPool's buffers are alive: delete them first")
-            for buf in list(self._buffers):
-                buf._detach()
-            self._finalizer.detach()
+            with _VIEWS_LOCK:  # no view of a buffer is counted between this check and the close
+                busy = sum(b.live_views() for b in self._buffers)
+                if busy:
+                    raise BufferError(f"{busy} view(s) of this MemoryPool's buffers are alive: delete them first")
+                for buf in list(self._buffers):
+                    buf._detach()
+                self._finalizer.detach()
             if self._forked:
                 return  # the parent's: it stays mapped here until this process exits
             rt = runtime()

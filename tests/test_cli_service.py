@@ -184,6 +184,30 @@ def test_a_wrong_passed_socket_is_refused_with_exit_2(tmp_path: Path, wrong: str
         m.close()
 
 
+@pytest.mark.parametrize("where", ["folder others can write", "folder of another user", "socket of another user"])
+def test_a_passed_socket_another_user_could_replace_is_refused_with_exit_2(tmp_path: Path, where: str) -> None:
+    """A passed socket in a folder another user can write to (no sticky bit) or owns, or whose file belongs to
+    another user, is refused as a socket the broker binds itself would be (SPEC §5): whoever can replace the file
+    would take the broker's clients. It used to be served. Exit 2, one line that says why, no traceback."""
+    path = tmp_path / "run" / "broker.sock"
+    m = Manager(path)
+    nobody = 65534
+    if where == "folder others can write":
+        os.chmod(path.parent, 0o777)
+    elif where == "folder of another user":
+        os.chown(path.parent, nobody, nobody)
+    else:
+        os.chown(path, nobody, nobody, follow_symlinks=False)
+    try:
+        code, log = _finish(m.start(_exec_start(path), env_for(tmp_path, VMMSHARE_SOCKET=str(path))))
+        assert code == 2, log
+        assert "Traceback" not in log
+        assert ("others can write" if where == "folder others can write" else "nobody") in log, log
+        m.sock.getsockname()  # still open here
+    finally:
+        m.close()
+
+
 # ---------------------------------------------------------------- containers
 
 

@@ -337,3 +337,68 @@ def test_the_dlpack_module_has_no_public_capsule_of_an_address() -> None:
     import vmmshare.dlpack as dl
 
     assert not any(callable(getattr(dl, n)) and "capsule" in n for n in dir(dl) if not n.startswith("_"))
+
+
+def test_a_view_taken_while_another_thread_closes_the_mapping_never_outlives_it() -> None:
+    """A thread that takes a view (memoryview) while another closes the mapping: the view is counted and the close
+    looks for views one at a time, so either the close fails (BufferError) and the view works, or the view is
+    refused. The view's thread is stopped (through a trace hook, no timing) right after the view found the mapping
+    open; the close used to go through then, and the view it returned was over unmapped pages (SIGSEGV on use)."""
+    import linecache
+    import sys
+    import threading
+
+    import vmmshare.views as views
+
+    m = vmmshare.Device(0).allocate(2 * MiB).map()
+    m.write(b"kept")
+    paused, go = threading.Event(), threading.Event()
+    target = views.MemoryViews._register.__code__
+    got: dict[str, Any] = {}
+
+    def hook(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is target and event == "line" and "_vmmshare_owner" in linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno):
+            paused.set()
+            go.wait()
+        return hook
+
+    def take() -> None:
+        sys.settrace(hook)
+        try:
+            got["view"] = m.memoryview()
+        finally:
+            sys.settrace(None)
+
+    def close() -> None:
+        try:
+            m.close()
+            got["closed"] = True
+        except BufferError as exc:
+            got["refused"] = exc
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    paused.wait()
+    closer = threading.Thread(target=close)
+    closer.start()
+
+    def waiting_for_the_lock() -> bool:
+        frame = sys._current_frames().get(closer.ident or 0)
+        while frame is not None:
+            if "_VIEWS_LOCK" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                return True
+            frame = frame.f_back
+        return False
+
+    while closer.is_alive() and not waiting_for_the_lock():
+        pass  # the close either went through (the old behaviour) or waits for the view's step to finish
+    go.set()
+    taker.join()
+    closer.join()
+    assert "closed" not in got, "the mapping was closed under a view being taken"
+    assert isinstance(got["refused"], BufferError)
+    assert bytes(got["view"][:4]) == b"kept"
+    del got["view"]
+    m.close()
+    m.memory.close()

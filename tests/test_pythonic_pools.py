@@ -91,6 +91,31 @@ def test_bad_pool_arguments_are_acl_errors_and_leave_nothing() -> None:
     assert runtime().counts() == before
 
 
+def test_a_crafted_pool_descriptor_is_an_acl_error_and_leaves_nothing() -> None:
+    """A pickled buffer whose pool descriptor no MemoryPool sends (chunk size 0, a capacity that is not whole
+    chunks, an alignment of 0, a chunk list of the wrong shape, an id that is not text) is refused with 107000;
+    a chunk size of 0 used to escape as a ZeroDivisionError, and an unhashable id as a TypeError."""
+    from dataclasses import replace
+
+    from vmmshare.pool_buffers import _arrive_buffer
+
+    with vmmshare.MemoryPool(max_size=4 * MiB, chunk_size=CHUNK) as pool:
+        buf = pool.allocate(4096)
+        _, (ticket, offset, size, length, meta) = buf.__reduce__()
+        before = runtime().counts()
+        for i, kw in enumerate(({"chunk_size": 0}, {"chunk_size": -CHUNK}, {"capacity": CHUNK + 1},
+                                {"capacity": 0}, {"alignment": 0}, {"alignment": 3}, {"chunks": [(0, None)]},
+                                {"chunks": ((True, ticket.chunks[0][1]),)}, {"chunks": 5})):
+            crafted = replace(ticket, pool_id=f"crafted{i}", **kw)
+            with pytest.raises(vmmshare.InvalidParamError):
+                _arrive_buffer(crafted, offset, size, length, meta)
+        with pytest.raises(vmmshare.InvalidParamError):
+            _arrive_buffer(replace(ticket, pool_id=["not", "text"]), offset, size, length, meta)
+        gc.collect()
+        assert runtime().counts() == before
+        buf.close()
+
+
 def test_a_buffer_used_after_its_pool_closed_is_refused() -> None:
     pool = vmmshare.MemoryPool(max_size=4 * MiB, chunk_size=CHUNK)
     buf = pool.allocate(4096)

@@ -145,6 +145,28 @@ def test_objects_that_cannot_travel_say_what_to_send_instead() -> None:
     rng.close()
 
 
+def test_a_crafted_mapping_or_memory_descriptor_is_an_acl_error_and_leaves_nothing() -> None:
+    """A pickle that names no memory (an empty chunk list), or a chunk descriptor that is not one (None, a bare
+    int for its handle, a device that is not an int), is refused with 107000; these used to escape as IndexError,
+    AttributeError or TypeError."""
+    from dataclasses import replace
+
+    from vmmshare.mapping import _arrive_mapping
+    from vmmshare.memory import _arrive_memory
+
+    with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as m:
+        _, (tickets, access) = m.__reduce__()
+        before = runtime().counts()
+        for crafted in ([], 5, [None], [replace(tickets[0], handle=5)], [replace(tickets[0], device="0")]):
+            with pytest.raises(vmmshare.InvalidParamError):
+                _arrive_mapping(crafted, access)
+        for ticket in (None, replace(tickets[0], handle=5), replace(tickets[0], device=True)):
+            with pytest.raises(vmmshare.InvalidParamError):
+                _arrive_memory(ticket)
+        gc.collect()
+        assert runtime().counts() == before
+
+
 def test_rule_13_a_same_process_round_trip_is_a_second_object_over_the_same_memory() -> None:
     """Unpickling in the exporting process is an import there (rule 13): a second object over the same bytes, closed
     on its own, and nothing is left behind once both are closed."""

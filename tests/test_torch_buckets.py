@@ -396,7 +396,8 @@ def test_a_ticket_whose_layout_lies_is_refused() -> None:
         t = pub.ticket()
         a = t.entries[0]
         for bad in (replace(a, offset=pub.nbytes), replace(a, nbytes=4), replace(a, dtype="nope"),
-                    replace(a, offset=2), replace(a, shape=(1 << 40,)), replace(a, offset=-4)):
+                    replace(a, offset=2), replace(a, shape=(1 << 40,)), replace(a, offset=-4),
+                    replace(a, name=["a"])):  # a name that is not text could not key the snapshot's dict
             with pytest.raises(vmmshare.InvalidParamError):
                 vt.Subscriber(vt.BucketTicket(t.header, t.slots, (bad,)))
         sub = vt.Subscriber(t)  # the true layout: the publisher's own process may read its bucket too
@@ -430,3 +431,39 @@ def test_a_reader_that_scribbles_on_the_header_only_delays_a_publish(reader: Any
     good.run("held.release(); held = None")
     assert pub.publish(state(3), timeout=0) == 3
     assert good.run(f"snap = sub.latest(); {SUMMARY.strip()}; snap.release()") == [3, [3.0], 3]
+
+
+CLOSED_UNDER = r"""
+import os, pickle, torch
+import vmmshare
+import vmmshare.torch as vt
+pub = vt.Publisher({"a": torch.ones(8)}, pids=[os.getpid()])
+pub.publish({"a": torch.full((8,), 2.0)})
+mine = vt.Subscriber(pub.ticket())  # in the publisher's process
+ticket = pickle.loads(pickle.dumps(pub.ticket()))
+theirs = vt.Subscriber(ticket)
+assert mine.version == theirs.version == 1
+pub.close()  # frees the bucket: the pool its buffers lie in is unmapped here
+assert ticket.header.pool.closed
+for sub in (mine, theirs):
+    for call in (lambda: sub.version, sub.latest, sub.copy_latest):
+        try:
+            call()
+        except vmmshare.InvalidParamError as exc:
+            print(exc.code, flush=True)
+try:
+    pub.publish({"a": torch.zeros(8)})
+except vmmshare.InvalidParamError as exc:
+    print(exc.code, flush=True)
+mine.close(); theirs.close()
+print("alive", flush=True)
+"""
+
+
+def test_a_subscriber_whose_bucket_memory_was_closed_gets_an_error_not_a_crash() -> None:
+    """A Subscriber's header words were loaded from the pool's address with no check: once the pool was closed
+    (Publisher.close() in its own process, a Subscriber made there before it) reading `version` or taking a snapshot
+    touched unmapped pages and killed the interpreter (SIGSEGV). Now each is 107000."""
+    done = subprocess.run([sys.executable, "-c", CLOSED_UNDER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["107000"] * 7 + ["alive"]

@@ -111,10 +111,8 @@ class DeviceBuffer(MemoryViews):
 
     def close(self) -> None:
         """Free the memory (its key is revoked; importers keep theirs); BufferError while views are alive."""
-        if not self._finalizer.alive:
+        if self._start_close() is None:
             return
-        self._check_closable()
-        self._finalizer.detach()
         if not self._forked:
             runtime().blocks.free(self.ptr)
 
@@ -165,10 +163,8 @@ class IpcMemory(MemoryViews):
         return not self._finalizer.alive
 
     def close(self) -> None:
-        if not self._finalizer.alive:
+        if self._start_close() is None:
             return
-        self._check_closable()
-        self._finalizer.detach()
         if not self._forked:
             runtime().ipc.close(self.key)
 

@@ -267,10 +267,8 @@ class Mapping(MemoryViews):
 
     def close(self) -> None:
         """Unmap (and release the range it owns); BufferError while views of it are alive."""
-        if not self._finalizer.alive:
+        if self._start_close() is None:
             return
-        self._check_closable()
-        self._finalizer.detach()
         if self._forked:
             return  # the parent's: it stays mapped here until this process exits
         rt = runtime()
@@ -323,6 +321,8 @@ def _map_back_to_back(memories: list[PhysicalMemory], access: str, room: int = 0
 def _arrive_mapping(tickets: list[_Ticket], access: str) -> Mapping:
     """Unpickling a Mapping: its chunks imported here (one import per handle in this process), mapped back to
     back; the mapping holds the imports, and the last holder of one closes it."""
+    if not isinstance(tickets, list) or not tickets:
+        raise InvalidParamError("not a Mapping's descriptor (a crafted pickle?): it lists no memory")
     memories: list[PhysicalMemory] = []
     try:
         for ticket in tickets:

@@ -331,6 +331,9 @@ def _let_go(memory: PhysicalMemory) -> None:
 
 def _receive(ticket: _Ticket) -> tuple[PhysicalMemory, bool]:
     """The memory a ticket names, imported here (or the live import of it this process has); True if new."""
+    if not isinstance(ticket, _Ticket) or not isinstance(ticket.handle, ShareableHandle) or isinstance(
+            ticket.device, bool) or not isinstance(ticket.device, int):
+        raise InvalidParamError(f"not a PhysicalMemory's descriptor (a crafted pickle?): {ticket!r:.200}")
     with _arrived_lock:
         known = _arrived.get(ticket.handle.value)
         if known is not None and not known.closed:

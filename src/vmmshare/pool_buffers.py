@@ -82,10 +82,10 @@ class PoolBuffer(MemoryViews):
 
     def close(self) -> None:
         """Give the bytes back to the pool (BufferError while views of it are alive)."""
-        if not self._finalizer.alive:
-            return
-        self._check_closable()
-        self._finalizer()
+        detached = self._start_close()
+        if detached is not None:
+            _, give_back, args, _ = detached
+            give_back(*args)
 
     def __enter__(self) -> PoolBuffer:
         return self

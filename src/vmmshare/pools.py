@@ -26,6 +26,7 @@ from .mapping import VirtualRange
 from .memory import Device, PhysicalMemory, _hold, _let_go, _quietly, _receive, _Ticket
 from .pool_buffers import PoolBuffer
 from .props import check_int
+from .views import _VIEWS_LOCK
 
 __all__ = ["MemoryPool"]
 
@@ -103,6 +104,7 @@ class MemoryPool:
     @classmethod
     def _import(cls, ticket: _PoolTicket) -> MemoryPool:
         """The pool a ticket names, as this process imported it (once: later tickets add the chunks they bring)."""
+        _check_ticket(ticket)
         with _imported_lock:
             pool = _imported.get(ticket.pool_id)
             if pool is None or pool.closed:
@@ -329,12 +331,13 @@ class MemoryPool:
         with self._lock:
             if self.closed:
                 return
-            busy = sum(b.live_views() for b in self._buffers)
-            if busy:
-                raise BufferError(f"{busy} view(s) of this MemoryPool's buffers are alive: delete them first")
-            for buf in list(self._buffers):
-                buf._detach()
-            self._finalizer.detach()
+            with _VIEWS_LOCK:  # no view of a buffer is counted between this check and the close
+                busy = sum(b.live_views() for b in self._buffers)
+                if busy:
+                    raise BufferError(f"{busy} view(s) of this MemoryPool's buffers are alive: delete them first")
+                for buf in list(self._buffers):
+                    buf._detach()
+                self._finalizer.detach()
             if self._forked:
                 return  # the parent's: it stays mapped here until this process exits
             rt = runtime()
@@ -361,6 +364,28 @@ def _check_alignment(alignment: object) -> int:
     if a & (a - 1):
         raise InvalidParamError(f"alignment {a} is not a power of two")
     return a
+
+
+def _check_ticket(ticket: object) -> None:
+    """Refuse (107000) a pool descriptor that no MemoryPool sends (a crafted pickle): a layout that is not whole
+    chunks, an alignment no pool has, a chunk list that is not (index, chunk ticket) pairs."""
+    if not isinstance(ticket, _PoolTicket) or not isinstance(ticket.pool_id, str):
+        raise InvalidParamError(f"not a MemoryPool's descriptor: {type(ticket).__name__}")
+    chunk = ticket.chunk_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise InvalidParamError(f"the pool's descriptor has chunk size {chunk!r}: not a positive int")
+    capacity = ticket.capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0 or capacity % chunk:
+        raise InvalidParamError(f"the pool's descriptor has capacity {capacity!r}: not whole chunks of {chunk}")
+    a = ticket.alignment
+    if isinstance(a, bool) or not isinstance(a, int) or not 1 <= a <= _MAX_ALIGNMENT or a & (a - 1):
+        raise InvalidParamError(f"the pool's descriptor has alignment {a!r}: not a power of two up to "
+                                f"{_MAX_ALIGNMENT}")
+    chunks = ticket.chunks
+    if not isinstance(chunks, tuple) or not all(
+            isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], int) and not isinstance(c[0], bool)
+            and isinstance(c[1], _Ticket) for c in chunks):
+        raise InvalidParamError("the pool's descriptor does not list its chunks as (index, chunk) pairs")
 
 
 def _unmap_pool(rng: VirtualRange, chunks: dict[int, PhysicalMemory], imported: bool) -> None:

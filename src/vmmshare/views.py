@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import weakref
 from typing import Any
 
@@ -24,6 +25,11 @@ class _Keepalive:
     """What a GPU DLPack capsule holds on to (there is no host buffer to hold)."""
 
     _vmmshare_owner: Any
+
+
+# a view is counted and a close looks for views one at a time: without it a view counted just after a close found
+# none would reach unmapped pages (SIGSEGV)
+_VIEWS_LOCK = threading.RLock()
 
 
 class MemoryViews:
@@ -82,6 +88,16 @@ class MemoryViews:
         if len(self._views):
             raise BufferError(f"{len(self._views)} view(s) of this {type(self).__name__} are alive: delete them first")
 
+    def _start_close(self) -> Any:
+        """For close(): None when closed already, else (BufferError while views are alive) the finalizer detached
+        as one step with the view check, its (obj, func, args, kwargs); no view can be counted after it."""
+        finalizer: weakref.finalize[Any, Any] = self._finalizer  # type: ignore[attr-defined]
+        with _VIEWS_LOCK:
+            if not finalizer.alive:
+                return None
+            self._check_closable()
+            return finalizer.detach()
+
     def _buffer(self, offset: int = 0, nbytes: int | None = None) -> Any:
         if self.remote:
             raise FeatureNotSupportedError(f"this {type(self).__name__} has no CPU view: {NO_CPU_ACCESS}")
@@ -93,15 +109,16 @@ class MemoryViews:
 
     def _register(self, buf: Any) -> Any:
         """Count `buf` as a live view: it keeps this object alive, and this object will not close under it."""
-        if self.closed:
-            raise InvalidParamError(self._closed_message())
-        buf._vmmshare_owner = self
-        key, views = id(buf), self._views
+        with _VIEWS_LOCK:
+            if self.closed:
+                raise InvalidParamError(self._closed_message())
+            buf._vmmshare_owner = self
+            key, views = id(buf), self._views
 
-        def forget(_: object) -> None:
-            views.pop(key, None)
+            def forget(_: object) -> None:
+                views.pop(key, None)
 
-        views[key] = weakref.ref(buf, forget)
+            views[key] = weakref.ref(buf, forget)
         return buf
 
     # ------------------------------------------------------------ copies (any memory: host, GPU, another server's)

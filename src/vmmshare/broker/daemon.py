@@ -42,7 +42,7 @@ def run(path: Path | None = None, idle: float | None = None, multi_user: bool = 
     signal.signal(signal.SIGTERM, broker.stop)
     signal.signal(signal.SIGINT, broker.stop)
     try:
-        broker.bind(passed_socket(broker.path))  # systemd socket activation passes the listener
+        broker.bind(passed_socket(broker.path, multi_user))  # systemd socket activation passes the listener
     except ConfigError as exc:
         log.error("bad configuration: %s", exc)
         return 2

@@ -6,11 +6,12 @@ import contextlib
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 
 from ..config import ConfigError, check_socket_path
 from . import system, wire
-from .folder import FolderError, make_serving_folder, open_private
+from .folder import FolderError, _owner, check_serving_folder, make_serving_folder, open_private
 
 
 class InUse(RuntimeError):
@@ -90,7 +91,7 @@ def retire_socket(path: Path, inode: int, listener: socket.socket) -> tuple[bool
 SD_LISTEN_FDS_START = 3  # the first fd a service manager passes (sd_listen_fds(3))
 
 
-def passed_socket(path: Path) -> socket.socket | None:
+def passed_socket(path: Path, multi_user: bool = False) -> socket.socket | None:
     """The listening socket a service manager passed for `path` (systemd socket activation: LISTEN_PID is this
     process and LISTEN_FDS is 1), or None when none was passed. The variables are removed so children do not take
     the fd for theirs. A passed fd that is not a listening AF_UNIX SOCK_SEQPACKET socket bound to `path` is a
@@ -117,6 +118,7 @@ def passed_socket(path: Path) -> socket.socket | None:
         if os.fsdecode(bound) != str(path):
             raise ConfigError(f"the passed socket is bound to {os.fsdecode(bound)!r}, not to {str(path)!r}: give the "
                               "broker the same path with --socket or VMMSHARE_SOCKET", "LISTEN_FDS")
+        _check_passed_path(path, multi_user)
         os.set_inheritable(fd, False)
         wire.pass_credentials(sock)  # the peers' credentials name them (accepted sockets inherit it)
         sock.setblocking(False)
@@ -124,3 +126,20 @@ def passed_socket(path: Path) -> socket.socket | None:
     except BaseException:
         sock.detach()  # the fd stays the service manager's to close; the broker exits on this error
         raise
+
+
+def _check_passed_path(path: Path, multi_user: bool) -> None:
+    """A passed socket is served only where the broker would bind one itself (SPEC §5): in a folder nobody else can
+    replace it in, as a socket file of the broker's user or root. Elsewhere another user could swap the file for a
+    socket of their own, and the clients the broker was meant to serve would talk to that one."""
+    try:
+        check_serving_folder(path.parent, multi_user)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"the passed socket's file {path} (or its folder) is gone", "LISTEN_FDS") from None
+    except FolderError as exc:
+        raise ConfigError(f"the passed socket lies where the broker would not serve: {exc}", "LISTEN_FDS") from None
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in (os.getuid(), 0):
+        kind = "socket" if stat.S_ISSOCK(st.st_mode) else "file"
+        raise ConfigError(f"{path} is not the passed socket's file (a {kind} of {_owner(st.st_uid)}): another user "
+                          "may have replaced it", "LISTEN_FDS")

@@ -140,15 +140,25 @@ class _Header:
         self.ptr = buf.ptr
         self._word = ctypes.c_uint64()
 
+    def _check_open(self) -> None:
+        """Refuse (107000) once the header's buffer or its pool is closed: its pages are unmapped then, and a load or
+        store there would kill the process (SIGSEGV). Called under the pool's lock, which its close() takes."""
+        if self.buf.closed:
+            raise InvalidParamError(f"this bucket's memory is closed here ({self.buf._closed_message()})")
+
     def load(self, offset: int) -> int:
         if not self.remote:
-            return int(ctypes.c_uint64.from_address(self.ptr + offset).value)
+            with self.buf.pool._lock:
+                self._check_open()
+                return int(ctypes.c_uint64.from_address(self.ptr + offset).value)
         runtime().copies.memcpy(ctypes.addressof(self._word), 8, self.ptr + offset, 8, ACL_MEMCPY_DEFAULT)
         return int(self._word.value)
 
     def store(self, offset: int, value: int) -> None:
         if not self.remote:
-            ctypes.c_uint64.from_address(self.ptr + offset).value = value
+            with self.buf.pool._lock:
+                self._check_open()
+                ctypes.c_uint64.from_address(self.ptr + offset).value = value
             return
         self._word.value = value
         runtime().copies.memcpy(self.ptr + offset, 8, ctypes.addressof(self._word), 8, ACL_MEMCPY_DEFAULT)

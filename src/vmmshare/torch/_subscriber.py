@@ -170,7 +170,7 @@ def _checked(entries: object, slot_size: int) -> tuple[BucketEntry, ...]:
         raise InvalidParamError("the ticket's layout is not a tuple of BucketEntry")
     for e in entries:
         dt = getattr(torch, e.dtype, None) if isinstance(e.dtype, str) else None
-        ok = (isinstance(dt, torch.dtype) and isinstance(e.shape, tuple)
+        ok = (isinstance(e.name, str) and isinstance(dt, torch.dtype) and isinstance(e.shape, tuple)
               and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in e.shape)
               and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
         if not ok or dt is None or e.nbytes != math.prod(e.shape) * dt.itemsize or e.offset % dt.itemsize or (

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -34,6 +33,7 @@ from .bench_measures import (
     peer_main,
     quiet,
     share_latency,
+    write_json,
 )
 from .console import (
     FAILED,
@@ -355,11 +355,6 @@ def _gpu_backend() -> bool:
 
         return available()
     return backend == "cuda"
-
-
-def write_json(res: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(res, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

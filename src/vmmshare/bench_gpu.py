@@ -21,6 +21,7 @@ from typing import Any
 
 from . import acl
 from ._process import runtime
+from .bench_measures import write_json
 from .console import (
     FAILED,
     OK,
@@ -246,8 +247,7 @@ def _main(argv: list[str]) -> int:
         results = run(sizes, args.reps or (5 if args.quick else None), progress)
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+            write_json(results, args.json)
         except OSError as exc:
             say_error("vmmshare bench --gpu", f"cannot write {exc.filename}: {exc.strerror}")
             return FAILED

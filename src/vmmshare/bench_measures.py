@@ -3,6 +3,7 @@ first-touch bandwidth (the broker's own costs are in bench_broker.py)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -268,3 +269,7 @@ def bandwidth(peer: Connection, peer_pid: int, size: int, reps: int, step: Step 
     return {"size": size, "read_GBps": read, "read_ratio": read["imported"] / read["private"], "first_touch": touch}
 
 
+def write_json(res: dict[str, Any], path: str) -> None:
+    """A benchmark's results as indented JSON at `path` (OSError if it cannot be written)."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)

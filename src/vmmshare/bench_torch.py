@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import pickle
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .bench_measures import GiB, MiB, fmt_size, now_ns, stats_of
+from .bench_measures import GiB, MiB, fmt_size, now_ns, stats_of, write_json
 from .console import FAILED, OK, USAGE, Parser, Progress, check_outputs, count_option, plain, run_main, say_error
 
 
@@ -369,8 +368,7 @@ def _main(argv: list[str]) -> int:
         return FAILED
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
+            write_json(res, args.json)
         except OSError as exc:
             say_error("vmmshare bench --torch", f"cannot write {exc.filename}: {exc.strerror}")
             return FAILED

@@ -3,7 +3,7 @@
 
 import sys
 
-from vmmshare.bench import main
+from vmmshare.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

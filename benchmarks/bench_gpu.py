@@ -5,7 +5,7 @@
 
 import sys
 
-from vmmshare.bench_gpu import main
+from vmmshare.cli.bench_gpu import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,8 +23,8 @@ from typing import Any, NoReturn
 import pytest
 
 # The harness the tests share with the stress runs (procs, actor, rawsock, fabric_cluster, fakecuda) ships in the
-# package, in vmmshare/stress/; its modules import one another by bare name, so that folder goes on sys.path.
-STRESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "vmmshare", "stress")
+# package, in vmmshare/cli/stress/; its modules import one another by bare name, so that folder goes on sys.path.
+STRESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "vmmshare", "cli", "stress")
 if STRESS not in sys.path:
     sys.path.insert(0, STRESS)
 

@@ -29,7 +29,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from procs import PROP, Actor, BrokerProc, MiB2
-from vmmshare import protocol as P
+from vmmshare.wire import local as P
 
 MiB = 1 << 20
 MiB4 = 4 * MiB
@@ -495,8 +495,8 @@ def test_signal_stops_an_idle_broker(procs: Procs, tmp_path: Path, sig: int) -> 
 
 BOUNDED = """
 import os, signal, socket, sys
-import vmmshare.broker.autostart as au
-import vmmshare.broker.client as cl
+import vmmshare.client.autostart as au
+import vmmshare.client.connection as cl
 from vmmshare.config import Config
 from vmmshare.errors import AclError
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import rawsock
 from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
-from vmmshare import protocol as P
-from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_FRAME, VERSION, Frame, Msg, ProtocolError
+from vmmshare.wire import local as P
+from vmmshare.wire.local import HEADER, LAYOUTS, MAGIC, MAX_FRAME, VERSION, Frame, Msg, ProtocolError
 
 IPC_ERROR = 507022
 PARAM = 107000

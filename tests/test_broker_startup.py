@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from procs import BrokerProc
-from vmmshare.broker import autostart
+from vmmshare.client import autostart
 from vmmshare.config import MAX_SOCKET_PATH
 from vmmshare.errors import AclError
 
@@ -40,7 +40,7 @@ def _path_of(base: Path, size: int, name: str = "broker.sock") -> Path:
 # ---------------------------------------------------------------- polling variables
 
 
-@pytest.mark.parametrize(("module", "variable"), [("vmmshare.broker.client", "VMMSHARE_SPIN_US"),
+@pytest.mark.parametrize(("module", "variable"), [("vmmshare.client.connection", "VMMSHARE_SPIN_US"),
                                                   ("vmmshare.broker.server", "VMMSHARE_BROKER_SPIN_US")])
 @pytest.mark.parametrize("value", ["abc", "-5", "nan"])
 def test_spin_variables_are_read_by_config_and_named_when_bad(module: str, variable: str, value: str) -> None:

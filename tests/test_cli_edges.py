@@ -181,7 +181,7 @@ def test_ctrl_c_ends_the_run_with_130_and_no_traceback(tmp_path: Path, args: lis
 
 def test_bench_progress_counts_the_kept_rounds() -> None:
     """--reps 3 shows rounds 1 to 3 of 3 after a warm-up round (not "round 1 of 4")."""
-    from vmmshare import bench
+    from vmmshare.cli import bench
 
     steps: list[str] = []
     res = bench.run(True, False, [4096], 3, [1], 0.05, steps.append)
@@ -227,7 +227,7 @@ def test_fabric_handles_carry_the_family_handles_md_says(fabric: str, addr: str,
 
 
 def _tiny_bench() -> dict[str, Any]:
-    from vmmshare import bench
+    from vmmshare.cli import bench
 
     return bench.run(True, False, [4096, 2 << 20], 2, [1, 2], 0.1)
 
@@ -237,7 +237,7 @@ def test_bench_report_is_narrow_tables_with_their_spread_and_the_machine() -> No
     median with its p10–p90 spread, the machine, date and commit on the first line, targets in words."""
     import io
 
-    from vmmshare import bench
+    from vmmshare.cli import bench
 
     res = _tiny_bench()
     res["targets"] = bench.targets(res)
@@ -258,7 +258,7 @@ def test_bench_figure_draws_the_spread_log_axes_and_its_label() -> None:
     """The figure: p10–p90 bars on every latency curve, a SharedMemory curve beside vmmshare's first-touch one,
     log x axes, the throughput panel from zero with its target, the machine, date and commit in the title."""
     pytest.importorskip("matplotlib")
-    from vmmshare import bench
+    from vmmshare.cli import bench
 
     res = _tiny_bench()
     fig = bench.figure(res)

@@ -59,7 +59,7 @@ def test_sdist_carries_the_license_and_its_pep_639_metadata(unpacked: Path) -> N
 
 
 def test_sdist_test_suite_collects_and_runs_from_the_unpacked_tree(unpacked: Path) -> None:
-    """Every test file collects (conftest, the harness in src/vmmshare/stress/, fakecuda, examples and docs are
+    """Every test file collects (conftest, the harness in src/vmmshare/cli/stress/, fakecuda, examples and docs are
     there), and a few run green against the unpacked tree's own package."""
     collected = _pytest(unpacked, "--collect-only", "tests")
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
@@ -82,7 +82,7 @@ def test_wheel_built_from_the_sdist_runs_vmmshare_stress(unpacked: Path, tmp_pat
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         z.extractall(site)
-    assert "vmmshare/stress/fakecuda/fakecuda.c" in names and "vmmshare/stress/procs.py" in names
+    assert "vmmshare/cli/stress/fakecuda/fakecuda.c" in names and "vmmshare/cli/stress/procs.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env.update(PYTHONPATH=str(site), VMMSHARE_SOCKET=str(tmp_path / "s" / "broker.sock"))

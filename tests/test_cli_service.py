@@ -274,7 +274,7 @@ def test_auto_started_broker_rotates_a_full_broker_log(tmp_path: Path) -> None:
         f.write(old)
     client = subprocess.run([sys.executable, "-c", (
         "import json, vmmshare.acl as acl\n"
-        "from vmmshare.broker.client import BrokerClient\nfrom vmmshare.config import Config\n"
+        "from vmmshare.client.connection import BrokerClient\nfrom vmmshare.config import Config\n"
         "acl.rt.set_device(0)\n"
         f"h, ret = acl.rt.malloc_physical({MiB2}, {PROP!r}, 0)\n"
         "c = BrokerClient(Config.from_env(), autostart=False)\n"

@@ -145,7 +145,7 @@ def driver_allocations(pid: int) -> int:
 
 
 def listing(broker: BrokerProc) -> dict[str, object]:
-    code = "from vmmshare.cli import main; main(['ls', '--json'])"
+    code = "from vmmshare.cli.commands import main; main(['ls', '--json'])"
     out = subprocess.run([sys.executable, "-c", code], env=broker.env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout)
@@ -429,7 +429,7 @@ def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..
 def test_rule_16_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Callable[..., Actor],
                                                                  broker: BrokerProc) -> None:
     """A client hands the broker a pipe as a GPU export: the importer's driver refuses it, and nothing leaks."""
-    from vmmshare import protocol as P
+    from vmmshare.wire import local as P
 
     r, w = os.pipe()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -787,7 +787,7 @@ def test_ls_shows_gpu_memory(gpu_actor: Callable[..., Actor], broker: BrokerProc
     h, ptr = alloc_map(a, 2 * MiB2)
     sh, ret = a.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
     assert ret == 0
-    ls = "from vmmshare.cli import main; main(['ls'])"
+    ls = "from vmmshare.cli.commands import main; main(['ls'])"
     out = subprocess.run([sys.executable, "-c", ls], env=broker.env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "GPU 0: 4 MiB allocated through vmmshare" in out.stdout, out.stdout

@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from vmmshare import protocol as P
-from vmmshare.broker.ledger import SIZE_SEALS, Client, Ledger
+from vmmshare.books.ledger import SIZE_SEALS, Client, Ledger
 from vmmshare.config import Config, Quotas
 from vmmshare.fabric import agent as agent_module
-from vmmshare.fabric import peer_protocol as F
 from vmmshare.fabric.agent import Agent
 from vmmshare.fabric.link import Link, State
 from vmmshare.fabric.serving import LEASE_FACTOR, MAX_LINKS
-from vmmshare.handles import Endpoint, FabricHandle
+from vmmshare.wire import local as P
+from vmmshare.wire import peer as F
+from vmmshare.wire.handles import Endpoint, FabricHandle
 
 EP = ("10.0.0.2", 17017)
 MiB2 = 2 << 20

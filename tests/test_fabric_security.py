@@ -27,7 +27,7 @@ from test_fabric_sharing import (
     served_nothing,
     unmap_free,
 )
-from vmmshare.handles import Endpoint
+from vmmshare.wire.handles import Endpoint
 
 require(not cluster_problem(), cluster_problem())
 
@@ -35,7 +35,7 @@ IMP = "rt.mem_import_from_shareable_handle_v2"
 BAD_HANDLE = 107017
 ATTACK = """
 import os, socket, struct, sys, hmac
-from vmmshare.fabric import peer_protocol as F
+from vmmshare.wire import peer as F
 KEY = open(os.environ["VMMSHARE_CLUSTER_KEY_FILE"], "rb").read()
 ME = int(os.environ["VMMSHARE_SERVER_ID"], 0)
 EP1 = F.endpoint_bytes("10.77.0.1", 17017)
@@ -189,7 +189,7 @@ def test_an_exporting_broker_that_lies_about_the_memory_is_refused(fabric: TestC
     fake[34:36] = (17018).to_bytes(2, "little")  # the handle now points at the fake broker's port
     server = f"""
 import os, socket, sys
-from vmmshare.fabric import peer_protocol as F
+from vmmshare.wire import peer as F
 KEY = open(os.environ["VMMSHARE_CLUSTER_KEY_FILE"], "rb").read()
 ls = socket.create_server(("10.77.0.1", 17018))
 print("ready", flush=True)
@@ -370,7 +370,7 @@ def test_a_handshake_relayed_between_two_brokers_by_a_keyless_user_fails(fabric:
 BARE_ENGINE = """
 import ctypes, json, sys, urllib.error, urllib.request
 import vmmshare.acl as acl
-from vmmshare.broker.client import BrokerClient
+from vmmshare.client.connection import BrokerClient
 from vmmshare.errors import IpcError
 from vmmshare.fabric.engine import Engine
 

@@ -9,8 +9,8 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vmmshare.fabric import peer_protocol as F
-from vmmshare.fabric.peer_protocol import FrameReader, PeerProtocolError
+from vmmshare.wire import peer as F
+from vmmshare.wire.peer import FrameReader, PeerProtocolError
 
 SEED = 20261201
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" 
 
 import fuzz_protocol as F
 import rawsock
-from vmmshare import protocol as P
-from vmmshare.protocol import LAYOUTS, Frame, Msg, ProtocolError
+from vmmshare.wire import local as P
+from vmmshare.wire.local import LAYOUTS, Frame, Msg, ProtocolError
 
 SEED = 20251201  # a seed whose live run reaches imports (the mix of message types decides it)
 DECODER_FRAMES = 5_000

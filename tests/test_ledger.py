@@ -1,6 +1,6 @@
 """The broker's sharing rules on its ledger alone (SPEC §4 rules 2, 9–14, 16): no sockets, no processes.
 
-`vmmshare.broker.ledger` does no I/O, so every rule the broker enforces is a table here: requests from clients
+`vmmshare.books.ledger` does no I/O, so every rule the broker enforces is a table here: requests from clients
 that the test names (pid, uid and process identity as the kernel would have given them), fds as plain numbers,
 and the exact reply or error code each must get. The same rules against a real broker and real processes are in
 test_sharing_rules.py; raw clients that break them on purpose are in test_broker_robustness.py.
@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from vmmshare import protocol as P
-from vmmshare.broker.identity import Identity
-from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, Client, Ledger, LedgerError
+from vmmshare.books.ledger import LIST_IMPORTERS, LIST_PAGE, Client, Ledger, LedgerError
+from vmmshare.books.records import Identity
 from vmmshare.config import Quotas
-from vmmshare.handles import Endpoint, decode_fabric
+from vmmshare.wire import local as P
+from vmmshare.wire.handles import Endpoint, decode_fabric
 
 MiB2 = 2 << 20
 CAPACITY = 64 << 20

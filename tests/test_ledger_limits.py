@@ -29,11 +29,11 @@ from test_ledger import (
     MiB2,
     fabric_books,
 )
-from vmmshare import protocol as P
-from vmmshare.broker.ledger import LIST_IMPORTERS, LIST_PAGE, MAX_GPUS, Lookups
-from vmmshare.broker.usage import FDS_PER_CONNECTION
+from vmmshare.books.ledger import LIST_IMPORTERS, LIST_PAGE, MAX_GPUS, Lookups
+from vmmshare.books.usage import FDS_PER_CONNECTION
 from vmmshare.config import Quotas
-from vmmshare.handles import MAX_TRUSTLIST
+from vmmshare.wire import local as P
+from vmmshare.wire.handles import MAX_TRUSTLIST
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from vmmshare.fabric import peer_protocol as F
-from vmmshare.fabric.peer_protocol import AuthError, Frame, FrameReader, PeerProtocolError
+from vmmshare.wire import peer as F
+from vmmshare.wire.peer import AuthError, Frame, FrameReader, PeerProtocolError
 
 
 def h(text: str) -> bytes:

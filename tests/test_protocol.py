@@ -1,6 +1,6 @@
 """The broker wire codec on its own (SPEC §5: a versioned, length-prefixed binary format, encode/decode only).
 
-No sockets here: `vmmshare.protocol` does no I/O, so every rule of the format is checked on bytes, and the
+No sockets here: `vmmshare.wire.local` does no I/O, so every rule of the format is checked on bytes, and the
 decoder is fuzzed (it must only ever return a Frame or raise ProtocolError).
 """
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vmmshare import protocol as P
-from vmmshare.protocol import HEADER, LAYOUTS, MAGIC, MAX_BODY, MAX_FRAME, VERSION, Frame, Msg, ProtocolError, Tail
+from vmmshare.wire import local as P
+from vmmshare.wire.local import HEADER, LAYOUTS, MAGIC, MAX_BODY, MAX_FRAME, VERSION, Frame, Msg, ProtocolError, Tail
 
 MiB2 = 2 << 20
 U32_MAX = (1 << 32) - 1

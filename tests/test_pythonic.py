@@ -15,7 +15,7 @@ import vmmshare
 from conftest import SIGSEGV_RC, run_child
 from vmmshare import constants as C
 from vmmshare._process import runtime
-from vmmshare.props import Location
+from vmmshare.wire.props import Location
 
 MiB = 1 << 20
 
@@ -293,7 +293,7 @@ def test_device_mem_info_is_what_get_mem_info_says() -> None:
 
 
 def test_dlpack_capsules_are_released_and_hold_the_mapping() -> None:
-    from vmmshare import dlpack
+    from vmmshare.api import dlpack
 
     with vmmshare.Device(0).allocate(2 * MiB) as mem:
         mapping = mem.map()
@@ -319,7 +319,7 @@ def test_dlpack_capsules_are_released_and_hold_the_mapping() -> None:
 
 def test_dlpack_legacy_capsule_with_torch() -> None:
     torch = pytest.importorskip("torch")
-    from vmmshare import dlpack
+    from vmmshare.api import dlpack
 
     with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as mapping:
         t = torch.utils.dlpack.from_dlpack(mapping.__dlpack__())  # the unversioned protocol
@@ -337,7 +337,7 @@ def test_a_finalizer_inside_a_broker_request_waits_instead_of_deadlocking() -> N
     code = """
         import vmmshare
         from vmmshare._process import runtime
-        from vmmshare import protocol as P
+        from vmmshare.wire import local as P
         rt = runtime()
         holder = [vmmshare.Device(0).allocate(2 << 20)]
         before = rt.counts()["allocations"]

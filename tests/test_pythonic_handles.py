@@ -11,7 +11,7 @@ import pytest
 
 import vmmshare
 from conftest import child_ok, require
-from vmmshare.handles import decode_fabric
+from vmmshare.wire.handles import decode_fabric
 
 MiB = 1 << 20
 FABRIC = 2

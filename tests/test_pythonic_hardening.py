@@ -15,7 +15,7 @@ import pytest
 import vmmshare
 from conftest import run_child
 from vmmshare._process import runtime
-from vmmshare.handles import ShareableHandle, ShareType
+from vmmshare.wire.handles import ShareableHandle, ShareType
 
 MiB = 1 << 20
 G2 = 2 * MiB
@@ -334,7 +334,7 @@ def test_addresses_and_kinds_of_live_objects_are_read_only(objects: dict[str, An
 
 
 def test_the_dlpack_module_has_no_public_capsule_of_an_address() -> None:
-    import vmmshare.dlpack as dl
+    import vmmshare.api.dlpack as dl
 
     assert not any(callable(getattr(dl, n)) and "capsule" in n for n in dir(dl) if not n.startswith("_"))
 
@@ -348,7 +348,7 @@ def test_a_view_taken_while_another_thread_closes_the_mapping_never_outlives_it(
     import sys
     import threading
 
-    import vmmshare.views as views
+    import vmmshare.api.views as views
 
     m = vmmshare.Device(0).allocate(2 * MiB).map()
     m.write(b"kept")

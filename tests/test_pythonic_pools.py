@@ -97,7 +97,7 @@ def test_a_crafted_pool_descriptor_is_an_acl_error_and_leaves_nothing() -> None:
     a chunk size of 0 used to escape as a ZeroDivisionError, and an unhashable id as a TypeError."""
     from dataclasses import replace
 
-    from vmmshare.pool_buffers import _arrive_buffer
+    from vmmshare.api.pool_buffers import _arrive_buffer
 
     with vmmshare.MemoryPool(max_size=4 * MiB, chunk_size=CHUNK) as pool:
         buf = pool.allocate(4096)

@@ -151,8 +151,8 @@ def test_a_crafted_mapping_or_memory_descriptor_is_an_acl_error_and_leaves_nothi
     AttributeError or TypeError."""
     from dataclasses import replace
 
-    from vmmshare.mapping import _arrive_mapping
-    from vmmshare.memory import _arrive_memory
+    from vmmshare.api.mapping import _arrive_mapping
+    from vmmshare.api.memory import _arrive_memory
 
     with vmmshare.Device(0).allocate(2 * MiB) as mem, mem.map() as m:
         _, (tickets, access) = m.__reduce__()

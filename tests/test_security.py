@@ -43,8 +43,8 @@ import rawsock  # noqa: E402
 from conftest import require  # noqa: E402
 from procs import Actor, BrokerProc  # noqa: E402
 from test_sharing_rules import spawn_with_pid  # noqa: E402
-from vmmshare import protocol as P  # noqa: E402
 from vmmshare.backends import host  # noqa: E402
+from vmmshare.wire import local as P  # noqa: E402
 
 SEED = int(os.environ.get("VMMSHARE_STRESS_SEED", "20240917"))
 RESOURCE = 207005
@@ -598,7 +598,7 @@ INHERITED = """
     import ctypes, json, os, sys
     sys.path.insert(0, sys.argv[2])
     import rawsock
-    from vmmshare import protocol as P
+    from vmmshare.wire import local as P
     conn = rawsock.Connection(sys.argv[1], 30)
 
     def ask(msg, fds=()):
@@ -632,7 +632,7 @@ PASSED = """
     import array, json, os, socket, sys
     sys.path.insert(0, sys.argv[2])
     import rawsock
-    from vmmshare import protocol as P
+    from vmmshare.wire import local as P
     pair = socket.socket(fileno=int(sys.argv[1]))
     _, anc, _, _ = pair.recvmsg(16, socket.CMSG_SPACE(4))
     fds = array.array("i")
@@ -780,7 +780,7 @@ FLOODER = """
     import array, os, socket, sys
     sys.path[:0] = [sys.argv[2], sys.argv[3]]
     import common as c, flood
-    from vmmshare import protocol as P
+    from vmmshare.wire import local as P
     conns = [c.Raw(sys.argv[1]) for _ in range(64)]
     packets = [P.encode(P.SetPids(flood._export(conn, 0)[1], 1, (os.getpid(),) * 4096), 9) for conn in conns]
     out = socket.socket(fileno=int(sys.argv[4]))
@@ -1082,7 +1082,7 @@ IMPORT_AND_TRUNCATE = """
     import errno, json, mmap, os, sys
     sys.path.insert(0, sys.argv[3])
     import rawsock
-    from vmmshare import protocol as P
+    from vmmshare.wire import local as P
     conn = rawsock.Connection(sys.argv[1], 30)
     rawsock.send(conn.sock, P.encode(P.Import(int(sys.argv[2]), 1, bytes(32)), 1))
     data, fds, _ = rawsock.recv(conn.sock)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from vmmshare import protocol as P
-from vmmshare.protocol import Frame, Msg, ProtocolError
+from vmmshare.wire import local as P
+from vmmshare.wire.local import Frame, Msg, ProtocolError
 
 
 def h(text: str) -> bytes:

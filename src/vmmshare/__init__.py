@@ -26,21 +26,21 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import acl
-    from .buffers import DeviceBuffer, IpcMemory, ipc_open
-    from .mapping import Mapping, VirtualRange
-    from .memory import Device, PhysicalMemory, ShareableHandle, import_handle
-    from .pool_buffers import PoolBuffer
-    from .pools import MemoryPool
+    from .api.buffers import DeviceBuffer, IpcMemory, ipc_open
+    from .api.mapping import Mapping, VirtualRange
+    from .api.memory import Device, PhysicalMemory, ShareableHandle, import_handle
+    from .api.pool_buffers import PoolBuffer
+    from .api.pools import MemoryPool
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "acl": "",
-    **dict.fromkeys(("Device", "PhysicalMemory", "ShareableHandle", "import_handle"), "memory"),
-    **dict.fromkeys(("Mapping", "VirtualRange"), "mapping"),
-    **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "buffers"),
-    "MemoryPool": "pools",
-    "PoolBuffer": "pool_buffers",
+    **dict.fromkeys(("Device", "PhysicalMemory", "ShareableHandle", "import_handle"), "api.memory"),
+    **dict.fromkeys(("Mapping", "VirtualRange"), "api.mapping"),
+    **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "api.buffers"),
+    "MemoryPool": "api.pools",
+    "PoolBuffer": "api.pool_buffers",
 }
 
 

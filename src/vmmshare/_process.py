@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from .broker.client import BrokerClient
+from .client.connection import BrokerClient
 from .config import Config
 from .errors import InvalidParamError
 from .runtime import Runtime

@@ -17,7 +17,7 @@ from ..constants import *  # noqa: F403  (the C names are module attributes, as 
 from ..errors import AclError as _AclError
 from ..errors import recent_error as _recent_error
 from ..errors import set_recent_error as _set_recent_error
-from ..props import check_int as _check_int
+from ..wire.props import check_int as _check_int
 from . import _unsupported as _stand_in
 from . import rt as rt
 from . import util as util

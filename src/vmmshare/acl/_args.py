@@ -4,7 +4,7 @@ with 107000 before anything is checked, as pyACL raises for it; None is NULL whe
 from __future__ import annotations
 
 from ..errors import InvalidParamError
-from ..props import check_int
+from ..wire.props import check_int
 
 I32 = (-(1 << 31), (1 << 31) - 1)
 

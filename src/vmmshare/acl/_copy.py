@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .. import constants as C
 from .._process import runtime
-from ..props import acl_require, check_int, check_ptr
 from ..runtime.blocks import MAX_MALLOC
+from ..wire.props import acl_require, check_int, check_ptr
 from ._args import I32
 from ._call import acl_call
 

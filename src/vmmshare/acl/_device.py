@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidParamError, last_error
-from ..props import acl_require, check_device, check_int, check_ptr
+from ..wire.props import acl_require, check_device, check_int, check_ptr
 from ._args import I32
 from ._call import acl_call, code_call
 

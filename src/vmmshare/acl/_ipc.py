@@ -7,8 +7,8 @@ from __future__ import annotations
 from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidParamError
-from ..props import U32, acl_require, check_int, check_pids, check_ptr, field_of
 from ..runtime.ipc import KEY_BUFFER
+from ..wire.props import U32, acl_require, check_int, check_pids, check_ptr, field_of
 from ._args import read_list, read_pids, read_text
 from ._call import acl_call
 

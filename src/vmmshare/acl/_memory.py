@@ -11,7 +11,7 @@ from typing import Any
 from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidMemoryTypeError, InvalidParamError
-from ..props import (
+from ..wire.props import (
     U32,
     acl_require,
     check_int,

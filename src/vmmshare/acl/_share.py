@@ -5,8 +5,8 @@ from __future__ import annotations
 from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidHandleError, InvalidParamError
-from ..handles import ShareableHandle, ShareType
-from ..props import U32, U64, acl_require, check_int, check_pids, check_ptr
+from ..wire.handles import ShareableHandle, ShareType
+from ..wire.props import U32, U64, acl_require, check_int, check_pids, check_ptr
 from ._args import read_pids
 from ._call import acl_call
 

@@ -20,7 +20,7 @@ from typing import ParamSpec as _ParamSpec
 from .._process import runtime as _runtime
 from ..errors import AclError as _AclError
 from ..errors import set_recent_error as _set_recent_error
-from ..props import check_int as _check_int
+from ..wire.props import check_int as _check_int
 
 __all__ = ["bytes_to_ptr", "numpy_contiguous_to_ptr", "numpy_to_ptr", "ptr_to_bytes", "ptr_to_numpy", "start_thread",
            "stop_thread"]

@@ -21,7 +21,7 @@ class _PrivateRotatingLog(logging.handlers.RotatingFileHandler):
     def _open(self) -> io.TextIOWrapper:
         from os import O_APPEND, O_WRONLY
 
-        from .folder import FolderError, open_private
+        from ..sockets.folder import FolderError, open_private
 
         try:
             return open(open_private(Path(self.baseFilename), O_WRONLY | O_APPEND), "a", encoding="utf-8")

@@ -11,7 +11,7 @@ import functools
 import os
 import select
 
-Identity = tuple[int | None, int | None]  # (start time in clock ticks, pidfs inode)
+from ..books.records import Identity
 
 
 def _pidfs_ino(fd: int) -> int:
@@ -125,16 +125,6 @@ def identity_of_pinned(pid: int, pidfd: int) -> Identity:
     exited = bool(select.select([pidfd], [], [], 0)[0])  # checked after the read: the start time was its own
     return DEAD if start is None or exited else (start, None)
 
-
-def same_process(bound: Identity, peer: Identity) -> bool:
-    """Whether `peer` is the process a trustlist entry was bound to (pid reuse is refused).
-
-    The pidfs inode decides where both sides have one (it is never reused); the start time otherwise,
-    which cannot tell apart two processes started in the same clock tick.
-    """
-    if bound[1] is not None:
-        return bound[1] == peer[1]
-    return bound[0] is None or bound[0] == peer[0]
 
 
 def process_start_time(pid: int) -> int | None:

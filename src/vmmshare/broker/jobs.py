@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .. import protocol as P
-from .identity import Identity, identity_of_pinned, pin
-from .records import NOBODY, Lookups
+from ..books.records import NOBODY, Identity, Lookups
+from ..wire import local as P
+from .identity import identity_of_pinned, pin
 
 log = logging.getLogger("vmmshare.broker")
 JOB_SECONDS = 0.0005  # naming pinned processes, per turn of the loop, for all deferred requests together

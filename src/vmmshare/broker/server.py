@@ -22,16 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
-from .. import protocol as P
+from ..books.ledger import Client, Ledger, LedgerError
 from ..config import Config, Quotas, spin_seconds
 from ..fabric.agent import Agent, endpoint_of
-from ..handles import MAX_TRUSTLIST
-from ..protocol import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
-from . import system, wire
+from ..sockets import packets
+from ..wire import local as P
+from ..wire.handles import MAX_TRUSTLIST
+from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
+from . import system
 from .closer import Closer
 from .identity import CAN_PIN, PIDFS, identity_of_pid, identity_of_pidfd, live_pids
 from .jobs import Job, Jobs
-from .ledger import Client, Ledger, LedgerError
 from .ratelog import RateLimitedLog
 from .socketfile import bind_socket, retire_socket
 
@@ -264,18 +265,18 @@ class Broker:
 
     def _admit(self, sock: socket.socket) -> None:
         """Name a new connection's process by its kernel credentials and hand it to the ledger, or refuse it."""
-        pid, uid, _gid = wire.peer_credentials(sock)
+        pid, uid, _gid = packets.peer_credentials(sock)
         if not self.multi_user and uid not in (self.uid, 0):
             self.warn.log(logging.WARNING, "uid", "refused pid %d of uid %d: not this broker's user (start it with "
                           "--multi-user)", pid, uid)
             sock.close()
             return
-        pidfd = wire.peer_pidfd(sock) if pid > 0 else -1
+        pidfd = packets.peer_pidfd(sock) if pid > 0 else -1
         try:
             if PIDFS and pid > 0 and pidfd < 0:
                 raise OSError(errno.EMFILE, "no pidfd for the process")
             identity = identity_of_pidfd(pid, pidfd)
-            if pidfd >= 0 and wire.wait_readable(pidfd, 0):  # exited already: its pid may be reused
+            if pidfd >= 0 and packets.wait_readable(pidfd, 0):  # exited already: its pid may be reused
                 raise ProcessLookupError
             client = self.ledger.connect(pid, uid, identity)
         except ProcessLookupError:
@@ -335,7 +336,7 @@ class Broker:
         if self._wait_for_pins(conn):
             return
         try:
-            data, fds, truncated, sender = wire.recv_request(conn.sock, wire.DONTWAIT)
+            data, fds, truncated, sender = packets.recv_request(conn.sock, packets.DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -399,7 +400,7 @@ class Broker:
 
     def _send(self, conn: Conn, reply: bytes, fds: tuple[int, ...]) -> None:
         try:
-            wire.send_packet(conn.sock, reply, fds)
+            packets.send_packet(conn.sock, reply, fds)
         except OSError as exc:
             if exc.errno == errno.ETOOMANYREFS and fds:
                 self._no_fd_to_pass(conn, reply)

@@ -10,8 +10,9 @@ import stat
 from pathlib import Path
 
 from ..config import ConfigError, check_socket_path
-from . import system, wire
-from .folder import FolderError, _owner, check_serving_folder, make_serving_folder, open_private
+from ..sockets import packets
+from ..sockets.folder import FolderError, _owner, check_serving_folder, make_serving_folder, open_private
+from . import system
 
 
 class InUse(RuntimeError):
@@ -34,7 +35,7 @@ def bind_socket(path: Path, multi_user: bool) -> tuple[socket.socket, int]:
     try:
         sock.bind(str(tmp))
         os.chmod(tmp, 0o666 if multi_user else 0o600)
-        wire.pass_credentials(sock)  # accepted sockets inherit it
+        packets.pass_credentials(sock)  # accepted sockets inherit it
         sock.listen(512)
         os.replace(tmp, path)
         sock.setblocking(False)
@@ -77,7 +78,7 @@ def retire_socket(path: Path, inode: int, listener: socket.socket) -> tuple[bool
             os.rename(path, aside)
         except FileNotFoundError:
             return True, " (its socket is gone)"
-        if wire.wait_readable(listener.fileno(), 0):  # a client got in before the rename: stay
+        if packets.wait_readable(listener.fileno(), 0):  # a client got in before the rename: stay
             with contextlib.suppress(OSError):
                 os.rename(aside, path)
             return False, ""
@@ -120,7 +121,7 @@ def passed_socket(path: Path, multi_user: bool = False) -> socket.socket | None:
                               "broker the same path with --socket or VMMSHARE_SOCKET", "LISTEN_FDS")
         _check_passed_path(path, multi_user)
         os.set_inheritable(fd, False)
-        wire.pass_credentials(sock)  # the peers' credentials name them (accepted sockets inherit it)
+        packets.pass_credentials(sock)  # the peers' credentials name them (accepted sockets inherit it)
         sock.setblocking(False)
         return sock
     except BaseException:

@@ -12,9 +12,9 @@ import socket
 import stat
 from pathlib import Path
 
-from .. import protocol as P
-from ..protocol import encode
-from . import wire
+from ..sockets import packets
+from ..wire import local as P
+from ..wire.local import encode
 
 FD_RESERVE = 64  # file descriptors kept back from clients: the listener, the selector, lookups, the log
 _LIBC = ctypes.CDLL(None)
@@ -36,7 +36,7 @@ def memfd_info(fd: int) -> tuple[int, int] | None:
 def refuse(sock: socket.socket, code: int, why: str) -> None:
     """Tell a connection the broker will not serve it (an ERROR addressed to request 0), and close it."""
     with contextlib.suppress(OSError):
-        sock.send(encode(P.Error(code, why), 0), wire.DONTWAIT)
+        sock.send(encode(P.Error(code, why), 0), packets.DONTWAIT)
     sock.close()
 
 
@@ -63,7 +63,7 @@ def drain(sock: socket.socket) -> None:
 def answers(path: Path) -> bool:
     """Whether a broker listens at `path` (one whose queue is full counts: it is there, only stuck)."""
     try:
-        wire.connect(path, 2.0).close()
+        packets.connect(path, 2.0).close()
     except TimeoutError:
         return True
     except OSError:

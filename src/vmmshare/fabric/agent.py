@@ -28,13 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import constants as C
-from .. import protocol as P
 from ..backends import mman
-from ..broker.ledger import Client, Ledger, LedgerError
+from ..books.ledger import Client, Ledger, LedgerError
 from ..config import Config
 from ..errors import AclError, FeatureNotSupportedError
-from ..handles import Endpoint, decode_fabric
-from . import peer_protocol as F
+from ..wire import local as P
+from ..wire import peer as F
+from ..wire.handles import Endpoint, decode_fabric
 from .engine import Engine, missing
 from .link import Link, State, dial
 from .metadata import MetadataService, new_token

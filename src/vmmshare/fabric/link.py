@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import constants as C
-from . import peer_protocol as F
+from ..wire import peer as F
 
 log = logging.getLogger("vmmshare.fabric")
 MAX_UNSENT = 1 << 20  # bytes queued for a peer that does not read: past this the link closes

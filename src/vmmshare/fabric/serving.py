@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from .. import constants as C
 from ..backends import mman
-from ..broker.ledger import Client, Ledger, LedgerError
-from ..broker.records import KIND_HOST, ChargedMemory
+from ..books.ledger import Client, Ledger, LedgerError
+from ..books.records import KIND_HOST, ChargedMemory
 from ..config import Config
 from ..errors import AclError, InternalError
-from . import peer_protocol as F
+from ..wire import peer as F
 from .engine import Engine
 from .link import Link, State
 from .metadata import MetadataService

@@ -23,11 +23,11 @@ from ..backends.host import HostBackend
 from ..backends.remote import RemoteBackend
 from ..config import Config
 from ..errors import AclError
-from ..node import Node
 from .blocks import Blocks
 from .copies import Copies
 from .devices import VISIBLE_ENV, Devices
 from .ipc import Ipc
+from .node import Node
 from .sharing import Sharing
 from .tables import Allocation, MappingEntry, Reservation
 from .vmm import Vmm

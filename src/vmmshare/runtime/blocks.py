@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .. import constants as C
 from ..errors import InvalidParamError
-from ..props import Location, PhysicalProp
+from ..wire.props import Location, PhysicalProp
 from .tables import Allocation
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .. import constants as C
 from ..errors import FeatureNotSupportedError, InvalidHandleError, InvalidParamError, NoPermissionError
-from ..handles import ShareableHandle, ShareType
+from ..wire.handles import ShareableHandle, ShareType
 from .blocks import IPC, MALLOC
 from .tables import Allocation
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from .. import constants as C
 from ..backends.base import Memory, MemoryKind
 from ..errors import FeatureNotSupportedError, InvalidHandleError, InvalidParamError, NoPermissionError
-from ..handles import ShareableHandle, ShareType
-from ..node import Imported
-from ..props import PhysicalProp, prop_of
+from ..wire.handles import ShareableHandle, ShareType
+from ..wire.props import PhysicalProp, prop_of
+from .node import Imported
 from .tables import Allocation
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from .. import constants as C
 from ..backends.base import Backend, Memory
-from ..handles import ShareableHandle
-from ..props import Location, PhysicalProp
+from ..wire.handles import ShareableHandle
+from ..wire.props import Location, PhysicalProp
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ from ..errors import (
     MemoryAllocationError,
 )
 from ..intervals import Intervals
-from ..props import HOST_LOCATIONS, LOCATION_TYPES, MEMORY_LOCATIONS, Location, PhysicalProp
+from ..wire.props import HOST_LOCATIONS, LOCATION_TYPES, MEMORY_LOCATIONS, Location, PhysicalProp
 from .tables import Allocation, MappingEntry, Reservation
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Buckets for weight updates: many tensors in one shared allocation, published version after version.
 
-A bucket is a `vmmshare.pools.MemoryPool` of one chunk (so one export, one handle) seen from torch: a header
+A bucket is a `vmmshare.api.pools.MemoryPool` of one chunk (so one export, one handle) seen from torch: a header
 buffer and `versions` slot buffers carved from it, each slot holding every tensor at an aligned offset. The
 `Publisher` writes the next version into a slot no reader holds, then flips the header's `current` word to it; a
 `Subscriber` pins the current slot in its own reader record and maps it as a dict of tensor views, so it always
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from .._process import runtime
-from ..broker.listing import LIST_REMOTE
+from ..api.pool_buffers import PoolBuffer
+from ..api.pools import MemoryPool
+from ..books.listing import LIST_REMOTE
 from ..constants import ACL_MEMCPY_DEFAULT
 from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError
-from ..pool_buffers import PoolBuffer
-from ..pools import MemoryPool
 from ._tensors import _pid_list
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from .._process import runtime
+from ..api.mapping import Mapping
+from ..api.memory import Device, import_handle
 from ..backends.base import MemoryKind
 from ..errors import (
     ContextNullError,
@@ -26,9 +28,7 @@ from ..errors import (
     InvalidParamError,
     NoPermissionError,
 )
-from ..handles import ShareableHandle
-from ..mapping import Mapping
-from ..memory import Device, import_handle
+from ..wire.handles import ShareableHandle
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,444 @@
+"""vmmshare bench: sharing costs against the anchors, in one run on the auto-started default broker.
+
+Measured side by side (medians over repetitions, with the 10th–90th percentile spread):
+- share latency by step — allocate, map, export, trustlist | import, reserve+map, first touch — against
+  `multiprocessing.shared_memory` (create | attach), sending the bytes through `multiprocessing.Pipe`, and
+  `torch.Tensor.share_memory_()` passed through a queue (when torch is installed);
+- the floor: a raw request/reply with an fd between two Python processes (and the mmap of it), and each
+  importer step's ratio to it;
+- broker throughput: import+free round trips per second with 1, 4 and 16 client processes, the CPU time each
+  round trip costs the clients and the broker, and the broker's CPU use when idle;
+- steady-state read bandwidth of an imported mapping against a private buffer of the same size;
+- first-touch bandwidth on import, with and without pre-populating the mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .bench_broker import floor, idle_cpu, throughput
+from .bench_measures import (
+    GiB,
+    KiB,
+    MiB,
+    Step,
+    bandwidth,
+    fmt_size,
+    peer_main,
+    quiet,
+    share_latency,
+    write_json,
+)
+from .console import (
+    FAILED,
+    OK,
+    USAGE,
+    Parser,
+    Progress,
+    check_outputs,
+    count_option,
+    counts_option,
+    environment_ok,
+    memory_problem,
+    plain,
+    quiet_child,
+    run_main,
+    say_error,
+    seconds_option,
+    sizes_option,
+    start_child,
+)
+
+# ---------------------------------------------------------------- report
+
+
+def targets(res: dict[str, Any]) -> dict[str, Any]:
+    lat = res["latency"]
+    t: dict[str, Any] = {}
+
+    def med(size: int, key: str) -> float | None:
+        row = lat.get(str(size))
+        return row[key]["median"] if row and key in row else None
+
+    s2, c2, a2 = med(2 * MiB, "share"), med(2 * MiB, "shm_share"), med(2 * MiB, "shm_attach")
+    i2 = med(2 * MiB, "import")
+    if s2 and c2:
+        t["share_2MiB_vs_shm"] = {"value": s2 / c2, "target": "<= 1.0"}
+    s256s, c256 = med(256 * MiB, "share"), med(256 * MiB, "shm_share")
+    if s256s and c256:
+        t["share_256MiB_vs_shm"] = {"value": s256s / c256, "target": "<= 1.0"}
+    if i2 is not None and a2:
+        rm = med(2 * MiB, "reserve_map") or 0.0
+        t["importer_2MiB_vs_attach"] = {"value": (i2 + rm) / a2, "target": "<= 1.5"}
+    s1g = med(GiB, "share")
+    if s1g and s2:
+        t["share_1GiB_vs_2MiB"] = {"value": s1g / s2, "target": "<= 1.2"}
+    s256, p256 = med(256 * MiB, "share"), med(256 * MiB, "pipe")
+    if s256 and p256:
+        t["pipe_256MiB_vs_share"] = {"value": p256 / s256, "target": ">= 1000"}
+    if "bandwidth" in res:
+        t["read_bw_imported_vs_private"] = {"value": res["bandwidth"]["read_ratio"], "target": ">= 0.95"}
+    if "throughput" in res and "16" in res["throughput"]:
+        t["broker_16_clients_ops"] = {"value": res["throughput"]["16"]["ops_per_s"], "target": ">= 20000"}
+    for v in t.values():
+        tgt = v["target"]
+        bound = float(tgt.split()[1])
+        v["met"] = v["value"] <= bound if tgt.startswith("<=") else v["value"] >= bound
+    return t
+
+
+def floor_ratios(res: dict[str, Any]) -> dict[str, float]:
+    """Each importer step at 2 MiB against the floor: what the round trip and the mapping cost beyond it."""
+    row = res["latency"].get(str(2 * MiB))
+    f = res["floor"]
+    rtt, rtt_map = f["fd_round_trip"]["median"], f["fd_round_trip_mmap"]["median"]
+    if not row or "import" not in row or not rtt:
+        return {}
+    imp, rm = row["import"]["median"], row["reserve_map"]["median"]
+    return {"import (request, reply with fd)": imp / rtt, "import + reserve + map": (imp + rm) / rtt_map,
+            "SharedMemory attach": row["shm_attach"]["median"] / rtt_map}
+
+
+TARGET_NAMES = {  # each target as the question it answers
+    "share_2MiB_vs_shm": "share 2 MiB, vs SharedMemory create+attach",
+    "share_256MiB_vs_shm": "share 256 MiB, vs SharedMemory create+attach",
+    "importer_2MiB_vs_attach": "importer's side at 2 MiB, vs SharedMemory attach",
+    "share_1GiB_vs_2MiB": "share 1 GiB, vs share 2 MiB",
+    "pipe_256MiB_vs_share": "Pipe 256 MiB, vs share 256 MiB",
+    "read_bw_imported_vs_private": "read bandwidth, imported vs private",
+    "broker_16_clients_ops": "broker round trips/s, 16 clients",
+}
+
+
+def _cell(stats: dict[str, float] | None) -> str:
+    """A median with its p10–p90 spread, in µs: `153 (140–170)`."""
+    if not stats:
+        return "-"
+    return f"{stats['median']:,.0f} ({stats['p10']:,.0f}–{stats['p90']:,.0f})"
+
+
+def _table(title: str, head: tuple[str, ...], rows: Sequence[tuple[str, ...]], out: Any) -> None:
+    """One narrow table: a title line (the question it answers), a header, right-aligned cells."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print(f"\n{title}", file=out)
+    for r in [head, *rows]:
+        print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                              strict=True))),
+              file=out)
+
+
+def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
+    """The run as a few narrow tables, one per question; each latency a median with its p10–p90 spread, µs."""
+    lat = list(res["latency"].values())
+    m = res.get("machine", {})
+    print(f"vmmshare bench{' --quick' if res.get('quick') else ''}: {m.get('when', '')}, {m.get('commit', '')}",
+          file=out)
+    print("  on " + ", ".join(p for p in (m.get("cpu"), m.get("cpus") and f"{m['cpus']} cores",
+                                          m.get("kernel") and f"Linux {m['kernel']}") if p), file=out)
+    if m.get("cpus") is not None and m["cpus"] <= 4:
+        print("  (few cores: other load on the machine moves these numbers; compare ratios within one run)", file=out)
+    alternatives = [("share", "vmmshare"), ("shm_share", "SharedMemory"), ("pipe", "Pipe"),
+                    ("torch_share", "torch")]
+    shown = [(k, n) for k, n in alternatives if any(k in r for r in lat)]
+    _table("What does handing memory to another process cost? µs, median (p10–p90)",
+           ("size", *(n for _, n in shown)), [(fmt_size(r["size"]), *(_cell(r.get(k)) for k, _ in shown))
+                                              for r in lat], out)
+    _table("Where vmmshare's share goes, µs (median)", ("size", "allocate", "map", "export", "import", "reserve+map"),
+           [(fmt_size(r["size"]), *(f"{r[k]['median']:,.1f}" if k in r else "-" for k in
+                                    ("allocate", "map", "export_trustlist", "import", "reserve_map"))) for r in lat],
+           out)
+    if any("share_with_touch" in r for r in lat):
+        _table("... and with every page touched by the importer, µs, median (p10–p90)",
+               ("size", "vmmshare", "SharedMemory"),
+               [(fmt_size(r["size"]), _cell(r.get("share_with_touch")), _cell(r.get("shm_share_with_touch")))
+                for r in lat], out)
+    if "floor" in res:
+        f = res["floor"]
+        rows = [("raw fd round trip (the floor)", f"{f['fd_round_trip']['median']:.1f}", "floor"),
+                ("... with the fd's mmap", f"{f['fd_round_trip_mmap']['median']:.1f}", "floor, mapped")]
+        rows += [(name, "", f"{v:.2f}x") for name, v in res.get("floor_ratios", {}).items()]
+        _table("The floor: what any two Python processes pay to pass an fd, µs (median)", ("", "µs", "vs floor"),
+               rows, out)
+    if "throughput" in res:
+        _table("How many import+free round trips a broker serves", ("clients", "round trips/s", "client CPU µs",
+                                                                     "broker CPU µs"),
+               [(n, f"{v['ops_per_s']:,.0f}", f"{v['client_cpu_us']:.0f}", f"{v['broker_cpu_us']:.0f}")
+                for n, v in res["throughput"].items()], out)
+    if "idle_cpu" in res:
+        print(f"  broker CPU while idle: {res['idle_cpu'] * 100:.2f}% of a core", file=out)
+    if "bandwidth" in res:
+        b = res["bandwidth"]
+        rows = [("read, imported", f"{b['read_GBps']['imported']:.2f}", ""),
+                ("read, private", f"{b['read_GBps']['private']:.2f}", "")]
+        rows += [(f"first touch ({k})", f"{v['first_touch_GBps']:.2f}",
+                  f"map {v['map']:,.0f} + touch {v['touch']:,.0f}") for k, v in b["first_touch"].items()]
+        _table(f"Reading {fmt_size(b['size'])} of shared memory, GB/s", ("", "GB/s", "µs"), rows, out)
+    print("\ntargets:", file=out)
+    for name, v in res["targets"].items():
+        print(f"  {TARGET_NAMES.get(name, name):50} {v['value']:10.3f}  {v['target']:8}  "
+              f"{'met' if v['met'] else 'MISSED'}", file=out)
+
+
+def _label(res: dict[str, Any]) -> str:
+    """Where and when the run happened, for the report's first line and the figure."""
+    m = res.get("machine", {})
+    parts = [m.get("cpu") or "", f"{m['cpus']} cores" if m.get("cpus") else "", m.get("kernel") and
+             f"Linux {m['kernel']}", m.get("when", ""), m.get("commit", "")]
+    return ", ".join(p for p in parts if p)
+
+
+def machine_facts() -> dict[str, Any]:
+    """The machine, the time and the code of a run: printed with it, and written on its figure."""
+    import datetime
+    import platform
+    import subprocess
+
+    from .. import __version__
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    commit = f"vmmshare {__version__}"
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        if rev.returncode == 0 and rev.stdout.strip():
+            commit += f" @ {rev.stdout.strip()}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpus": os.cpu_count(), "python": sys.version.split()[0], "cpu": " ".join(cpu.split()),
+            "kernel": platform.release(), "when": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M UTC"), "commit": commit}
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    """Write the run's figure (`figure`) to `path` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(res)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(res: dict[str, Any]) -> Any:
+    """Three panels a reader takes in at once: share latency against the alternatives, the same with every page
+    touched, and the broker's throughput; medians with their p10–p90 spread drawn, log x axes, throughput from
+    zero with its target, the machine, date and commit written on the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5.2))
+    rows = list(res["latency"].values())
+    sizes = [r["size"] for r in rows]
+
+    def curves(ax: Any, keys: tuple[tuple[str, str], ...]) -> None:
+        for key, label in keys:
+            pts = [(r["size"], r[key]) for r in rows if key in r]
+            if not pts:
+                continue
+            xs, med = [p[0] for p in pts], [p[1]["median"] for p in pts]
+            low = [max(0.0, p[1]["median"] - p[1]["p10"]) for p in pts]
+            high = [max(0.0, p[1]["p90"] - p[1]["median"]) for p in pts]
+            ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=3, label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes shared")
+        ax.set_ylabel("µs: median, bars p10–p90")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([fmt_size(s) for s in sizes], rotation=45)
+        ax.minorticks_off()
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+
+    curves(ax1, (("share", "vmmshare (export + import + map)"), ("shm_share", "SharedMemory create + attach"),
+                 ("pipe", "multiprocessing.Pipe (copies)"), ("torch_share", "torch share_memory_() + queue")))
+    ax1.set_title("handing memory to another process")
+    curves(ax2, (("share_with_touch", "vmmshare, importer touches every page"),
+                 ("shm_share_with_touch", "SharedMemory, importer touches every page")))
+    ax2.set_title("the same, with first touch")
+    if "throughput" in res:
+        tp = res["throughput"]
+        clients = [int(k) for k in tp]
+        ax3.plot(clients, [v["ops_per_s"] for v in tp.values()], marker="o", label="import+free round trips/s")
+        ax3.axhline(20000, color="gray", linestyle="--", label="target 20,000/s")
+        ax3.set_xscale("log", base=2)
+        ax3.set_xticks(clients)
+        ax3.set_xticklabels([str(c) for c in clients])
+        ax3.minorticks_off()
+        ax3.set_ylim(bottom=0, top=max(25000, 1.1 * max(v["ops_per_s"] for v in tp.values())))
+        ax3.set_xlabel("client processes")
+        ax3.set_ylabel("round trips / s")
+        ax3.set_title("broker throughput")
+        ax3.grid(True, alpha=0.3)
+        ax3.legend(fontsize=8)
+    fig.suptitle(f"vmmshare bench{' --quick' if res.get('quick') else ''}: {_label(res)}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+PEAK_COPIES = 3  # the most copies of one size a run holds at once (Pipe: sender and receiver, plus a shared one)
+
+
+def default_sizes(quick: bool) -> list[int]:
+    """The sizes shared when --sizes is not given."""
+    return [4 * KiB, 2 * MiB, 64 * MiB, 256 * MiB] if quick else [
+        4 * KiB, 64 * KiB, 2 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB]
+
+
+def run(
+    quick: bool, with_torch: bool | None = None, sizes: list[int] | None = None, reps_override: int | None = None,
+    clients: list[int] | None = None, seconds: float | None = None, step: Step = quiet,
+) -> dict[str, Any]:
+    import vmmshare
+
+    vmmshare.acl.rt.set_device(0)
+    if with_torch is None:
+        try:
+            import torch  # noqa: F401
+
+            with_torch = True
+        except ImportError:
+            with_torch = False
+    def reps(size: int) -> int:
+        if reps_override:
+            return reps_override
+        if quick:
+            return 10 if size <= 64 * MiB else 3
+        return 50 if size <= 16 * MiB else (15 if size <= 256 * MiB else 7)
+
+    if sizes is None:
+        sizes = default_sizes(quick)
+    clients = clients or [1, 4, 16]
+    seconds = seconds or (1.0 if quick else 3.0)
+    bw_size = min(max(sizes), 64 * MiB if quick else 256 * MiB)
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    step("starting the peer process")
+    peer = ctx.Process(target=quiet_child, args=(peer_main, b))
+    start_child(peer)
+    b.close()  # the peer's end lives in the peer: if it dies, recv() here sees the pipe close instead of waiting
+    res: dict[str, Any] = {"quick": quick, "machine": machine_facts()}
+    try:  # from its first answer on: a Ctrl-C while the peer still starts is told to it as "stop" too
+        peer_pid = a.recv()
+        res["latency"] = share_latency(a, peer_pid, sizes, reps, with_torch, step)
+        res["bandwidth"] = bandwidth(a, peer_pid, bw_size, reps_override or 5, step)
+    finally:
+        with contextlib.suppress(OSError):  # a peer that died has closed its end
+            a.send(("stop",))
+        peer.join()
+    res["floor"] = floor(reps_override or (300 if quick else 3000), step)
+    res["floor_ratios"] = floor_ratios(res)
+    res["throughput"] = throughput(clients, seconds, step)
+    step("the broker's CPU while idle")
+    res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)
+    res["targets"] = targets(res)
+    return res
+
+
+def _gpu_backend() -> bool:
+    """Whether this process's device memory would be GPU memory (VMMSHARE_BACKEND=cuda, or auto with a GPU)."""
+    backend = os.environ.get("VMMSHARE_BACKEND", "").strip().lower()
+    if backend == "auto":
+        from ..backends.cuda import available
+
+        return available()
+    return backend == "cuda"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`vmmshare bench`: a closed stdout or Ctrl-C ends it without a traceback."""
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    if "--fabric" in argv:  # copies across servers, in a test cluster made for the run (see --fabric --help)
+        from . import bench_fabric
+
+        return bench_fabric.main([a for a in argv if a != "--fabric"])
+    if "--torch" in argv:  # sharing a state dict with torch's own ways (see --torch --help)
+        from . import bench_torch
+
+        return bench_torch.main([a for a in argv if a != "--torch"])
+    if "--gpu" in argv or _gpu_backend():
+        from . import bench_gpu  # device memory is GPU memory: the CPU-side measurements below do not apply
+
+        return bench_gpu.main([a for a in argv if a != "--gpu"])
+    ap = Parser(prog="vmmshare bench", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Needs numpy (pip install 'vmmshare[bench]'); --plot needs matplotlib. Exit status: 0 done, "
+                       "1 a measurement failed, 2 bad usage or configuration.")
+    ap.add_argument("--gpu", action="store_true",
+                    help="GPU memory with the CUDA backend instead, against torch CUDA IPC (see --gpu --help); "
+                         "the default when VMMSHARE_BACKEND gives GPU memory (cuda, or auto with a GPU)")
+    ap.add_argument("--fabric", action="store_true",
+                    help="copies across servers (two network namespaces) against the transfer engine and a TCP "
+                         "socket (see --fabric --help; needs root and vmmshare[fabric])")
+    ap.add_argument("--torch", action="store_true",
+                    help="a state dict to another process: a vmmshare bucket against torch.multiprocessing and "
+                         "pickling, per update, and 1,000 small tensors (see --torch --help; needs torch)")
+    ap.add_argument("--quick", action="store_true", help="CI-sized: fewer sizes and repetitions")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison even if torch is installed")
+    ap.add_argument("--sizes", type=sizes_option, help="comma-separated sizes to share, e.g. 4K,2M,1G")
+    ap.add_argument("--reps", type=count_option, help="repetitions per size (default: by size)")
+    ap.add_argument("--clients", type=counts_option,
+                    help="comma-separated client counts for the throughput test (default 1,4,16)")
+    ap.add_argument("--seconds", type=seconds_option, help="seconds per throughput point")
+    args = ap.parse_args(argv)
+    if not environment_ok("vmmshare bench"):
+        return USAGE
+    check_outputs(ap, json=args.json, plot=args.plot)
+    largest = max(args.sizes or default_sizes(args.quick))
+    problem = memory_problem(PEAK_COPIES * largest, f"sharing {fmt_size(largest)} ({PEAK_COPIES} copies at once: "
+                             "the sender's, a Pipe's receiver's, and the shared one)")
+    if problem:
+        say_error("vmmshare bench", problem)
+        return USAGE
+    try:
+        import numpy  # noqa: F401  (the measuring processes use it)
+    except ImportError:
+        say_error("vmmshare bench", "needs numpy, which is not installed: pip install 'vmmshare[bench]'")
+        return USAGE
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib, which is not installed: pip install 'vmmshare[bench]'")
+    from ..errors import AclError
+
+    try:
+        with Progress("vmmshare bench") as progress:
+            res = run(args.quick, False if args.no_torch else None, args.sizes, args.reps, args.clients,
+                      args.seconds, progress.step)
+    except AclError as exc:
+        say_error("vmmshare bench", f"failed: {exc}")
+        return FAILED
+    except (EOFError, OSError):  # the pipe to a measuring process: it died
+        say_error("vmmshare bench", "failed: a measuring process exited early (its error is above)")
+        return FAILED
+    try:  # the files first: a reader that stops early (| head) must not cost them
+        if args.json:
+            write_json(res, args.json)
+        if args.plot:
+            plot(res, args.plot)
+    except OSError as exc:
+        say_error("vmmshare bench", f"cannot write {exc.filename}: {exc.strerror}")
+        return FAILED
+    print_report(res)
+    return OK
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(lambda: main()))

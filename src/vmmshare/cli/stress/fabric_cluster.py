@@ -1,0 +1,151 @@
+"""Test clusters for the fabric tests: servers as network namespaces (vmmshare cluster), each with its own broker
+started here (so a test can kill, freeze or restart it) and actors running `vmmshare.acl` calls on that server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from procs import Actor
+from vmmshare.cli.cluster import Cluster
+from vmmshare.fabric.engine import missing
+
+_names = itertools.count(1)
+HANG_GUARD = 60.0  # seconds: only a guard against a hang, never part of a result
+
+
+def cluster_problem() -> str:
+    """Why a test cluster cannot be made here ("" when it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    return missing()
+
+
+class ClusterBroker:
+    """A broker on server `n`, started in its namespace with its settings."""
+
+    def __init__(self, cluster: TestCluster, n: int, env: dict[str, str]) -> None:
+        self.cluster, self.n, self.env = cluster, n, env
+        self.socket = Path(env["VMMSHARE_SOCKET"])
+        self.log = self.socket.parent / "broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, **extra: str) -> None:
+        rfd, wfd = os.pipe()
+        server = self.cluster.cluster.server(self.n)
+        cmd = server.command([sys.executable, "-m", "vmmshare.broker", "--socket", str(self.socket),
+                              "--ready-fd", str(wfd), "--log-level", "DEBUG"], **extra)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env={**self.env, **extra}, pass_fds=(wfd,), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log)
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as r:
+            line = r.readline()
+        if line != b"ready\n":
+            self.proc.wait(10)
+            raise RuntimeError(f"broker on server {self.n} failed to start (exit {self.proc.returncode}):\n"
+                               + self.log.read_text()[-2000:])
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.proc.wait(30)
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def memfd_mappings(self) -> int:
+        """Mappings of memfds in the broker: those it serves to other servers."""
+        with open(f"/proc/{self.pid}/maps") as f:
+            return sum(1 for line in f if "/memfd:" in line)
+
+    def listing(self) -> dict[str, Any]:
+        """What `vmmshare ls --json` shows on this server."""
+        cmd = [sys.executable, "-m", "vmmshare.cli", "ls", "--json"]
+        out = subprocess.run(self.cluster.cluster.server(self.n).command(cmd), env=self.env, capture_output=True,
+                             text=True, timeout=HANG_GUARD)
+        assert out.returncode == 0, out.stderr
+        result: dict[str, Any] = json.loads(out.stdout)
+        return result
+
+
+class TestCluster:
+    """`servers` servers with their brokers up; `close()` stops everything and removes the namespaces."""
+
+    __test__ = False
+
+    def __init__(self, servers: int = 2, timeout: float = 1.0, brokers: bool = True) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="vmc", dir="/tmp"))
+        name = f"t{os.getpid() % 10000}x{next(_names)}"[:8]
+        self.cluster = Cluster(name, servers, root=self.root, timeout=timeout)
+        self.cluster.up()
+        self.actors: list[Actor] = []
+        self.brokers = {s.number: ClusterBroker(self, s.number, self.env(s.number)) for s in self.cluster.servers}
+        try:
+            if brokers:
+                for b in self.brokers.values():
+                    b.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def env(self, n: int, **extra: str) -> dict[str, str]:
+        """The environment of a process on server `n` (its VMMSHARE_* settings; brokers are started by the test)."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_") and k != "PYTHONFAULTHANDLER"}
+        return {**base, **self.cluster.server(n).env, "VMMSHARE_BROKER_IDLE": "600", **extra}
+
+    def server_id(self, n: int) -> int:
+        return self.cluster.server(n).server_id
+
+    def actor(self, n: int, **extra: str) -> Actor:
+        """A process on server `n` running acl calls (device 0 set)."""
+        a = Actor(self.env(n, **extra), prefix=["ip", "netns", "exec", self.cluster.server(n).namespace])
+        self.actors.append(a)
+        return a
+
+    def run(self, n: int, code: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        """Run Python `code` on server `n`."""
+        cmd = self.cluster.server(n).command([sys.executable, "-c", code], **extra)
+        return subprocess.run(cmd, env=self.env(n, **extra), capture_output=True, text=True, timeout=HANG_GUARD)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- broker {b.n}\n{b.log.read_text()[-3000:] if b.log.exists() else ''}"
+                         for b in self.brokers.values())
+
+    def close(self) -> None:
+        for a in self.actors:
+            a.kill()
+        for b in self.brokers.values():
+            if b.alive():
+                os.kill(b.pid, signal.SIGCONT)
+        self.cluster.down()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def eventually(check: Callable[[], bool], what: str, guard: float = HANG_GUARD) -> None:
+    """Wait until `check()` holds (polling); fail with `what` if it does not within the hang guard."""
+    deadline = time.monotonic() + guard
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {guard:.0f} s"
+        time.sleep(0.05)

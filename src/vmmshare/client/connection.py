@@ -1,0 +1,349 @@
+"""The broker client: the runtime's `Node` on a real node, a session with the broker over its socket.
+
+It reaches the broker through autostart.py (which starts one when none answers), and reconnects by itself when
+the broker restarts, charging its live allocations again. Two kinds of id meet here: a *token* is the runtime's
+name for an allocation or import (what `charge` and `import_handle` return, stable for the process's life); a
+*hold* is the broker's id for this connection's claim on it, which a restarted broker gives out anew.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..backends.remote import Transfers
+from ..config import Config, spin_seconds
+from ..errors import AclError, IpcError, error_from_code
+from ..runtime.node import Imported, RemoteImported
+from ..sockets.packets import DONTWAIT, close_fds, recv_packet, send_packet
+from ..wire import local as P
+from ..wire.local import ProtocolError, decode, encode
+from ..wire.props import PhysicalProp, prop_of
+from .autostart import reach_broker
+
+log = logging.getLogger("vmmshare.client")
+REPLY_TIMEOUT = 60.0
+RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
+SPIN_SECONDS = spin_seconds("VMMSHARE_SPIN_US", 100)
+R = TypeVar("R", bound=P.Message)
+
+
+class BrokerClient:
+    """One connection per process to the node's broker; thread-safe, one request at a time."""
+
+    def __init__(self, config: Config, autostart: bool = True) -> None:
+        self.config = config
+        self.path = config.socket_path
+        self.autostart = autostart
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._req = itertools.count(1)  # request ids
+        self._tokens = itertools.count(1)
+        self._holds: dict[int, int] = {}  # token -> the broker's hold id on this connection
+        self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # token -> its charge, to repeat on a new broker
+        self._waiter = _Waiter()
+        self._owner: int | None = None  # the thread in a request, if any
+        self._metadata = "P2PHANDSHAKE"  # this process's metadata URL, from its first remote import's reply
+
+    # ------------------------------------------------------------ connection
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _reconnect(self) -> socket.socket:
+        """Connect (again); after a broker restart, charge every live allocation of ours anew.
+
+        If the connection dies while re-charging, the next attempt starts over from all of them.
+        """
+        self._reset()
+        self._holds.clear()  # hold ids of a broker that is gone
+        sock = reach_broker(self.path, self.autostart)
+        self._sock = sock
+        for token, charge in list(self._charges.items()):
+            try:
+                reply, _ = self._exchange(sock, charge, P.Token, (), None)
+            except AclError as exc:  # e.g. the new broker has less capacity: keep serving, uncharged
+                log.warning("could not charge an allocation to the restarted broker: %s", exc)
+                continue
+            self._holds[token] = reply.hold
+        return sock
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's connection and holds are not ours."""
+        self._lock = threading.Lock()
+        self._reset()
+        self._holds.clear()
+        self._charges.clear()
+
+    def _exchange(
+        self, sock: socket.socket, message: P.Message, expect: type[R], fds: tuple[int, ...],
+        meanwhile: Callable[[], None] | None,
+    ) -> tuple[R, list[int]]:
+        """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
+        req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses the broker's refusal of a connection
+        try:
+            send_packet(sock, encode(message, req), fds)
+        except OSError:
+            refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
+            if refusal is not None:
+                self._reset()
+                raise refusal from None
+            raise
+        if meanwhile is not None:
+            meanwhile()  # must not raise: the reply still has to be read
+        try:
+            packet, got, truncated = self._waiter.wait(sock)
+        except OSError:
+            refusal = _refusal(sock)  # a broker that refused the connection (ECONNRESET comes before its word)
+            if refusal is not None:
+                self._reset()
+                raise refusal from None
+            raise
+        if not packet and not got:
+            raise ConnectionResetError("the broker closed the connection")
+        try:
+            if truncated:
+                raise ProtocolError("reply too large")
+            got_req, reply = decode(packet, len(got))
+            if got_req == 0 and isinstance(reply, P.Error):  # the broker will not serve this connection
+                close_fds(got)
+                self._reset()
+                raise error_from_code(reply.code, reply.message)
+            if got_req != req:
+                raise ProtocolError(f"reply to request {got_req}, expected {req}")
+            if isinstance(reply, P.Error):
+                close_fds(got)
+                raise error_from_code(reply.code, reply.message)
+            if not isinstance(reply, expect):
+                raise ProtocolError(f"{reply.TYPE.name} in reply to {message.TYPE.name}")
+        except ProtocolError as exc:
+            close_fds(got)
+            self._reset()
+            raise IpcError(f"bad reply from the broker: {exc}") from None
+        return reply, got
+
+    def request(
+        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...] = (),
+        meanwhile: Callable[[], None] | None = None,
+    ) -> tuple[R, list[int]]:
+        """Send `message` and return the reply, of type `expect`; reconnects if the broker went away.
+
+        A message that names a hold is passed as a function that makes it, called on each attempt: after a
+        reconnection the new broker knows the allocation by another hold id.
+
+        `meanwhile` (run once) overlaps local work with the broker's.
+        """
+        pending = [meanwhile] if meanwhile is not None else []
+
+        def once() -> None:  # on whichever attempt gets its request out
+            if pending:
+                pending.pop()()
+
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                return self._request(message, expect, fds, once)
+            finally:
+                self._owner = None
+
+    def busy_in_this_thread(self) -> bool:
+        """Whether this thread is inside a request (a finalizer run by the garbage collector must wait)."""
+        return self._owner == threading.get_ident()
+
+    def _request(
+        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...],
+        once: Callable[[], None],
+    ) -> tuple[R, list[int]]:
+        for attempt in range(RETRIES):
+            try:
+                sock = self._sock or self._reconnect()
+                made = message if isinstance(message, P.Message) else message()
+                return self._exchange(sock, made, expect, fds, once)
+            except AclError:
+                raise
+            except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries on it
+                self._reset()
+                raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
+            except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
+                self._reset()
+                if attempt == RETRIES - 1:
+                    raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _hold_of(self, token: int) -> int:
+        """The broker's hold id for a token (0, which no hold has, when the broker that gave it is gone)."""
+        return self._holds.get(token, 0)
+
+    # ------------------------------------------------------------ the Node protocol
+
+    def charge(
+        self, device: int, size: int, meanwhile: Callable[[], None] | None = None, gpu: bool = False
+    ) -> int:
+        charge = P.ChargeGpu(device, size) if gpu else P.Charge(device, size)
+        reply, _ = self.request(charge, P.Token, meanwhile=meanwhile)
+        token = next(self._tokens)
+        self._holds[token] = reply.hold
+        self._charges[token] = charge
+        return token
+
+    def release(self, token: int) -> None:
+        self._charges.pop(token, None)
+        if token not in self._holds:
+            return
+        try:
+            self.request(lambda: P.Release(self._hold_of(token)), P.Ok)
+        finally:
+            self._holds.pop(token, None)
+
+    def mem_info(self, device: int) -> tuple[int, int]:
+        reply, _ = self.request(P.MemInfo(device), P.Mem)
+        return reply.free, reply.total
+
+    def export(
+        self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
+        gpu: bool = False,
+    ) -> bytes:
+        loc, server, trust = prop.location, self.config.server_id, tuple(pids)
+
+        def message() -> P.Export:
+            return P.Export(self._hold_of(token), size, flags, share_type, server, int(gpu), prop.handle_type,
+                            prop.allocation_type, prop.mem_attr, loc.type, loc.id, trust)
+
+        reply, _ = self.request(message, P.Exported, (fd,))
+        return reply.shareable
+
+    def revoke(self, token: int) -> None:
+        if token in self._holds:
+            self.request(lambda: P.Revoke(self._hold_of(token)), P.Ok)
+
+    def set_pids(self, shareable: int, share_type: int, pids: list[int]) -> None:
+        self.request(P.SetPids(shareable, share_type, tuple(pids)), P.Ok)
+
+    def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
+        reply, fds = self.request(P.Import(shareable, share_type, secret.ljust(32, b"\0")), P.Imported)
+        token = next(self._tokens)
+        self._holds[token] = reply.hold
+        prop = prop_of(reply.handle_type, reply.allocation_type, reply.mem_attr, reply.location_type,
+                       reply.location_id)
+        return Imported(fds[0], token, reply.size, prop, bool(reply.memory_kind))
+
+    def bare_tgid(self) -> int:
+        reply, _ = self.request(P.BareTgid(), P.Pid)
+        return reply.pid
+
+    def import_remote(self, handle: bytes) -> RemoteImported:
+        """A FABRIC handle of another server, imported through this node's broker (which asks the exporter's)."""
+        reply, _ = self.request(P.RemoteImport(handle), P.RemoteImported)
+        token = next(self._tokens)
+        self._holds[token] = reply.hold
+        prop = prop_of(reply.handle_type, reply.allocation_type, reply.mem_attr, reply.location_type,
+                       reply.location_id)
+        # the process's own namespace in the node's metadata service: its engine finds its holds' segments there
+        self._metadata = f"http://127.0.0.1:{reply.metadata_port}/{reply.metadata_token.hex()}/metadata"
+        return RemoteImported(token, reply.size, prop, reply.segment, reply.address, self._metadata)
+
+    def set_remote_pids(self, shareable: int, share_type: int, server: int, pids: list[int]) -> None:
+        self.request(P.SetRemotePids(shareable, share_type, server, tuple(pids)), P.Ok)
+
+    @property
+    def metadata_url(self) -> str:
+        """Where this process's transfer engine finds its remote holds (its namespace in the node's metadata
+        service; P2PHANDSHAKE before its first remote import)."""
+        return self._metadata
+
+    def transfers(self) -> Transfers:
+        from ..fabric.engine import process_engine
+
+        config = self.config
+        return process_engine(config.fabric_addr or "127.0.0.1", "tcp" if config.fabric == "off" else config.fabric,
+                              config.fabric_timeout, self._metadata)
+
+    def listing(self) -> dict[str, Any]:
+        """Every export on the node (what `vmmshare ls` shows), following the broker's pages."""
+        offset: int | None = 0
+        result: dict[str, Any] = {}
+        rows: list[Any] = []
+        used: dict[str, int] = {}
+        gpu_used: dict[str, int] = {}
+        while offset is not None:
+            reply, _ = self.request(P.List(offset), P.Listing)
+            try:
+                page = json.loads(reply.page)
+                rows.extend(page.pop("exports"))
+                used.update(page.pop("used", {}))
+                gpu_used.update(page.pop("gpu_used", {}))
+                after = page.pop("next")
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise IpcError(f"the broker at {self.path} sent a listing page that cannot be read ({exc}); "
+                               "it may be of another vmmshare version") from None
+            if after is not None and (not isinstance(after, int) or after <= offset):
+                raise IpcError(f"the broker at {self.path} sent a listing page that does not move on")
+            offset = after
+            result = page
+        result["used"], result["gpu_used"], result["exports"] = used, gpu_used, rows
+        return result
+
+
+def _refusal(sock: socket.socket) -> AclError | None:
+    """The broker's refusal of this connection (an ERROR to request 0) if it left one on `sock` before closing it."""
+    try:
+        packet, got, _ = recv_packet(sock, DONTWAIT)
+    except OSError:
+        return None
+    close_fds(got)
+    try:
+        req, reply = decode(packet, len(got))
+    except ProtocolError:
+        return None
+    return error_from_code(reply.code, reply.message) if req == 0 and isinstance(reply, P.Error) else None
+
+
+class _Waiter:
+    """Waits for the broker's reply: polls for a few microseconds first (a wake-up from sleep costs far more
+    on most machines than the broker takes to answer), then sleeps in poll(2), up to REPLY_TIMEOUT.
+
+    Polling pays only while replies come quickly: after a reply that outlasted the polling window (a busy
+    broker, many clients on few cores), the next requests wait without polling, leaving the cores to others.
+    """
+
+    SKIP_AFTER_MISS = 16
+
+    def __init__(self) -> None:
+        self.skip = 0
+        self._sock: socket.socket | None = None
+        self._poller = select.poll()
+
+    def wait(self, sock: socket.socket) -> tuple[bytes, list[int], bool]:
+        if sock is not self._sock:  # a new connection: watch it instead
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN)
+            self._sock = sock
+        poller = self._poller
+        if self.skip:
+            self.skip -= 1
+        else:
+            deadline = time.perf_counter() + SPIN_SECONDS
+            while not poller.poll(0):
+                if time.perf_counter() > deadline:
+                    self.skip = self.SKIP_AFTER_MISS
+                    break
+                os.sched_yield()  # let the broker (or whoever is runnable) have this core
+            else:
+                return recv_packet(sock, DONTWAIT)
+        if not poller.poll(REPLY_TIMEOUT * 1000):
+            raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
+        return recv_packet(sock, DONTWAIT)

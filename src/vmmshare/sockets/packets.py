@@ -1,0 +1,133 @@
+"""Packets over an AF_UNIX SOCK_SEQPACKET socket, with file descriptors passed by SCM_RIGHTS."""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import select
+import socket
+import struct
+import time
+from pathlib import Path
+
+from ..wire.local import MAX_FDS, MAX_FRAME
+
+_ANC = socket.CMSG_SPACE(4 * (MAX_FDS + 4))  # room to notice (and close) fds nobody asked for
+_CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_ANC_CREDS = _ANC + socket.CMSG_SPACE(_CREDS.size)
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_CUT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+DONTWAIT = int(socket.MSG_DONTWAIT)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
+_SCM_CREDENTIALS = int(getattr(socket, "SCM_CREDENTIALS", 2))
+_SO_PASSCRED = int(getattr(socket, "SO_PASSCRED", 16))
+
+
+def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool]:
+    """One packet, the fds that came with it (close-on-exec), and whether it was cut short.
+
+    A packet larger than MAX_FRAME, or one whose fds did not fit, comes back truncated=True; the caller
+    must close the fds. An empty packet with no fds means the peer closed the connection.
+    """
+    data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC, _CLOEXEC | flags)
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    truncated = bool(msg_flags & _CUT) or len(data) > MAX_FRAME
+    return data, fds, truncated
+
+
+def pass_credentials(sock: socket.socket) -> None:
+    """Have the kernel stamp every packet that arrives on `sock` with its sender's pid, uid and gid (SO_PASSCRED:
+    a sender cannot forge them without privilege); a socket accepted from a listener set so inherits it."""
+    sock.setsockopt(_SOL_SOCKET, _SO_PASSCRED, 1)
+
+
+def recv_request(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool, int]:
+    """`recv_packet` on a socket with SO_PASSCRED, plus the pid of the process that sent the packet (-1 when the
+    kernel attached no credentials)."""
+    data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC_CREDS, _CLOEXEC | flags)
+    fds: list[int] = []
+    sender = -1
+    for level, kind, payload in anc:
+        if level != _SOL_SOCKET:
+            continue
+        if kind == _SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+        elif kind == _SCM_CREDENTIALS and len(payload) >= _CREDS.size:
+            sender = _CREDS.unpack_from(payload)[0]
+    truncated = bool(msg_flags & _CUT) or len(data) > MAX_FRAME
+    return data, fds, truncated, sender
+
+
+def send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:
+    """Send one packet, with `fds` attached."""
+    if fds:
+        sock.sendmsg([data], [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def connect(path: Path | str, timeout: float) -> socket.socket:
+    """A blocking SOCK_SEQPACKET connection to the broker at `path` (or OSError; TimeoutError after `timeout`).
+
+    A blocking connect would wait forever on a broker that stopped accepting, once its listen queue is full. A
+    non-blocking one to a Unix socket completes at once or fails with EAGAIN while the queue is full, so it is
+    tried again until the queue has room or the time is up.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(str(path))
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{path}: the listen queue stayed full for {timeout:g} s") from None
+            time.sleep(pause)  # the queue has no wake-up to wait on: try again shortly
+            pause = min(pause * 2, 0.05)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(True)
+        return sock
+
+
+def wait_readable(fd: int, timeout: float | None) -> bool:
+    """Whether `fd` becomes readable within `timeout` seconds (poll(2): any fd number, unlike select)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the peer as the kernel recorded them at connect time (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    pid, uid, gid = array.array("i", raw)
+    return pid, uid, gid
+
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def peer_pidfd(sock: socket.socket) -> int:
+    """A pidfd for the peer process (Linux 6.5+), or -1 where the kernel does not offer one."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4)
+    except OSError:
+        return -1
+    return int(array.array("i", raw)[0])

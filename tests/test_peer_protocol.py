@@ -1,4 +1,4 @@
-"""The broker-to-broker format (fabric/peer_protocol.py) byte for byte, its stream reader, and the key handshake.
+"""The broker-to-broker format (wire/peer.py) byte for byte, its stream reader, and the key handshake.
 
 The literals are written from the format description (header: magic ``b"VF"``, version 1, type, request id, body
 length, little-endian), never computed from the codec's tables. The handshake cases play the attacker: a wrong

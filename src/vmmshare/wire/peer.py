@@ -2,7 +2,7 @@
 
 A frame is a 12-byte header (magic ``b"VF"``, version, message type, request id, body length) and a body: a
 fixed struct and, for some types, a UTF-8 text tail. A TCP stream carries frames back to back; `FrameReader`
-cuts them out, refusing a bad header before it buffers the body. Decoding is strict, like protocol.py's.
+cuts them out, refusing a bad header before it buffers the body. Decoding is strict, like local.py's.
 
 Before any request, the two brokers prove the cluster key to each other (`Initiator`, `Responder`): each sends a
 fresh 32-byte nonce, and each proof is HMAC-SHA256 under the key over the handshake's transcript (both server ids,

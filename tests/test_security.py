@@ -497,6 +497,7 @@ def test_rule_12_without_pidfs_a_pinned_process_that_exited_before_it_was_named_
     """T18 on kernels without pidfs: a pinned process is named by its start time while it still runs (its pid is
     then still its own); one that exited before it was named is bound to DEAD, which no process matches, never to
     nobody (which every later owner of the pid would match)."""
+    from vmmshare.books.records import same_process
     from vmmshare.broker import identity
 
     monkeypatch.setattr(identity, "PIDFS", False)
@@ -516,7 +517,7 @@ def test_rule_12_without_pidfs_a_pinned_process_that_exited_before_it_was_named_
         child.kill()
         child.wait()
     assert gone == identity.DEAD
-    assert not identity.same_process(gone, (alive[0], None)) and not identity.same_process(gone, (None, None))
+    assert not same_process(gone, (alive[0], None)) and not same_process(gone, (None, None))
 
 
 HIDDEN_PROC = """

@@ -605,7 +605,7 @@ def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broke
 
 def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str]) -> None:
     """stress/fuzz_api.py, CI-sized, under the CUDA backend: documented codes only, nothing leaked (see its doc)."""
-    sys.path.insert(0, str(HERE.parent / "src" / "vmmshare" / "stress"))
+    sys.path.insert(0, str(HERE.parent / "src" / "vmmshare" / "cli" / "stress"))
     import fuzz_api
 
     calls = 8_000  # ~110 calls for each of 72 functions
@@ -620,7 +620,7 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
 
 def test_sigkill_faults_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str]) -> None:
     """stress/faults.py, CI-sized, under the CUDA backend: exporter, importer and broker killed at random points."""
-    sys.path.insert(0, str(HERE.parent / "src" / "vmmshare" / "stress"))
+    sys.path.insert(0, str(HERE.parent / "src" / "vmmshare" / "cli" / "stress"))
     import faults
 
     result = faults.run(["exporter", "importer", "broker"], 8, 240, 20261130,

@@ -13,7 +13,7 @@ from fabric_cluster import cluster_problem
 
 require(not cluster_problem(), cluster_problem())
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"))
 
 import fabric_faults  # noqa: E402
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"))
 
 import fuzz_api as FA
 import vmmshare.acl as acl_module

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"))
 
 import fuzz_protocol as F
 import rawsock

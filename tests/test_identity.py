@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"
+STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"
 sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402

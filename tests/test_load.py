@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "stress"
+STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"
 sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402

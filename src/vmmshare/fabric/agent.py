@@ -135,6 +135,7 @@ class Agent(Serving):
         try:
             self.meta.start()
             self.meta.add(self.meta_token, broker=True)
+            self._start_engine()  # now, with the broker: never in its loop at the first remote import
         except AclError as exc:
             self.meta.close()
             raise FabricSetupError(exc.message) from None
@@ -147,6 +148,9 @@ class Agent(Serving):
             sock.listen(128)
         except OSError as exc:
             sock.close()
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
             self.meta.close()
             raise FabricSetupError(f"cannot listen for other brokers on {addr}:{port}: {exc.strerror} (check "
                                    "VMMSHARE_FABRIC_ADDR and VMMSHARE_FABRIC_PORT)") from None

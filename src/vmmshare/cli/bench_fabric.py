@@ -261,8 +261,8 @@ def print_report(res: dict[str, Any]) -> None:
           f" ({res['ratios']['latency_4k_vs_engine']:.2f}x engine); the bare engine reading the broker's served "
           f"memory: {lat['engine_to_broker']:.1f}")
     im = res["import_map_us"]
-    print(f"  import + reserve + map of a remote handle: {im['median']:.0f} µs (first, with the engine's start: "
-          f"{im['first']:.0f} µs)")
+    print(f"  import + reserve + map of a remote handle: {im['median']:.0f} µs (the process's first, which "
+          f"auto-starts the node's broker and its engine: {im['first']:.0f} µs)")
     for target, met in res["targets"].items():
         print(f"  target {target}: {'met' if met else 'NOT met'}")
 

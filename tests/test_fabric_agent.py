@@ -66,11 +66,11 @@ class Node:
         a = self.agent
         if outbound:
             link = Link(near, self.sel, KEY, 1, a.timeout, True, EP, on_ready=lambda _: None,
-                        on_request=lambda *_: None, on_closed=a._outbound_closed)
+                        on_request=lambda *_: None, on_closed=a._closed)
             a.links[EP] = link
         else:
             link = Link(near, self.sel, KEY, 1, a.timeout, False, EP, on_ready=lambda _: None,
-                        on_request=a._request, on_closed=a._inbound_closed, listening=EP_A)
+                        on_request=a._request, on_closed=a._closed, listening=EP_A)
             a.accepted.add(link)
         mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)  # the keys a handshake would have given
         link.state, link.peer_id, link.sealer, link.session = State.READY, 2, F.Sealer(mine), secrets.token_bytes(32)
@@ -170,7 +170,9 @@ def test_a_reconnection_with_no_route_is_tried_again_later(node: Node, monkeypat
 def test_a_heartbeat_to_a_reset_peer_closes_the_link_quietly(node: Node) -> None:
     link, far = node.link(outbound=True)
     node.agent.held[EP] = {5}
-    link.last_sent -= 10 * node.agent.timeout  # quiet long enough for a heartbeat
+    link.last_sent -= 2 * node.agent.timeout  # quiet both ways long enough for a heartbeat, not for silence
+    link.last_heard -= 2 * node.agent.timeout
+    node.agent._took(EP, 5, link)  # the hold is tied to the link: it has heartbeats, due now
     far.close()
     node.agent.tick()
     assert link.state is State.CLOSED and EP not in node.agent.links and EP in node.agent.reconnect_at
@@ -232,7 +234,7 @@ class Cluster:
         far.setblocking(False)
         b = self.b
         b.accepted.add(Link(far, b.sel, KEY, b.server_id, b.timeout, False, EP_A, on_ready=b._inbound_ready,
-                            on_request=b._request, on_closed=b._inbound_closed, listening=EP))
+                            on_request=b._request, on_closed=b._closed, listening=EP))
         return near
 
     def pump(self) -> None:
@@ -418,7 +420,7 @@ def accepted_link(agent: Agent, peer_id: int) -> tuple[Link, Far]:
     near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     near.setblocking(False)
     link = Link(near, agent.sel, KEY, agent.server_id, agent.timeout, False, EP_A, on_ready=agent._inbound_ready,
-                on_request=agent._request, on_closed=agent._inbound_closed, listening=EP)
+                on_request=agent._request, on_closed=agent._closed, listening=EP)
     agent.accepted.add(link)
     mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
     link.state, link.peer_id, link.sealer, link.session = State.READY, peer_id, F.Sealer(mine), secrets.token_bytes(32)
@@ -547,6 +549,7 @@ def test_each_remote_hold_has_a_registration_of_its_own_that_goes_when_the_hold_
     assert engine.served == {ry.address}
     for rh in cluster.b.remote_holds.values():
         rh.expires = 0.0  # the lease has run out
+    cluster.b.leases = [(0.0, hold) for hold in cluster.b.remote_holds]
     cluster.b.tick()
     assert not engine.served and not cluster.b.served and not cluster.b.remote_holds
 
@@ -587,3 +590,75 @@ def test_each_importing_process_is_described_its_own_holds_under_its_own_token(c
     cluster.a.tick()
     assert x not in cluster.a.client_tokens and y in cluster.a.client_tokens
     assert meta.get(ry.metadata_token, f"mooncake/ram/{ry.segment}") is not None
+
+
+# ---------------------------------------------------------------- one link per pair of servers, used both ways
+
+
+def export_on(agent: Agent) -> bytes:
+    """A FABRIC export on `agent`'s node that any pid may import (its engine a stand-in): the handle's 128 bytes."""
+    if agent.engine is None:
+        agent.engine = StandInEngine()  # type: ignore[assignment]
+        agent.data_endpoint = f"{agent.config.fabric_addr}:15000"
+    owner = agent.ledger.connect(4321, 1000, (1, 1))
+    token = agent.ledger.handle(owner, P.Charge(0, MiB2))[0]
+    assert isinstance(token, P.Token)
+    fd = os.memfd_create("exported", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, MiB2)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+    reply = agent.ledger.handle(owner, P.Export(token.hold, MiB2, 1, FABRIC, agent.server_id, 0, 0, 0, 0, 1, 0, ()),
+                                fd)[0]
+    assert isinstance(reply, P.Exported), reply
+    return reply.shareable
+
+
+def test_the_link_one_server_dialed_carries_the_other_servers_imports_too(cluster: Cluster) -> None:
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)  # a dials b
+    (link,) = cluster.b.accepted
+    assert cluster.b.links.get(EP_A) is link, "a named its endpoint on the link: b's requests to a go on it"
+    y = cluster.b.ledger.connect(2222, 1000, (2, 2))
+    got: list[P.Message] = []
+    now = cluster.b.local(y, P.RemoteImport(export_on(cluster.a)), got.append)
+    assert now is None
+    cluster.pump()
+    assert len(got) == 1 and isinstance(got[0], P.RemoteImported), got
+    assert list(cluster.b.links.values()) == [link] and len(cluster.a.links) == 1, "no second link either way"
+    assert len(cluster.a.remote_holds) == 1 and len(cluster.b.remote_holds) == 1
+    cluster.b.ledger.disconnect(y)  # the release goes back over the same link
+    cluster.a.ledger.disconnect(x)
+    cluster.pump()
+    assert not cluster.a.remote_holds and not cluster.b.remote_holds and link.state is State.READY
+
+
+def test_an_endpoint_named_for_another_address_is_refused(cluster: Cluster) -> None:
+    """A broker that connected may name only an endpoint on the address its connection comes from: it cannot have
+    another server's imports sent to it."""
+    link, far = accepted_link(cluster.b, 7)  # it connected from 10.0.0.1 (EP_A)
+    far.send((F.Listens(F.endpoint_bytes("10.0.0.9", 17017)), 1))
+    link.on_event(selectors.EVENT_READ)
+    (reply,) = frames(far)
+    assert isinstance(reply, F.Error) and reply.code == 207006 and "10.0.0.1" in reply.message
+    assert ("10.0.0.9", 17017) not in cluster.b.links and link.listens is None and link.state is State.READY
+    far.close()
+
+
+def test_a_request_that_times_out_fails_alone_and_its_late_answer_is_undone(cluster: Cluster) -> None:
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    handle = cluster.export()
+    assert isinstance(cluster.import_(x, handle), P.RemoteImported)  # the link is up, one hold taken
+    link = cluster.a.links[EP]
+    slow: list[P.Message] = []
+    assert cluster.a.local(x, P.RemoteImport(handle), slow.append) is None  # b does not answer yet
+    for pending in link.pending.values():
+        pending.deadline = 0.0  # its time is up
+    cluster.a.wake(link)
+    cluster.a.tick()
+    assert len(slow) == 1 and isinstance(slow[0], P.Error) and slow[0].code == IPC_ERROR, slow
+    assert "VMMSHARE_FABRIC_TIMEOUT" in slow[0].message
+    assert link.state is State.READY and cluster.a.held[EP], "the link and the hold taken before it stay"
+    cluster.pump()  # b answers late: the hold it took for nobody is released at once
+    assert len(cluster.b.remote_holds) == 1 and link.state is State.READY and not link.pending
+    cluster.a.ledger.disconnect(x)
+    cluster.pump()
+    assert not cluster.b.remote_holds and not cluster.b.served

@@ -292,10 +292,11 @@ def test_doctor_says_where_the_engines_ports_are_reachable(fabric: TestCluster) 
 
     before = findings()
     assert before["fabric engine"]["status"] == "ok" and before["cluster key"]["status"] == "ok"
-    assert before["fabric exposure"]["status"] == "ok"  # no engine yet: only the control port, on its address
+    exposure = before["fabric exposure"]  # the broker's engine runs from its start, on every interface
+    assert exposure["status"] == "limit" and "10.99.0.1" in exposure["detail"] and "firewall" in exposure["fix"]
     a, b = fabric.actor(1), fabric.actor(2)
     _, s, _ = export(a, pids=[b.pid])
-    h = ok(b, IMP, s, FABRIC, 0)  # the exporting broker's engine runs from here on
+    h = ok(b, IMP, s, FABRIC, 0)
     exposure = findings()["fabric exposure"]
     assert exposure["status"] == "limit" and "10.99.0.1" in exposure["detail"] and "firewall" in exposure["fix"]
     ok(b, "rt.free_physical", h)
@@ -409,7 +410,7 @@ def read(engine, segment):
         return "refused"
 
 from vmmshare.fabric import engine as E
-process_engine = E._shared[1]  # this process's own engine, which read the hold's segment while it was held
+process_engine = E.process_engine("10.77.0.2", "tcp", 2.0, got.metadata)  # the one its first copy would make
 print("held", read(bare, "forged"), read(process_engine, got.segment), flush=True)
 acl.rt.free_physical(h)  # the hold ends
 print("freed", meta(f"mooncake/ram/{got.segment}"), flush=True)  # its description is gone at once

@@ -34,6 +34,8 @@ CASES = [
     ("release", 5, F.Release(0xFFFFFFFFFFFFFFFF), "5646 02 11 05000000 08000000 ffffffffffffffff"),
     ("heartbeat", 6, F.Heartbeat(), "5646 02 12 06000000 00000000"),
     ("adopt", 7, F.Adopt(3), "5646 02 13 07000000 08000000 0300000000000000"),
+    ("listens", 11, F.Listens(F.endpoint_bytes("10.0.0.1", 17017)),
+     "5646 02 14 0b000000 12000000 0a000001" + "00" * 12 + "7942"),
     ("ok", 8, F.Ok(), "5646 02 40 08000000 00000000"),
     ("error", 9, F.Error(107017, "gone"), "5646 02 41 09000000 08000000  09a20100 676f6e65"),
     ("imported", 10,

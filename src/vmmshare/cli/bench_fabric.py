@@ -261,17 +261,247 @@ def print_report(res: dict[str, Any]) -> None:
           f" ({res['ratios']['latency_4k_vs_engine']:.2f}x engine); the bare engine reading the broker's served "
           f"memory: {lat['engine_to_broker']:.1f}")
     im = res["import_map_us"]
-    print(f"  import + reserve + map of a remote handle: {im['median']:.0f} µs (first, with the engine's start: "
-          f"{im['first']:.0f} µs)")
+    print(f"  import + reserve + map of a remote handle: {im['median']:.0f} µs (the process's first, which "
+          f"auto-starts the node's broker and its engine: {im['first']:.0f} µs)")
     for target, met in res["targets"].items():
         print(f"  target {target}: {'met' if met else 'NOT met'}")
+
+
+# ---------------------------------------------------------------- all-to-all at scale (--servers N)
+
+SHARE = 4 * MiB  # each server's one FABRIC export
+IDLE_S = 5.0  # seconds the brokers' CPU is sampled for, every import held
+LONE_REPS = 30  # import + map cycles of the lone importer
+
+
+def _worker(n: int, count: int) -> None:
+    """One server's process: export SHARE bytes filled with its number, print the handle; then import, map and
+    byte-check every other server's, and print each import's time (the first one of this process apart)."""
+    import hashlib
+
+    import vmmshare.acl as acl
+
+    acl.rt.set_device(0)
+    h, ret = acl.rt.malloc_physical(SHARE, PROP, 0)
+    p, _ = acl.rt.reserve_mem_address(SHARE, 0, 0, 0)
+    acl.rt.map_mem(p, SHARE, 0, h, 0)
+    acl.rt.memset(p, SHARE, n & 0xFF, SHARE)
+    shareable, ret = acl.rt.mem_export_to_shareable_handle_v2(h, 1, 2)  # 1: any pid may import it
+    if ret:
+        raise SystemExit(f"export failed: {acl.get_recent_err_msg()}")
+    print(json.dumps({"handle": shareable.hex()}), flush=True)
+    handles: dict[str, str] = json.loads(sys.stdin.readline())
+    buf, _ = acl.rt.malloc_host(SHARE)
+    times, verified, failed = [], 0, []
+    others = [m for m in range(n + 1, count + 1)] + [m for m in range(1, n)]  # each server starts at its next one
+    for m in others:
+        t0 = time.perf_counter()
+        ih, ret = acl.rt.mem_import_from_shareable_handle_v2(bytes.fromhex(handles[str(m)]), 2, 0)
+        rp, ret2 = acl.rt.reserve_mem_address(SHARE, 0, 0, 0) if ret == 0 else (0, ret)
+        ret3 = acl.rt.map_mem(rp, SHARE, 0, ih, 0) if ret2 == 0 else ret2
+        times.append(time.perf_counter() - t0)
+        if ret3 != 0:
+            failed.append(f"server {m}: {acl.get_recent_err_msg()}")
+            continue
+        if acl.rt.memcpy(buf, SHARE, rp, SHARE, 2) != 0:
+            failed.append(f"server {m}: copy: {acl.get_recent_err_msg()}")
+            continue
+        got = hashlib.sha256(ctypes.string_at(buf, SHARE)).digest()
+        if got == hashlib.sha256(bytes([m & 0xFF]) * SHARE).digest():
+            verified += 1
+        else:
+            failed.append(f"server {m}: the bytes read are not what it wrote")
+    print(json.dumps({"first": times[0] if times else None, "later": times[1:], "verified": verified,
+                      "failed": failed}), flush=True)
+    sys.stdin.readline()  # every import held until the run is done with the idle brokers
+
+
+def _lone(handle: str) -> None:
+    """A process alone on a quiet cluster: its first import (a fresh process's), then LONE_REPS import + map
+    cycles of the same handle (each freed again)."""
+    import vmmshare.acl as acl
+
+    acl.rt.set_device(0)
+    raw = bytes.fromhex(handle)
+    times = []
+    for _ in range(LONE_REPS + 1):
+        t0 = time.perf_counter()
+        ih, ret = acl.rt.mem_import_from_shareable_handle_v2(raw, 2, 0)
+        rp, _ = acl.rt.reserve_mem_address(SHARE, 0, 0, 0)
+        if ret or acl.rt.map_mem(rp, SHARE, 0, ih, 0):
+            raise SystemExit(f"the lone import failed: {acl.get_recent_err_msg()}")
+        times.append(time.perf_counter() - t0)
+        acl.rt.unmap_mem(rp)
+        acl.rt.release_mem_address(rp)
+        acl.rt.free_physical(ih)
+    print(json.dumps({"first": times[0], "later": times[1:]}), flush=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * KiB
+    return 0
+
+
+def _brokers(cluster: Any, n: int, workers: set[int]) -> list[int]:
+    """The broker's processes on server `n` (the broker and its metadata service): every process there but the
+    workers (and the `ip netns exec` wrappers, which exec and are the workers themselves)."""
+    return [p for p in cluster.pids(n) if p not in workers]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def run_scale(count: int) -> dict[str, Any]:
+    """All-to-all FABRIC imports on `count` servers: import latency, a lone importer's, memory, idle CPU."""
+    from .cluster import Cluster
+
+    root = Path(tempfile.mkdtemp(prefix="vmmshare-bench-"))
+    cluster = Cluster(f"s{os.getpid() % 10000}", count, root=root, timeout=5.0)
+    me = [sys.executable, "-m", "vmmshare.cli.bench_fabric"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    env["VMMSHARE_BROKER_IDLE"] = "600"
+    procs: list[subprocess.Popen[str]] = []
+    t_up = time.perf_counter()
+    cluster.up()
+    up_s = time.perf_counter() - t_up
+    res: dict[str, Any] = {"servers": count, "imports": count * (count - 1), "cluster_up_s": up_s}
+    try:
+        handles = {}
+        for s in cluster.servers:
+            cmd = s.command([*me, "--role", "worker", "--server", str(s.number), "--count", str(count)])
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for s, proc in zip(cluster.servers, procs, strict=True):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the process of server {s.number} failed (its error is above)")
+            handles[str(s.number)] = json.loads(line)["handle"]
+        for proc in procs:  # all at once: every server imports every other's
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(handles) + "\n")
+            proc.stdin.flush()
+        reports = []
+        for s, proc in zip(cluster.servers, procs, strict=True):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the process of server {s.number} died while importing")
+            reports.append(json.loads(line))
+        workers = {p.pid for p in procs}
+        brokers = {s.number: _brokers(cluster, s.number, workers) for s in cluster.servers}
+        every = [p for pids in brokers.values() for p in pids]
+        before = sum(_cpu_seconds(p) for p in every)
+        t0 = time.monotonic()
+        time.sleep(IDLE_S)  # a measurement window, not synchronisation: every import is held meanwhile
+        idle = (sum(_cpu_seconds(p) for p in every) - before) / (time.monotonic() - t0)
+        per_server = [sum(_rss(p) for p in [*brokers[s.number], procs[s.number - 1].pid]) for s in cluster.servers]
+        lone_cmd = cluster.server(1).command([*me, "--role", "lone", "--info", handles["2"]])
+        lone_out = subprocess.run(lone_cmd, env=env, capture_output=True, text=True)
+        if lone_out.returncode != 0:
+            raise RuntimeError(f"the lone importer failed: {lone_out.stderr.strip()[-2000:]}")
+        lone = json.loads(lone_out.stdout.strip().splitlines()[-1])
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        t_down = time.perf_counter()
+        cluster.down()
+        res["cluster_down_s"] = time.perf_counter() - t_down
+        shutil.rmtree(root, ignore_errors=True)
+    later = [t for r in reports for t in r["later"]]
+    firsts = [r["first"] for r in reports if r["first"] is not None]
+    ms = 1e3
+    res.update({
+        "verified": sum(r["verified"] for r in reports),
+        "failed": [f for r in reports for f in r["failed"]],
+        "later_ms": {"median": statistics.median(later) * ms if later else 0.0,
+                     "p99": _percentile(later, 0.99) * ms, "max": max(later, default=0.0) * ms},
+        "first_ms": {"median": statistics.median(firsts) * ms if firsts else 0.0,
+                     "p99": _percentile(firsts, 0.99) * ms, "max": max(firsts, default=0.0) * ms},
+        "lone_ms": {"first": lone["first"] * ms, "median": statistics.median(lone["later"]) * ms},
+        "memory_per_server_mib": statistics.mean(per_server) / MiB,
+        "idle_brokers_cores": idle,
+        "left_behind": _left_behind(cluster),
+    })
+    return res
+
+
+def _left_behind(cluster: Any) -> list[str]:
+    """What `cluster down` left: its namespaces, and shared-memory files of its servers' processes."""
+    from .cluster import _namespaces
+
+    left = sorted(ns for ns in _namespaces() if ns.startswith(f"vmms-{cluster.name}-"))
+    return left
+
+
+def print_scale(results: list[dict[str, Any]]) -> None:
+    print("all-to-all FABRIC imports of 4 MiB (every server imports, maps and byte-checks every other's), servers "
+          "as network namespaces of this machine: import + reserve + map, ms")
+    print(f"  {'N':>3s} {'imports':>8s} {'verified':>8s}  {'later med':>9s} {'p99':>7s} {'max':>7s}  "
+          f"{'first med':>9s} {'max':>7s}  {'lone':>6s} {'lone 1st':>8s}  {'MiB/server':>10s} {'idle cores':>10s}")
+    for r in results:
+        la, fi, lo = r["later_ms"], r["first_ms"], r["lone_ms"]
+        print(f"  {r['servers']:3d} {r['imports']:8d} {r['verified']:8d}  {la['median']:9.2f} {la['p99']:7.2f} "
+              f"{la['max']:7.2f}  {fi['median']:9.2f} {fi['max']:7.2f}  {lo['median']:6.2f} {lo['first']:8.2f}  "
+              f"{r['memory_per_server_mib']:10.1f} {r['idle_brokers_cores']:10.4f}")
+        for f in r["failed"][:5]:
+            print(f"      failed: {f}")
+        if r["left_behind"]:
+            print(f"      left behind by cluster down: {', '.join(r['left_behind'])}")
+
+
+def plot_scale(results: list[dict[str, Any]], path: str) -> str:
+    """Latency against N as a PNG at `path` (matplotlib, optional): "" when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    ns = [r["servers"] for r in results]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("median", "later import, median"), ("p99", "later import, p99")):
+        ax.plot(ns, [r["later_ms"][key] for r in results], marker="o", label=label)
+    ax.plot(ns, [r["first_ms"]["median"] for r in results], marker="s", label="first import of a process, median")
+    ax.plot(ns, [r["lone_ms"]["median"] for r in results], marker="^", label="lone importer, median")
+    ax.set_xlabel("servers (all-to-all)")
+    ax.set_ylabel("import + reserve + map, ms")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return ""
 
 
 def main(argv: list[str]) -> int:
     from .console import FAILED, OK, USAGE, Parser, say_error, sizes_option
 
     ap = Parser(prog="vmmshare bench --fabric", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--role", choices=("export", "measure"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("export", "measure", "worker", "lone"), help=argparse.SUPPRESS)
+    ap.add_argument("--server", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--servers", type=_counts_option, help=(
+        "all-to-all at scale instead: every one of N servers imports every other's 4 MiB FABRIC handle "
+        "(a comma list, e.g. 4,8,16,32; 2 to 254)"))
+    ap.add_argument("--plot", help="with --servers: write a plot of import latency against N here (matplotlib)")
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
     ap.add_argument("--latency-reps", type=int, default=200, help="4 KiB reads per path (default 200)")
@@ -285,6 +515,12 @@ def main(argv: list[str]) -> int:
     if args.role == "measure":
         print(json.dumps(_measurer(json.loads(args.info), args.sizes, args.reps, args.latency_reps)))
         return OK
+    if args.role == "worker":
+        _worker(args.server, args.count)
+        return OK
+    if args.role == "lone":
+        _lone(args.info)
+        return OK
     from ..fabric.engine import missing
     from .cluster import ClusterError
 
@@ -294,6 +530,8 @@ def main(argv: list[str]) -> int:
     if missing():
         say_error("vmmshare bench --fabric", missing())
         return USAGE
+    if args.servers:
+        return _main_scale(args.servers, args.json, args.plot)
     try:
         res = run(args.sizes, args.reps, args.latency_reps)
     except (ClusterError, RuntimeError) as exc:
@@ -303,6 +541,37 @@ def main(argv: list[str]) -> int:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print_report(res)
     return OK
+
+
+def _counts_option(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: server counts, comma-separated (e.g. 4,8,16)") from None
+    if not counts or not all(2 <= c <= 254 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count is 2 to 254")
+    return counts
+
+
+def _main_scale(counts: list[int], json_path: str | None, plot: str | None) -> int:
+    from .cluster import ClusterError
+    from .console import FAILED, OK, say_error
+
+    results = []
+    for count in counts:
+        try:
+            results.append(run_scale(count))
+        except (ClusterError, RuntimeError, OSError, ValueError) as exc:
+            say_error("vmmshare bench --fabric --servers", f"at {count} servers: {exc}")
+            return FAILED
+        print_scale(results[-1:])
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))
+    if plot:
+        why = plot_scale(results, plot)
+        print(f"  plot: {why or plot}")
+    complete = all(r["verified"] == r["imports"] and not r["left_behind"] for r in results)
+    return OK if complete else FAILED
 
 
 if __name__ == "__main__":

@@ -1,22 +1,28 @@
 """The broker's fabric side (SPEC §8), driven by the broker's event loop: no threads but the engine's own.
 
-Importing: a client's RemoteImport is forwarded to the exporting node's broker over a link (one per peer, made on
-demand, the cluster key proved first); the reply reaches the client when it comes, without holding up the loop.
+Importing: a client's RemoteImport is forwarded to the exporting node's broker over a link (one per pair of servers,
+made on demand by whichever needs it first and then used both ways, the cluster key proved first); the reply reaches
+the client when it comes, without holding up the loop.
 The importing broker keeps a local hold for each remote import (ledger.adopt_remote): when the client frees the
 memory or dies, the hold goes and the remote hold is released on the link.
 
 Exporting (serving.py): a remote import is an import like any other, by the same ledger code, and this broker's
 transfer engine serves the memory while remote imports of it live.
 
-Remote holds are tied to the link they came on. Heartbeats keep it; a link that dies leaves its holds for a lease
-of LEASE_FACTOR fabric timeouts, within which the importing broker reconnects and adopts them again; what is not
-adopted by then is released, so nothing stays behind a server that went away.
+Remote holds are tied to the link they came on. Heartbeats keep it, one per link whichever side holds what (either
+side sends one after half a timeout of quiet both ways, and the reply refreshes both); a link with holds silent for
+SILENCE_FACTOR timeouts closes. A link that dies leaves its holds for a lease of LEASE_FACTOR fabric timeouts, within
+which the importing broker reconnects and adopts them again; what is not adopted by then is released, so nothing
+stays behind a server that went away. Every deadline is in one heap: a wake-up touches what is due, never every link
+or hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import ipaddress
+import itertools
 import logging
 import os
 import secrets
@@ -42,7 +48,7 @@ from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving, map_b
 
 log = logging.getLogger("vmmshare.fabric")
 HEARTBEAT_FACTOR = 0.5  # a link with remote holds sends a heartbeat after this many fabric timeouts of quiet
-SILENCE_FACTOR = 3  # an accepted link heard nothing from for this many fabric timeouts is closed
+SILENCE_FACTOR = 3  # a link with remote holds heard nothing from for this many fabric timeouts is closed
 MAX_DIALS_PER_USER = 16  # links one user's imports may have waiting on their key handshake at once
 MIN_KEY, MAX_KEY = 32, 4096
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
@@ -107,6 +113,7 @@ class Agent(Serving):
         # importing side
         self.links: dict[Endpoint_, Link] = {}
         self.held: dict[Endpoint_, set[int]] = {}  # remote holds this node's clients have, by exporting broker
+        self.taken: dict[tuple[Endpoint_, int], Link] = {}  # the link each of them was taken or adopted over
         self.reconnect_at: dict[Endpoint_, float] = {}
         self.lost_at: dict[Endpoint_, float] = {}  # when the link to an exporter with our remote holds went down
         # exporting side
@@ -118,6 +125,9 @@ class Agent(Serving):
         self.unmaps: list[tuple[float, int, int]] = []  # (when, address, size) of mappings no longer served
         self.map_budget = map_budget()
         self.dialed_by: dict[Endpoint_, int] = {}  # endpoint -> the uid whose import made this broker dial it
+        self.timers: list[tuple[float, int, Link]] = []  # (when, order, link): the links' deadlines, a heap
+        self.leases: list[tuple[float, int]] = []  # (expires, hold): remote holds waiting to be adopted, a heap
+        self._order = itertools.count()
 
     # ------------------------------------------------------------ life
 
@@ -135,6 +145,7 @@ class Agent(Serving):
         try:
             self.meta.start()
             self.meta.add(self.meta_token, broker=True)
+            self._start_engine()  # now, with the broker: never in its loop at the first remote import
         except AclError as exc:
             self.meta.close()
             raise FabricSetupError(exc.message) from None
@@ -147,6 +158,9 @@ class Agent(Serving):
             sock.listen(128)
         except OSError as exc:
             sock.close()
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
             self.meta.close()
             raise FabricSetupError(f"cannot listen for other brokers on {addr}:{port}: {exc.strerror} (check "
                                    "VMMSHARE_FABRIC_ADDR and VMMSHARE_FABRIC_PORT)") from None
@@ -179,33 +193,33 @@ class Agent(Serving):
 
     def wait_time(self) -> float | None:
         """Seconds until the agent has something to do (None: nothing scheduled)."""
-        now = time.monotonic()
-        times: list[float] = []
-        for link in [*self.links.values(), *self.accepted]:
-            deadline = link.next_deadline()
-            if deadline is not None:
-                times.append(deadline)
-            if not link.outbound:
-                times.append(link.last_heard + SILENCE_FACTOR * self.timeout)
-        for endpoint, link in self.links.items():
-            if link.state is State.READY and self.held.get(endpoint):
-                times.append(link.last_sent + HEARTBEAT_FACTOR * self.timeout)
+        while self.timers:  # a deadline that passed out of date (a handshake done, a link closed) is dropped here
+            when, _, link = self.timers[0]
+            due = self._next_due(link) if link.wake_at == when else None
+            if due is not None and due <= when:
+                break
+            heapq.heappop(self.timers)
+            if link.wake_at == when:
+                link.wake_at = None
+                if due is not None:
+                    link.wake_at = due
+                    heapq.heappush(self.timers, (due, next(self._order), link))
+        times = [self.timers[0][0]] if self.timers else []
         times += self.reconnect_at.values()
-        times += [h.expires for h in self.remote_holds.values() if h.link is None]
-        times += [when for when, _, _ in self.unmaps]
-        return max(0.0, min(times) - now) if times else None
+        if self.leases:
+            times.append(self.leases[0][0])
+        if self.unmaps:
+            times.append(self.unmaps[0][0])
+        return max(0.0, min(times) - time.monotonic()) if times else None
 
     def tick(self) -> None:
         """Do what is due: timeouts, heartbeats, silent links, reconnections, expired leases, old mappings."""
         now = time.monotonic()
-        for link in [*self.links.values(), *self.accepted]:
-            link.check(now)
-            if not link.outbound and now - link.last_heard >= SILENCE_FACTOR * self.timeout:
-                link.close(f"silent for {SILENCE_FACTOR * self.timeout:g} s")
-        for endpoint, link in list(self.links.items()):
-            quiet = now - link.last_sent >= HEARTBEAT_FACTOR * self.timeout
-            if link.state is State.READY and self.held.get(endpoint) and quiet:
-                link.request(F.Heartbeat(), _ignore)
+        while self.timers and self.timers[0][0] <= now:
+            when, _, link = heapq.heappop(self.timers)
+            if link.wake_at == when:
+                link.wake_at = None
+                self._due(link, now)
         for endpoint, when in list(self.reconnect_at.items()):
             if when <= now:
                 del self.reconnect_at[endpoint]
@@ -216,18 +230,47 @@ class Agent(Serving):
                         self._link(endpoint, quiet=True)
                     except OSError as exc:  # no route now: tried again later, until the exporter's lease ends
                         log.info("fabric: cannot reconnect to %s:%d: %s", *endpoint, exc.strerror or exc)
-        for hold, rh in list(self.remote_holds.items()):
-            if rh.link is None and rh.expires <= now:
+        while self.leases and self.leases[0][0] <= now:
+            expires, hold = heapq.heappop(self.leases)
+            rh = self.remote_holds.get(hold)
+            if rh is not None and rh.link is None and rh.expires == expires:
                 log.info("fabric: remote hold of pid %d of server %#x not adopted within its lease: released",
                          rh.client.pid, rh.server)
                 self._drop_remote(hold)
         if self.client_tokens:
             self._forget_tokens()
-        while self.unmaps and min(self.unmaps)[0] <= now:
-            self.unmaps.sort()
+        while self.unmaps and self.unmaps[0][0] <= now:  # appended in the order they are due
             _, address, size = self.unmaps.pop(0)
             with contextlib.suppress(OSError):
                 mman.unmap(address, size)
+
+    def _due(self, link: Link, now: float) -> None:
+        """A link's wake-up: its timed-out requests fail, and a link with holds either way is kept or closed."""
+        link.expire(now)
+        if link.state is State.READY and (link.tied or link.holding):
+            if now - link.last_heard >= SILENCE_FACTOR * self.timeout:
+                link.close(f"silent for {SILENCE_FACTOR * self.timeout:g} s")
+            elif now - max(link.last_sent, link.last_heard) >= HEARTBEAT_FACTOR * self.timeout:
+                link.request(F.Heartbeat(), _ignore)
+        self.wake(link)
+
+    def _next_due(self, link: Link) -> float | None:
+        """When the link next has something to do: a request's or its handshake's deadline, a heartbeat, silence."""
+        if link.state is State.CLOSED:
+            return None
+        when = link.next_deadline()
+        if link.state is State.READY and (link.tied or link.holding):
+            keep = min(max(link.last_sent, link.last_heard) + HEARTBEAT_FACTOR * self.timeout,
+                       link.last_heard + SILENCE_FACTOR * self.timeout)
+            when = keep if when is None else min(when, keep)
+        return when
+
+    def wake(self, link: Link) -> None:
+        """Put the link's next deadline (a request's, its handshake's, its heartbeat's) in the timer heap."""
+        when = self._next_due(link)
+        if when is not None and (link.wake_at is None or when < link.wake_at):
+            link.wake_at = when
+            heapq.heappush(self.timers, (when, next(self._order), link))
 
     # ------------------------------------------------------------ this node's clients
 
@@ -254,7 +297,7 @@ class Agent(Serving):
                 f"this FABRIC handle of server {handle.server_id:#x} carries no fabric endpoint: that server's broker "
                 "runs without the cross-server transport (set VMMSHARE_FABRIC, VMMSHARE_FABRIC_ADDR and "
                 "VMMSHARE_CLUSTER_KEY_FILE there, then export again)"))
-        endpoint = (ep.address, ep.port)
+        endpoint = (_canonical(ep.address), ep.port)
         if ep == self.endpoint:
             return P.Error(C.ACL_ERROR_RT_PARAM_INVALID, (
                 f"this FABRIC handle was exported on this node (server id {handle.server_id:#x} in the handle, "
@@ -279,27 +322,40 @@ class Agent(Serving):
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"cannot reach the broker of server {handle.server_id:#x} at "
                                                      f"{ep.address}:{ep.port}: {exc.strerror}")
         tag = client.identity[1] or client.identity[0] or 0
+        sent: list[Link] = []  # the link it went on (another link of the same peer may carry it, see _listens)
 
-        def request() -> F.Import:  # made once the link is proved: the secret's proof is bound to it
-            return F.Import(handle.handle, FABRIC, F.secret_proof(handle.secret, link.session), self.server_id,
+        def request(on: Link) -> F.Import:  # made once the link is proved: the secret's proof is bound to it
+            sent.append(on)
+            return F.Import(handle.handle, FABRIC, F.secret_proof(handle.secret, on.session), self.server_id,
                             client.pid, client.uid, tag)
 
         def imported(reply: F.PeerMessage) -> None:
-            if isinstance(reply, F.Imported) and link.peer_id != handle.server_id:
+            on = sent[-1] if sent else link
+            if isinstance(reply, F.Imported) and on.peer_id != handle.server_id:
+                self._took(endpoint, reply.hold, on)
                 self._release_remote(endpoint, reply.hold)
                 reply = F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, (
                     f"this FABRIC handle names server {handle.server_id:#x}, but the broker at {ep.address}:{ep.port} "
-                    f"proved it is server {link.peer_id:#x}: the handle is forged or garbled"))
-            answer(self._imported(client, endpoint, handle.size, reply))
+                    f"proved it is server {on.peer_id:#x}: the handle is forged or garbled"))
+            answer(self._imported(client, endpoint, handle.size, reply, on))
 
-        link.request(request, imported)
+        def late(reply: F.PeerMessage) -> None:  # the importer was told it timed out: undo what the exporter did
+            if isinstance(reply, F.Imported) and sent:
+                sent[-1].request(F.Release(reply.hold), _ignore)
+
+        link.request(request, imported, late)
         return None
 
-    def _imported(self, client: Client, endpoint: Endpoint_, size: int, reply: F.PeerMessage) -> P.Message:
+    def _imported(self, client: Client, endpoint: Endpoint_, size: int, reply: F.PeerMessage,
+                  on: Link | None = None) -> P.Message:
+        """The exporter's answer to a client's import (`on`: the link it came over; the endpoint's by default)."""
         if isinstance(reply, F.Error):
             return P.Error(reply.code, reply.message)
         if not isinstance(reply, F.Imported):
             return P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"the exporting broker answered {reply.KIND.name} to an import")
+        on = on if on is not None else self.links.get(endpoint)
+        if on is not None:
+            self._took(endpoint, reply.hold, on)
         self.held.setdefault(endpoint, set()).add(reply.hold)
         data = _data_endpoint(reply.segment)  # on the exporting broker's own address: nowhere else on the network
         if data is not None and ipaddress.ip_address(data[0]) != ipaddress.ip_address(endpoint[0]):
@@ -369,14 +425,28 @@ class Agent(Serving):
                 self.meta.drop(token)
 
     def _release_remote(self, endpoint: Endpoint_, hold: int) -> None:
-        """This node's client is done with a remote hold: tell the exporting broker (if the link is down, the hold
-        is not adopted again and the exporter releases it when its lease ends)."""
+        """This node's client is done with a remote hold: tell the exporting broker, over the link the hold is tied
+        to (if that link is down, the hold is not adopted again and the exporter releases it when its lease ends)."""
+        link = self.taken.get((endpoint, hold))
+        if link is None or link.state is State.CLOSED:
+            link = self.links.get(endpoint)
         self._forget(endpoint, hold)
-        link = self.links.get(endpoint)
         if link is not None:
             link.request(F.Release(hold), _ignore)
 
+    def _took(self, endpoint: Endpoint_, hold: int, link: Link) -> None:
+        """A remote hold at `endpoint` is tied to `link` now (taken or adopted over it): the link has heartbeats."""
+        old = self.taken.get((endpoint, hold))
+        if old is not None:
+            old.holding.discard(hold)
+        self.taken[(endpoint, hold)] = link
+        link.holding.add(hold)
+        self.wake(link)
+
     def _forget(self, endpoint: Endpoint_, hold: int) -> None:
+        link = self.taken.pop((endpoint, hold), None)
+        if link is not None:
+            link.holding.discard(hold)
         held = self.held.get(endpoint)
         if held is not None:
             held.discard(hold)
@@ -388,11 +458,17 @@ class Agent(Serving):
         """Stop keeping the remote holds at an exporter (its broker released them): no more heartbeats or
         reconnections for them; copies of that memory fail, and freeing it is local only."""
         holds = self.held.pop(endpoint, set())
+        for hold in holds:
+            link = self.taken.pop((endpoint, hold), None)
+            if link is not None:
+                link.holding.discard(hold)
         self.lost_at.pop(endpoint, None)
         self.reconnect_at.pop(endpoint, None)
         log.warning("fabric: %d remote import(s) of memory served at %s:%d are lost: %s", len(holds), *endpoint, why)
 
     def _link(self, endpoint: Endpoint_, quiet: bool = False) -> Link:
+        """The link requests to `endpoint` go on: the one this broker dialed, or the one that broker dialed and named
+        itself on (Listens); dialed now if there is none."""
         link = self.links.get(endpoint)
         if link is not None and link.state is not State.CLOSED:
             return link
@@ -402,35 +478,92 @@ class Agent(Serving):
             if quiet:
                 self._retry_later(endpoint)
             raise
+        claim = (self.config.fabric_addr, self.config.fabric_port) if self.config.fabric_addr else None
         link = Link(sock, self.sel, self.key, self.server_id, self.timeout, True, endpoint,
-                    on_ready=self._outbound_ready, on_request=_no_requests, on_closed=self._outbound_closed)
+                    on_ready=self._outbound_ready, on_request=self._request, on_closed=self._closed, claim=claim)
+        link.on_deadline = self.wake
         self.links[endpoint] = link
+        self.wake(link)
         return link
 
     def _outbound_ready(self, link: Link) -> None:
-        """A new link to an exporting broker: adopt there the remote holds made on the link before it."""
-        self.lost_at.pop(link.endpoint, None)
-        for hold in sorted(self.held.get(link.endpoint, ())):
-            link.request(F.Adopt(hold), self._adopted(link, hold))
+        """A new link to an exporting broker: adopt there the remote holds made on a link before it."""
+        self._usable(link, link.endpoint)
 
-    def _adopted(self, link: Link, hold: int) -> Callable[[F.PeerMessage], None]:
+    def _usable(self, link: Link, endpoint: Endpoint_) -> None:
+        """`link` carries this broker's requests to `endpoint` now: the remote holds there whose link is gone are
+        adopted over it (those tied to another live link stay on theirs)."""
+        self.lost_at.pop(endpoint, None)
+        self.reconnect_at.pop(endpoint, None)
+        for hold in sorted(self.held.get(endpoint, ())):
+            tied = self.taken.get((endpoint, hold))
+            if tied is None or tied.state is State.CLOSED:
+                link.request(F.Adopt(hold), self._adopted(link, endpoint, hold))
+
+    def _adopted(self, link: Link, endpoint: Endpoint_, hold: int) -> Callable[[F.PeerMessage], None]:
         def done(reply: F.PeerMessage) -> None:
             if isinstance(reply, F.Error) and reply.code != C.ACL_ERROR_RT_IPC_ERROR:  # refused, not a link failure
                 log.warning("fabric: %s could not keep remote hold %#x: %s", link.name, hold, reply.message)
-                self._forget(link.endpoint, hold)
+                self._forget(endpoint, hold)
+            elif isinstance(reply, F.Ok) and hold in self.held.get(endpoint, ()):
+                self._took(endpoint, hold, link)
 
         return done
 
-    def _outbound_closed(self, link: Link) -> None:
-        if self.links.get(link.endpoint) is link:
-            del self.links[link.endpoint]
-            self.dialed_by.pop(link.endpoint, None)
-        if self.held.get(link.endpoint):
-            self.lost_at.setdefault(link.endpoint, time.monotonic())
-            self._retry_later(link.endpoint)
+    def _listens(self, link: Link, m: F.Listens) -> F.PeerMessage:
+        """A broker that connected names its own endpoint: this broker's requests to it go over the same link (one
+        link per pair). Taken only for the address the connection comes from, once; a link this broker dialed and
+        that is still proving the key hands its requests over and closes."""
+        if link.outbound or link.listens is not None:
+            return F.Error(C.ACL_ERROR_RT_PARAM_INVALID, "an endpoint is named once, by the broker that connected")
+        port = int.from_bytes(m.endpoint[16:18], "little")
+        try:
+            expected = F.endpoint_bytes(link.endpoint[0], port)
+        except F.PeerProtocolError:
+            expected = b""
+        if not port or m.endpoint != expected:
+            return F.Error(C.ACL_ERROR_RT_NO_PERMISSION, (
+                f"the endpoint named is not on the address this connection comes from ({link.endpoint[0]}): requests "
+                "to that broker go on a link of their own"))
+        endpoint = (_canonical(link.endpoint[0]), port)
+        link.listens = endpoint
+        current = self.links.get(endpoint)
+        if current is not None and current.state is State.READY:
+            return F.Ok()  # both dialed at once and ours is proved: each side keeps its own (rare)
+        self.links[endpoint] = link
+        self.dialed_by.pop(endpoint, None)
+        if current is not None and current.state is not State.CLOSED:
+            link.adopt_queued(current.take_queued())
+            current.close("the other broker connected first")
+        self._usable(link, endpoint)
+        return F.Ok()
+
+    def _closed(self, link: Link) -> None:
+        """A link closed: the holds the peer has here wait their lease; this node's holds there are kept for a
+        reconnection within theirs."""
+        self.accepted.discard(link)
+        self._lease(link)
+        link.holding.clear()
+        endpoint = link.listens
+        if endpoint is None or self.links.get(endpoint) is not link:
+            return
+        del self.links[endpoint]
+        self.dialed_by.pop(endpoint, None)
+        if self.held.get(endpoint):
+            self.lost_at.setdefault(endpoint, time.monotonic())
+            self._retry_later(endpoint)
 
     def _retry_later(self, endpoint: Endpoint_) -> None:
         self.reconnect_at[endpoint] = time.monotonic() + max(0.2, HEARTBEAT_FACTOR * self.timeout)
+
+
+def _canonical(address: str) -> str:
+    """An IP address as ipaddress writes it (what a link's peer address and a handle's endpoint are compared as)."""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        return address
+
 
 def _data_endpoint(text: str) -> Endpoint_ | None:
     """(address, port) of an exporting engine's data endpoint "<address>:<port>" ("[v6]:port"); None if garbled."""
@@ -447,7 +580,3 @@ def _data_endpoint(text: str) -> Endpoint_ | None:
 def _ignore(reply: F.PeerMessage) -> None:
     if isinstance(reply, F.Error):
         log.debug("fabric: %s", reply.message)
-
-
-def _no_requests(link: Link, req: int, m: F.PeerMessage) -> None:
-    raise F.PeerProtocolError(f"{m.KIND.name} sent to the broker that connected: it only answers")

@@ -10,7 +10,10 @@ and moves bytes one-sided to and from other engines' registered memory. Facts it
   unless MC_LOG_LEVEL is set); an address outside the peer's registered memory costs the connection, so callers
   check bounds first;
 - the first contact with a frozen peer blocks for 60 s whatever the settings: it runs here on a helper thread
-  that the caller waits for at most the fabric timeout.
+  that the caller waits for at most the fabric timeout;
+- after a peer went away, each new transfer to it spends most of a second reconnecting before it fails: a segment
+  whose transfer failed is probed first with a plain TCP connect to where it takes transfers, and a refused or
+  unanswered probe fails the copy at once (a peer that answers the probe gets the engine's transfer again).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import fcntl
 import logging
 import math
 import os
+import socket
 import threading
 from types import ModuleType
 from typing import Any
@@ -93,6 +97,7 @@ class Engine:
         # the name peers know it by: its address and RPC port (P2PHANDSHAKE), or its name in the metadata service
         self.segment = f"{host}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else address
         self._contacted: set[str] = set()
+        self._failing: dict[str, tuple[str, int] | None] = {}  # segment -> where it takes transfers, once one failed
         self._first_contact: dict[str, threading.Thread] = {}
         self._scratch = ctypes.create_string_buffer(1)  # a first contact's one byte lands here, never freed
         self._lock = threading.Lock()
@@ -120,6 +125,8 @@ class Engine:
         self._move(segment, local, remote, size, write=True)
 
     def _move(self, segment: str, local: int, remote: int, size: int, write: bool) -> None:
+        if segment in self._failing:
+            self._probe(segment, "write" if write else "read", size)
         if segment not in self._contacted:
             self._contact(segment, remote)
         call = self._engine.transfer_sync_write if write else self._engine.transfer_sync_read
@@ -160,18 +167,38 @@ class Engine:
             self._contacted.add(segment)
             self._first_contact.pop(segment, None)
 
+    def _probe(self, segment: str, what: str, size: int) -> None:
+        """A segment whose last transfer failed: a TCP connect to where it takes transfers, within the fabric
+        timeout; refused or unanswered, the transfer fails now (not after the engine's second of reconnecting)."""
+        where = self._failing.get(segment)
+        if where is None:
+            return  # nowhere known to probe: the engine tries
+        try:
+            with socket.create_connection(where, timeout=self.timeout):
+                pass
+        except OSError:
+            self._failed(segment, what, size)
+        with self._lock:
+            self._failing.pop(segment, None)
+
     def _failed(self, segment: str, what: str, size: int) -> None:
+        where = self._failing[segment] if segment in self._failing else self._data_address(segment)
         with self._lock:
             self._contacted.discard(segment)  # a peer that went away may come back under the same name
+            self._failing[segment] = where
         amount = f" {size} bytes of" if size else ""
-        raise IpcError(f"the transfer engine could not {what}{amount} the memory served at {self._where(segment)}: "
+        at = segment
+        if where is not None and self.metadata != "P2PHANDSHAKE":
+            at = f"{where[0]}:{where[1]} (segment {segment})"
+        raise IpcError(f"the transfer engine could not {what}{amount} the memory served at {at}: "
                        "that node's broker is down or unreachable, or no longer serves the memory")
 
-    def _where(self, segment: str) -> str:
-        """Where `segment`'s engine takes transfers ("<address>:<port>"), as this node's metadata service describes
-        it to this process; the segment's name if it does not (any more)."""
+    def _data_address(self, segment: str) -> tuple[str, int] | None:
+        """Where `segment`'s engine takes transfers (address, port): the segment's own name (P2PHANDSHAKE), or as
+        this node's metadata service describes it to this process; None if neither says."""
         if self.metadata == "P2PHANDSHAKE":
-            return segment
+            host, _, port = segment.rpartition(":")
+            return (host.strip("[]"), int(port)) if port.isdigit() else None
         import json
         import urllib.parse
         import urllib.request
@@ -180,9 +207,12 @@ class Engine:
         try:
             with urllib.request.urlopen(url, timeout=self.timeout) as reply:
                 desc = json.loads(reply.read())
-            return f"{desc['tcp_data_host']}:{desc['tcp_data_port']} (segment {segment})"
+            host, port = desc["tcp_data_host"], desc["tcp_data_port"]
+            if not isinstance(host, str) or not isinstance(port, int):
+                return None
+            return host, port
         except (OSError, ValueError, KeyError, TypeError):
-            return segment
+            return None
 
     def close(self) -> None:
         """Stop the engine (its threads and ports go)."""

@@ -2,11 +2,13 @@
 
 A link first proves the cluster key both ways (peer_protocol's Initiator/Responder, bound to the endpoint the
 connecting side dialed), and carries nothing else until then; every frame after that is sealed with its direction's
-key and sequence number, and one that fails its check closes the link. The connecting side then sends requests
-and matches the replies to them; the accepting side hands each request to the agent, which replies on the link. A
-request not answered within the fabric timeout, a handshake not done within it, a frame that breaks the protocol
-or a peer that does not read what it is sent closes the link, and every request waiting on it fails with 507022
-naming the peer.
+key and sequence number, and one that fails its check closes the link. Then it carries requests both ways: the
+connecting side names its own endpoint first (Listens), so that the accepting side sends its requests over the same
+link, one link per pair of servers. Replies are told from requests by their kind and matched to their request.
+A request not answered within the fabric timeout fails alone (507022): a reply that comes later is handed to the
+request's `late` (which undoes what it did) and the link serves on. A handshake not done within the timeout, a frame
+that breaks the protocol or a peer that does not read what it is sent closes the link, and every request waiting on
+it fails with 507022 naming the peer. The link keeps no timers: `next_due` tells its owner when to call `expire`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ MAX_UNSENT = 1 << 20  # bytes queued for a peer that does not read: past this th
 RECV = 1 << 16
 
 Reply = Callable[[F.PeerMessage], None]  # gets the peer's reply, or an Error(507022) when none came
-Request = F.PeerMessage | Callable[[], F.PeerMessage]  # a message, or one made when the link is proved
+Request = F.PeerMessage | Callable[["Link"], F.PeerMessage]  # a message, or one made for the link it goes on
+MAX_ABANDONED = 1024  # requests timed out and still unanswered: past this the peer answers nothing, the link closes
+REPLIES = (F.Ok, F.Error, F.Imported)
+HANDSHAKE = (F.Hello, F.Challenge, F.Proof, F.Welcome)
 
 
 class State(enum.Enum):
@@ -43,6 +48,7 @@ class State(enum.Enum):
 class Pending:
     deadline: float
     reply: Reply
+    late: Reply | None = None  # gets a reply that came after the timeout (to undo what the request did)
 
 
 class Link:
@@ -51,9 +57,11 @@ class Link:
     def __init__(self, sock: socket.socket, sel: selectors.BaseSelector, key: bytes, server_id: int,
                  timeout: float, outbound: bool, endpoint: tuple[str, int], *,
                  on_ready: Callable[[Link], None], on_request: Callable[[Link, int, F.PeerMessage], None],
-                 on_closed: Callable[[Link], None], listening: tuple[str, int] | None = None) -> None:
+                 on_closed: Callable[[Link], None], listening: tuple[str, int] | None = None,
+                 claim: tuple[str, int] | None = None) -> None:
         """`endpoint`: where we connected (outbound) or who connected; `listening`: for an accepted link, the
-        endpoint this broker listens on, which the connecting broker's handshake must name."""
+        endpoint this broker listens on, which the connecting broker's handshake must name; `claim`: for an outbound
+        link, this broker's own endpoint, named to the peer once the link is proved (Listens)."""
         self.sock, self.sel, self.timeout, self.outbound, self.endpoint = sock, sel, timeout, outbound, endpoint
         self.on_ready, self.on_request, self.on_closed = on_ready, on_request, on_closed
         self.state = State.CONNECTING if outbound else State.HANDSHAKE
@@ -72,8 +80,15 @@ class Link:
         now = time.monotonic()
         self.deadline = now + timeout  # for the handshake
         self.last_heard = self.last_sent = now
-        self.pending: dict[int, Pending] = {}
+        self.pending: dict[int, Pending] = {}  # in the order sent: the first has the earliest deadline
+        self.abandoned: dict[int, Pending] = {}  # timed out, unanswered: a late reply goes to its `late`
         self.queued: list[tuple[Request, Pending]] = []  # requests made before the link was ready
+        self.claim = claim
+        self.listens: tuple[str, int] | None = endpoint if outbound else None  # the peer's endpoint, once known
+        self.tied: set[int] = set()  # remote holds the peer took or adopted here over this link
+        self.holding: set[int] = set()  # holds this broker's clients have at the peer, taken or adopted over it
+        self.wake_at: float | None = None  # when the owner's timer heap next wakes this link
+        self.on_deadline: Callable[[Link], None] | None = None  # the owner's: a new deadline to put in its heap
         self._ids = itertools.count(1)
         self._mask = 0
         self._watch()
@@ -85,21 +100,40 @@ class Link:
 
     # ------------------------------------------------------------ requests and replies
 
-    def request(self, message: Request, reply: Reply) -> None:
+    def request(self, message: Request, reply: Reply, late: Reply | None = None) -> None:
         """Send a request (queued until the link is ready; a callable makes it then, for a request bound to the
-        proved link); `reply` gets the answer or, after the fabric timeout, an Error(507022)."""
-        pending = Pending(time.monotonic() + self.timeout, reply)
+        proved link); `reply` gets the answer or, after the fabric timeout, an Error(507022), and `late` an answer
+        that came after that."""
+        pending = Pending(time.monotonic() + self.timeout, reply, late)
         if self.state is State.READY:
             self._send_request(message, pending)
         elif self.state is State.CLOSED:
             reply(F.Error(C.ACL_ERROR_RT_IPC_ERROR, f"the link to {self.name} is closed"))
+            return
         else:
             self.queued.append((message, pending))
+        if self.on_deadline is not None:
+            self.on_deadline(self)
 
     def _send_request(self, message: Request, pending: Pending) -> None:
         req = next(self._ids) & 0xFFFFFFFF
         self.pending[req] = pending
-        self.send(message if isinstance(message, F.PeerMessage) else message(), req)
+        self.send(message if isinstance(message, F.PeerMessage) else message(self), req)
+
+    def take_queued(self) -> list[tuple[Request, Pending]]:
+        """The requests waiting for this link's handshake, handed over to another link of the same peer."""
+        queued, self.queued = self.queued, []
+        return queued
+
+    def adopt_queued(self, queued: list[tuple[Request, Pending]]) -> None:
+        """Carry requests another link of the same peer had queued (their deadlines as they were)."""
+        for message, pending in queued:
+            if self.state is State.READY:
+                self._send_request(message, pending)
+            elif self.state is State.CLOSED:
+                pending.reply(F.Error(C.ACL_ERROR_RT_IPC_ERROR, f"the link to {self.name} is closed"))
+            else:
+                self.queued.append((message, pending))
 
     def send(self, message: F.PeerMessage, req: int) -> None:
         if self.state is State.CLOSED:
@@ -167,15 +201,20 @@ class Link:
 
     def _frame(self, req: int, message: F.PeerMessage) -> None:
         if self.state is State.READY:
-            if self.outbound:
-                pending = self.pending.pop(req, None)
-                if pending is None or isinstance(message, (F.Hello, F.Challenge, F.Proof, F.Welcome)):
-                    raise F.PeerProtocolError(f"{message.KIND.name} answers no request of ours")
-                pending.reply(message)
-            else:
-                if isinstance(message, (F.Hello, F.Challenge, F.Proof, F.Welcome, F.Ok, F.Error, F.Imported)):
-                    raise F.PeerProtocolError(f"{message.KIND.name} is not a request")
+            if isinstance(message, HANDSHAKE):
+                raise F.PeerProtocolError(f"{message.KIND.name} on a proved link")
+            if not isinstance(message, REPLIES):
                 self.on_request(self, req, message)
+                return
+            pending = self.pending.pop(req, None)
+            if pending is not None:
+                pending.reply(message)
+                return
+            late = self.abandoned.pop(req, None)
+            if late is None:
+                raise F.PeerProtocolError(f"{message.KIND.name} answers no request of ours")
+            if late.late is not None:
+                late.late(message)
             return
         if self.responder is not None:  # the accepting side: hello, then proof
             if isinstance(message, F.Hello) and not self.challenged:
@@ -214,28 +253,41 @@ class Link:
     def _ready(self) -> None:
         self.state = State.READY
         log.debug("fabric link to %s is up", self.name)
+        if self.claim is not None:  # first: the accepting side may send its own requests over this link from now
+            self.request(F.Listens(F.endpoint_bytes(*self.claim)), _claimed(self))
         queued, self.queued = self.queued, []
         for message, pending in queued:
             self._send_request(message, pending)
         self.on_ready(self)
 
-    def check(self, now: float) -> None:
-        """Close the link if its handshake, or a request on it, has run past the fabric timeout."""
+    def expire(self, now: float) -> None:
+        """What is due by `now`: a handshake past the fabric timeout closes the link; a request past it fails alone."""
         if self.state is State.CLOSED:
             return
-        if self.state is not State.READY and now >= self.deadline:
-            self.close(f"no answer within {self.timeout:g} s (VMMSHARE_FABRIC_TIMEOUT): the peer's broker is down, "
-                       "frozen or unreachable")
-        elif any(p.deadline <= now for p in self.pending.values()) or any(
-                p.deadline <= now for _, p in self.queued):
-            self.close(f"no answer within {self.timeout:g} s (VMMSHARE_FABRIC_TIMEOUT): the peer's broker is "
-                       "frozen, overloaded or unreachable")
+        if self.state is not State.READY:
+            if now >= self.deadline:
+                self.close(f"no answer within {self.timeout:g} s (VMMSHARE_FABRIC_TIMEOUT): the peer's broker is "
+                           "down, frozen or unreachable")
+            return
+        while self.pending:
+            req, pending = next(iter(self.pending.items()))
+            if pending.deadline > now:
+                break
+            del self.pending[req]
+            self.abandoned[req] = pending
+            pending.reply(F.Error(C.ACL_ERROR_RT_IPC_ERROR, (
+                f"{self.name}: no answer within {self.timeout:g} s (VMMSHARE_FABRIC_TIMEOUT): the peer's broker is "
+                "frozen, overloaded or unreachable")))
+        if len(self.abandoned) > MAX_ABANDONED:
+            self.close(f"{len(self.abandoned)} requests unanswered")
 
     def next_deadline(self) -> float | None:
-        times = [p.deadline for p in self.pending.values()] + [p.deadline for _, p in self.queued]
+        """When `expire` has something to do (None: nothing waits on a deadline)."""
+        if self.state is State.CLOSED:
+            return None
         if self.state is not State.READY:
-            times.append(self.deadline)
-        return min(times) if times else None
+            return self.deadline
+        return next(iter(self.pending.values())).deadline if self.pending else None
 
     def close(self, why: str) -> None:
         """Close the socket; every request waiting on it fails with 507022 saying `why`."""
@@ -254,6 +306,7 @@ class Link:
         failed = [p for p in self.pending.values()] + [p for _, p in self.queued]
         self.pending.clear()
         self.queued.clear()
+        self.abandoned.clear()
         error = F.Error(C.ACL_ERROR_RT_IPC_ERROR, f"{self.name}: {why}")
         for pending in failed:
             pending.reply(error)
@@ -269,6 +322,14 @@ class Link:
             else:
                 self.sel.register(self.sock, want, self.on_event)
             self._mask = want
+
+
+def _claimed(link: Link) -> Reply:
+    def done(reply: F.PeerMessage) -> None:
+        if isinstance(reply, F.Error):
+            log.info("fabric: %s sends its own requests on a link of its own: %s", link.name, reply.message)
+
+    return done
 
 
 def _strerror(err: int) -> str:

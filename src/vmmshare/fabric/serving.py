@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
 import hmac
 import logging
 import mmap
@@ -21,6 +22,7 @@ import secrets
 import selectors
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import constants as C
@@ -105,6 +107,10 @@ class Serving:
     data_endpoint: str  # "<address>:<port>" where this broker's engine takes transfers
     unmaps: list[tuple[float, int, int]]
     map_budget: int  # registrations served at once, live and in their grace together (`map_budget()`)
+    leases: list[tuple[float, int]]  # (expires, hold) of remote holds waiting to be adopted, a heap
+    wake: Callable[[Link], None]  # the agent's: put a link's next deadline in its timer heap
+    _closed: Callable[[Link], None]  # the agent's: a link closed
+    _listens: Callable[[Link, F.Listens], F.PeerMessage]  # the agent's: a connecting broker named its endpoint
 
     # ------------------------------------------------------------ other brokers
 
@@ -128,21 +134,26 @@ class Serving:
             sock.set_inheritable(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
-                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._inbound_closed,
+                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._closed,
                         listening=(self.config.fabric_addr, self.config.fabric_port))
+            link.on_deadline = self.wake
             self.accepted.add(link)
+            self.wake(link)  # its handshake's deadline
 
     def _inbound_ready(self, link: Link) -> None:
-        """An importing broker proved the key; an older link of the same server is stale now (it reconnected)."""
+        """A broker that connected proved the key; an older link it made is stale now (it reconnected)."""
         for old in [o for o in self.accepted if o is not link and o.peer_id == link.peer_id]:
             old.close("the same server connected again")
 
-    def _inbound_closed(self, link: Link) -> None:
-        self.accepted.discard(link)
+    def _lease(self, link: Link) -> None:
+        """The link closed: the remote holds taken or adopted over it wait a lease to be adopted on a new one."""
         expires = time.monotonic() + LEASE_FACTOR * self.timeout
-        for rh in self.remote_holds.values():
-            if rh.link is link:
+        for hold in link.tied:
+            rh = self.remote_holds.get(hold)
+            if rh is not None and rh.link is link:
                 rh.link, rh.expires = None, expires
+                heapq.heappush(self.leases, (expires, hold))
+        link.tied.clear()
 
     def _request(self, link: Link, req: int, m: F.PeerMessage) -> None:
         assert link.peer_id is not None
@@ -154,6 +165,8 @@ class Serving:
                 reply = self._release_for(link, link.peer_id, m.hold)
             elif isinstance(m, F.Adopt):
                 reply = self._adopt_for(link, link.peer_id, m.hold)
+            elif isinstance(m, F.Listens):
+                reply = self._listens(link, m)
             else:  # a heartbeat
                 reply = F.Ok()
         except LedgerError as exc:  # e.g. a pid the ledger refuses: the peer gets the refusal, the link stays
@@ -190,6 +203,8 @@ class Serving:
             code = exc.code if isinstance(exc, AclError) else C.ACL_ERROR_RT_INTERNAL_ERROR
             return F.Error(code, exc.message if isinstance(exc, AclError) else f"cannot serve the memory: {exc}")
         self.remote_holds[hold] = RemoteHold(client, server, memory, link)
+        link.tied.add(hold)
+        self.wake(link)  # a link with holds has heartbeats
         log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
         # the hold's own registration and where the engine takes transfers: all the importer learns of this engine
         return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.data_endpoint)
@@ -239,10 +254,14 @@ class Serving:
             return F.Error(C.ACL_ERROR_RT_INVALID_HANDLE, f"remote hold {hold:#x} of server {server:#x} is gone "
                                                           "(released, or its lease ran out) or is not this link's")
         rh.link, rh.expires = link, 0.0
+        link.tied.add(hold)
+        self.wake(link)
         return F.Ok()
 
     def _drop_remote(self, hold: int) -> None:
         rh = self.remote_holds.pop(hold)
+        if rh.link is not None:
+            rh.link.tied.discard(hold)
         with contextlib.suppress(LedgerError):
             self.ledger.release(rh.client, hold)
         if hold in self.served:

@@ -160,8 +160,7 @@ class Sharing:
         """Another server's memory: its broker serves it to this process's transfer engine, one-sided."""
         rt = self.rt
         got = rt.node.import_remote(shareable.raw)  # the importing broker checks the size the exporter answers
-        try:
-            rt.remote.engine()  # made now, so the first copy does not wait for it
+        try:  # no engine made here: a process that only imports and maps needs none (its first copy makes it)
             mem = rt.remote.adopt_remote(got.segment, got.address, got.size)
         except BaseException:
             rt.safe_node_call(rt.node.release, got.node_ref)

@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     RELEASE = 17
     HEARTBEAT = 18
     ADOPT = 19
+    LISTENS = 20
     OK = 64
     ERROR = 65
     IMPORTED = 66
@@ -141,6 +142,15 @@ class Adopt(PeerMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class Listens(PeerMessage):
+    """The connecting broker's own endpoint (`endpoint_bytes`), so that the accepting one sends its requests to it
+    over this link too: one link per pair of servers. Taken only for the address the connection comes from."""
+
+    KIND: ClassVar[Kind] = Kind.LISTENS
+    endpoint: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Ok(PeerMessage):
     KIND: ClassVar[Kind] = Kind.OK
 
@@ -198,6 +208,7 @@ _LAYOUTS: dict[Kind, _Layout] = {
         _Layout(Release, struct.Struct("<Q"), 0),
         _Layout(Heartbeat, struct.Struct("<"), 0),
         _Layout(Adopt, struct.Struct("<Q"), 0),
+        _Layout(Listens, struct.Struct("<18s"), 0),
         _Layout(Ok, struct.Struct("<"), 0),
         _Layout(Error, struct.Struct("<I"), MAX_TEXT),
         _Layout(Imported, struct.Struct("<QQBBBBBiQ"), MAX_SEGMENT),

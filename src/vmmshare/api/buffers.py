@@ -11,7 +11,6 @@ from typing import Any
 
 from .. import constants as C
 from .._process import runtime
-from ..backends.base import MemoryKind
 from ..errors import AclInvalidParamError, InvalidParamError, NoPermissionError
 from ..runtime.blocks import IPC, MALLOC
 from ..runtime.ipc import MAX_PIDS_PER_CALL
@@ -45,7 +44,7 @@ class DeviceBuffer(MemoryViews):
         self._ptr = rt.blocks.malloc(n, pol, self._device)
         block = rt.blocks.at(self._ptr, MALLOC)
         self._size = n
-        self._on_gpu = block.alloc.backend.kind is MemoryKind.GPU
+        self._on_gpu = block.alloc.backend.on_gpu
         self.key: str | None = None
         self._validate = True
         self._init_views()
@@ -186,7 +185,7 @@ def ipc_open(key: str, device: int | None = None) -> IpcMemory:
     dev = _device(device)
     ptr = rt.ipc.import_key(key, dev)
     block = rt.blocks.at(ptr, IPC)
-    return IpcMemory._make(key, ptr, block.alloc.size, dev, block.alloc.backend.kind is MemoryKind.GPU)
+    return IpcMemory._make(key, ptr, block.alloc.size, dev, block.alloc.backend.on_gpu)
 
 
 def _arrive_ipc(key: str, device: int, sender: int, validated: bool | None, size: int) -> IpcMemory:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
 from .._process import runtime
-from ..backends.base import MemoryKind
 from ..errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle
 from ..wire.props import U64, Location, PhysicalProp, check_device, check_int, check_prop
@@ -124,8 +123,8 @@ class PhysicalMemory:
         self.location = alloc.prop.location.as_dict()
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
-        self._on_gpu = alloc.backend.kind is MemoryKind.GPU
-        self._remote = alloc.backend.kind is MemoryKind.REMOTE  # another server's: copies only (SPEC §8)
+        self._on_gpu = alloc.backend.on_gpu
+        self._remote = alloc.backend.remote  # another server's: copies only (SPEC §8)
         self._origin = origin
         self._shareable = None
         self._validate = True  # how it was exported, and whom it trusts: what a grown chunk is exported with

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .. import constants as C
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
+from .records import KIND_GPU
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -77,7 +78,7 @@ def _row(share: Share, viewer: Client) -> dict[str, Any]:
         "handle": f"{share.handle:#018x}" if viewer.uid in (share.exporter.uid, 0) else "(hidden)",
         "share_type": "fabric" if share.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
         "device": share.memory.device,
-        "gpu": share.memory.kind == 1,
+        "gpu": share.memory.kind == KIND_GPU,
         "size": share.memory.size,
         "owner_pid": share.exporter.pid,
         "pid_validation": not share.flags & 1,

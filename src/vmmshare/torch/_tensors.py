@@ -20,7 +20,6 @@ import torch
 from .._process import runtime
 from ..api.mapping import Mapping
 from ..api.memory import Device, import_handle
-from ..backends.base import MemoryKind
 from ..errors import (
     ContextNullError,
     FeatureNotSupportedError,
@@ -125,11 +124,11 @@ def _device(device: Any) -> tuple[torch.device, int, str]:
     if dev.type == "cpu":
         # device memory, where the CPU can address it (the host backend): counted in the device's capacity and
         # listed by `vmmshare ls`, like weights in an NPU's memory; host memory beside GPUs (the CUDA backend)
-        if runtime().device_backend.kind is MemoryKind.HOST:
+        if not runtime().device_backend.on_gpu:
             return dev, _current_device(), "device"
         return dev, 0, "host"
     if dev.type == "cuda":
-        if runtime().device_backend.kind is not MemoryKind.GPU:
+        if not runtime().device_backend.on_gpu:
             raise InvalidParamError(f"device {dev}: GPU tensors need GPU memory, which the host backend does not "
                                     "have: set VMMSHARE_BACKEND=cuda, or use device='cpu'")
         return dev, dev.index or 0, "device"

@@ -14,20 +14,12 @@ from .._process import runtime
 from ..errors import AclInvalidParamError, InvalidParamError, NoPermissionError
 from ..runtime.blocks import IPC, MALLOC
 from ..runtime.ipc import MAX_PIDS_PER_CALL
-from ..wire.props import U64, check_device, check_int, check_pids
+from ..wire.props import U64, check_device, check_int
 from . import _inherit
-from ._checks import _device
+from ._checks import _device, _pids
 from .views import MemoryViews
 
 __all__ = ["DeviceBuffer", "IpcMemory", "ipc_open"]
-
-
-def _pid_list(pids: Iterable[int], allow_empty: bool) -> list[int]:
-    try:
-        listed = list(pids)
-    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
-        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
-    return check_pids(listed, allow_empty)
 
 
 class DeviceBuffer(MemoryViews):
@@ -73,7 +65,7 @@ class DeviceBuffer(MemoryViews):
     def ipc_export(self, pids: Iterable[int] = (), validate_pids: bool = True) -> str:
         """The IPC key of this memory, with `pids` (bare tgids) on its trustlist, in one call; `validate_pids`
         False lets any process import it. Exporting again gives the same key (each `ipc_close` takes one back)."""
-        trust = _pid_list(pids, allow_empty=True)
+        trust = _pids(pids, allow_empty=True)
         if not isinstance(validate_pids, bool):
             raise InvalidParamError(f"validate_pids must be True or False, got {validate_pids!r}")
         rt = runtime()
@@ -98,7 +90,7 @@ class DeviceBuffer(MemoryViews):
         """Add processes to the trustlist of this memory's key."""
         if self.key is None:
             raise InvalidParamError("ipc_export() this memory before setting its trustlist")
-        trust = _pid_list(pids, allow_empty=False)
+        trust = _pids(pids, allow_empty=False)
         for start in range(0, len(trust), MAX_PIDS_PER_CALL):
             runtime().ipc.set_pids(self.key, trust[start:start + MAX_PIDS_PER_CALL])
 

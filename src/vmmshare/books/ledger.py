@@ -25,7 +25,7 @@ from typing import Any
 from .. import constants as C
 from ..config import Quotas
 from ..wire import local as P
-from ..wire.handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, Endpoint, FabricHandle, default_bytes
+from ..wire.handles import FLAG_NO_PID_VALIDATION, Endpoint, FabricHandle, default_bytes
 from . import trust as trustlists
 from .listing import LIST_IMPORTERS, LIST_PAGE, LIST_TRUST, listing_page
 from .records import KIND_GPU, KIND_HOST, ChargedMemory, Client, Hold, Identity, Lookups, Share
@@ -138,9 +138,8 @@ class Ledger:
         if wanted is None:
             return []  # refused before any lookup
         new = sum(pid not in trust for pid in wanted)
-        if len(trust) + others + new > MAX_TRUSTLIST:
-            return []
         try:
+            trustlists.check_room(len(trust) + others, new)
             self.usage.check_trust(client.uid, new)
         except LedgerError:
             return []
@@ -351,13 +350,18 @@ class Ledger:
             )
         return share
 
-    def _set_pids(self, client: Client, m: P.SetPids, fd: int, found: Lookups | None) -> Answer:
+    def _own_share(self, client: Client, m: P.SetPids | P.SetRemotePids) -> Share:
+        """The export whose trustlist `m` sets, which only its exporting process may set."""
         share = self._shared(m.shareable, m.share_type)
         if share.exporter is not client:
             raise LedgerError(
                 C.ACL_ERROR_RT_NO_PERMISSION,
                 f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
             )
+        return share
+
+    def _set_pids(self, client: Client, m: P.SetPids, fd: int, found: Lookups | None) -> Answer:
+        share = self._own_share(client, m)
         before = len(share.trust)
         share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found,
                                      len(share.remote_trust))
@@ -370,17 +374,11 @@ class Ledger:
             raise LedgerError(C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, (
                 f"pids of server {m.server:#x} can only be trusted through the cross-server transport, which is not "
                 "configured on this node (VMMSHARE_FABRIC, VMMSHARE_FABRIC_ADDR, VMMSHARE_CLUSTER_KEY_FILE)"))
-        share = self._shared(m.shareable, m.share_type)
-        if share.exporter is not client:
-            raise LedgerError(
-                C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
-            )
+        share = self._own_share(client, m)
         if not trustlists.valid_pids(m.pids):
             raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
         new = {(m.server, p) for p in m.pids} - share.remote_trust
-        if len(share.trust) + len(share.remote_trust) + len(new) > MAX_TRUSTLIST:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+        trustlists.check_room(len(share.trust) + len(share.remote_trust), len(new))
         self.usage.check_trust(client.uid, len(new))
         share.remote_trust |= new
         self.usage.add_trust(client.uid, len(new))

@@ -23,6 +23,12 @@ def valid_pids(pids: Iterable[int]) -> bool:
     return not unique or (min(unique) > 0 and max(unique) <= MAX_PID)
 
 
+def check_room(listed: int, new: int) -> None:
+    """Refuse `new` entries on a trustlist that holds `listed` (local and other servers' together) past the cap."""
+    if listed + new > MAX_TRUSTLIST:
+        raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+
+
 def of_server(client: Client) -> str:
     return "" if client.server is None else f" of server {client.server:#x}"
 
@@ -65,8 +71,7 @@ def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids
     if not wanted:
         return trust  # every pid is bound already: nothing changes
     new = len(wanted.difference(trust))
-    if len(trust) + others + new > MAX_TRUSTLIST:
-        raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+    check_room(len(trust) + others, new)
     usage.check_trust(client.uid, new)
     got = found if found is not None else Lookups()
     missing = wanted.difference(got.ids, got.failed)

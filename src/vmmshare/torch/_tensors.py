@@ -28,6 +28,7 @@ from ..errors import (
     NoPermissionError,
 )
 from ..wire.handles import ShareableHandle
+from ..wire.props import pid_list
 
 log = logging.getLogger(__name__)
 
@@ -253,15 +254,11 @@ def bare_pid() -> int:
 
 
 def _pid_list(pids: Iterable[int]) -> list[int]:
+    """A trustlist argument of the torch surface (empty allowed), checked as every surface checks one."""
     try:
-        listed = list(pids)
-    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
-        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
-    for p in listed:
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 1 << 31:
-            raise InvalidParamError(f"pids must be positive 32-bit ints (host pids: vmmshare.torch.bare_pid() in "
-                                    f"the consumer), got {p!r}")
-    return listed
+        return pid_list(pids, allow_empty=True)
+    except InvalidParamError as exc:
+        raise InvalidParamError(f"{exc.message} (host pids: vmmshare.torch.bare_pid() in the consumer)") from None
 
 
 def _exported(backing: _Backing, pids: list[int], validate_pids: bool) -> ShareableHandle:

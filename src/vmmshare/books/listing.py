@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import constants as C
 from ..wire import local as P
@@ -18,7 +19,6 @@ from ..wire.handles import MAX_TRUSTLIST
 from .records import KIND_GPU
 
 if TYPE_CHECKING:
-    from .ledger import Ledger
     from .records import Client, Share
 
 LIST_PAGE = 100  # items per listing page, at most
@@ -28,7 +28,22 @@ LIST_REMOTE = 500  # remote importers and remote trustlist entries listed per ex
 _ROOM = 64  # bytes kept free for the page's "next" value and the closing brackets
 
 
-def listing_page(ledger: Ledger, offset: int, viewer: Client, clients: int) -> str:
+class Book(Protocol):
+    """What a listing page reads of the ledger (which calls it with itself), so that neither imports the other."""
+
+    @property
+    def broker_pid(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def used(self) -> Sequence[int]: ...
+    @property
+    def gpu_used(self) -> Mapping[int, int]: ...
+    @property
+    def exports(self) -> Mapping[int, Share]: ...
+
+
+def listing_page(ledger: Book, offset: int, viewer: Client, clients: int) -> str:
     """One page of the listing as JSON, from item number `offset`; `clients` is what the page reports as connected.
 
     Handle values are shown in full only to the exporter's user (and root): on a multi-user node a handle exported

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,7 +14,6 @@ from ..errors import AclInvalidParamError, InvalidParamError, NoPermissionError
 from ..runtime.blocks import IPC, MALLOC
 from ..runtime.ipc import MAX_PIDS_PER_CALL
 from ..wire.props import U64, check_device, check_int
-from . import _inherit
 from ._checks import _device, _pids
 from .views import MemoryViews
 
@@ -40,22 +38,13 @@ class DeviceBuffer(MemoryViews):
         self.key: str | None = None
         self._validate = True
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, _free_block, self._ptr)
-        self._forked = False
-        _inherit.track(self)
-
-    def _after_fork(self) -> None:
-        _let_go_in_child(self)
+        self._own(_quietly, _free_block, self._ptr)
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.size} bytes at {self.ptr:#x} on device {self.device}{self._state()}>"
 
     def _state(self) -> str:
         return ", closed" if self.closed else (f", key {self.key}" if self.key else "")
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def _live(self) -> int:
         if self.closed:
@@ -107,21 +96,11 @@ class DeviceBuffer(MemoryViews):
         if not self._forked:
             runtime().blocks.free(self.ptr)
 
-    def __enter__(self) -> DeviceBuffer:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return  # do not mask the error in flight; the memory goes when its last view does
-        self.close()
-
 
 class IpcMemory(MemoryViews):
     """Memory another process shared by IPC key, mapped here at `ptr`; `close()` unmaps this import."""
 
     key: str
-    _finalizer: weakref.finalize[Any, Any]
-    _forked: bool
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("IpcMemory cannot be instantiated directly: use ipc_open(key)")
@@ -132,9 +111,7 @@ class IpcMemory(MemoryViews):
         self = cls.__new__(cls)
         self.key, self._ptr, self._size, self._device, self._on_gpu = key, ptr, size, device, on_gpu
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, _close_key, key)
-        self._forked = False
-        _inherit.track(self)
+        self._own(_quietly, _close_key, key)
         return self
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -143,29 +120,14 @@ class IpcMemory(MemoryViews):
             raise TypeError("this IpcMemory is closed: there is nothing to send")
         return (_arrive_ipc, (self.key, self.device, os.getpid(), None, self.size))
 
-    def _after_fork(self) -> None:
-        _let_go_in_child(self)
-
     def __repr__(self) -> str:
         return f"<IpcMemory {self.size} bytes at {self.ptr:#x}, key {self.key}{', closed' if self.closed else ''}>"
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def close(self) -> None:
         if self._start_close() is None:
             return
         if not self._forked:
             runtime().ipc.close(self.key)
-
-    def __enter__(self) -> IpcMemory:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return
-        self.close()
 
 
 def ipc_open(key: str, device: int | None = None) -> IpcMemory:
@@ -196,14 +158,6 @@ def _arrive_ipc(key: str, device: int, sender: int, validated: bool | None, size
             f"the memory sent by process {sender} cannot be imported in process {me}: {how} and {me} is not on its "
             f"trustlist. Before sending it, call ipc_allow([{me}]) on the DeviceBuffer in the exporting process, or "
             "ipc_export(validate_pids=False) it") from None
-
-
-def _let_go_in_child(obj: DeviceBuffer | IpcMemory) -> None:
-    """In a forked child: the memory stays mapped here, but it is the parent's to free."""
-    if obj._finalizer.alive:
-        obj._finalizer.detach()
-        obj._finalizer = _inherit.inherited(obj)
-        obj._forked = True
 
 
 def _free_block(ptr: int) -> None:

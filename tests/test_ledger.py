@@ -582,3 +582,17 @@ def test_rule_14_a_remote_hold_outlives_the_export_and_releases_like_a_local_one
     assert admit_code(books, remote(books, 78), value, secret) == BAD_HANDLE
     books.ledger.release(importer, hold)
     assert books.free() == CAPACITY
+
+
+def test_a_refusal_of_the_book_is_an_acl_error_with_its_code_and_message() -> None:
+    """The book's refusals travel up as every runtime error does: an AclError carrying `.code` and `.message`."""
+    from vmmshare.errors import AclError, error_from_code
+
+    books = Books(quotas=Quotas(connections=1))
+    books.client(100)
+    with pytest.raises(AclError) as caught:
+        books.client(101)
+    exc = caught.value
+    assert isinstance(exc, LedgerError)
+    assert exc.code == 207005 and "VMMSHARE_QUOTA_CONNECTIONS" in exc.message
+    assert str(exc) == str(error_from_code(exc.code, exc.message))

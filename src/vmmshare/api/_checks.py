@@ -9,7 +9,7 @@ from .. import constants as C
 from .._process import runtime
 from ..errors import AclInvalidParamError, ContextNullError, InvalidParamError
 from ..wire.handles import ShareType
-from ..wire.props import U64, check_device, check_int, check_pids
+from ..wire.props import U64, check_device, check_int, pid_list
 
 _ATTRS = {
     "normal": C.ACL_HBM_MEM_NORMAL,
@@ -60,11 +60,7 @@ def _size(size: object) -> int:
 
 def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
     """A trustlist argument: any iterable of positive 32-bit pids."""
-    try:
-        listed = list(pids)
-    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
-        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
-    return check_pids(listed, allow_empty)
+    return pid_list(pids, allow_empty)
 
 
 def _device(device: object) -> int:

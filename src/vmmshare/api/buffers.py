@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import constants as C
 from .._process import runtime
-from ..backends.base import MemoryKind
 from ..errors import AclInvalidParamError, InvalidParamError, NoPermissionError
 from ..runtime.blocks import IPC, MALLOC
 from ..runtime.ipc import MAX_PIDS_PER_CALL
-from ..wire.props import U64, check_device, check_int, check_pids
-from . import _inherit
-from ._checks import _device
+from ..wire.props import U64, check_device, check_int
+from ._checks import _device, _pids
 from .views import MemoryViews
 
 __all__ = ["DeviceBuffer", "IpcMemory", "ipc_open"]
-
-
-def _pid_list(pids: Iterable[int], allow_empty: bool) -> list[int]:
-    try:
-        listed = list(pids)
-    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
-        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
-    return check_pids(listed, allow_empty)
 
 
 class DeviceBuffer(MemoryViews):
@@ -45,26 +34,17 @@ class DeviceBuffer(MemoryViews):
         self._ptr = rt.blocks.malloc(n, pol, self._device)
         block = rt.blocks.at(self._ptr, MALLOC)
         self._size = n
-        self._on_gpu = block.alloc.backend.kind is MemoryKind.GPU
+        self._on_gpu = block.alloc.backend.on_gpu
         self.key: str | None = None
         self._validate = True
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, _free_block, self._ptr)
-        self._forked = False
-        _inherit.track(self)
-
-    def _after_fork(self) -> None:
-        _let_go_in_child(self)
+        self._own(_quietly, _free_block, self._ptr)
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.size} bytes at {self.ptr:#x} on device {self.device}{self._state()}>"
 
     def _state(self) -> str:
         return ", closed" if self.closed else (f", key {self.key}" if self.key else "")
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def _live(self) -> int:
         if self.closed:
@@ -74,7 +54,7 @@ class DeviceBuffer(MemoryViews):
     def ipc_export(self, pids: Iterable[int] = (), validate_pids: bool = True) -> str:
         """The IPC key of this memory, with `pids` (bare tgids) on its trustlist, in one call; `validate_pids`
         False lets any process import it. Exporting again gives the same key (each `ipc_close` takes one back)."""
-        trust = _pid_list(pids, allow_empty=True)
+        trust = _pids(pids, allow_empty=True)
         if not isinstance(validate_pids, bool):
             raise InvalidParamError(f"validate_pids must be True or False, got {validate_pids!r}")
         rt = runtime()
@@ -99,7 +79,7 @@ class DeviceBuffer(MemoryViews):
         """Add processes to the trustlist of this memory's key."""
         if self.key is None:
             raise InvalidParamError("ipc_export() this memory before setting its trustlist")
-        trust = _pid_list(pids, allow_empty=False)
+        trust = _pids(pids, allow_empty=False)
         for start in range(0, len(trust), MAX_PIDS_PER_CALL):
             runtime().ipc.set_pids(self.key, trust[start:start + MAX_PIDS_PER_CALL])
 
@@ -116,21 +96,11 @@ class DeviceBuffer(MemoryViews):
         if not self._forked:
             runtime().blocks.free(self.ptr)
 
-    def __enter__(self) -> DeviceBuffer:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return  # do not mask the error in flight; the memory goes when its last view does
-        self.close()
-
 
 class IpcMemory(MemoryViews):
     """Memory another process shared by IPC key, mapped here at `ptr`; `close()` unmaps this import."""
 
     key: str
-    _finalizer: weakref.finalize[Any, Any]
-    _forked: bool
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("IpcMemory cannot be instantiated directly: use ipc_open(key)")
@@ -141,9 +111,7 @@ class IpcMemory(MemoryViews):
         self = cls.__new__(cls)
         self.key, self._ptr, self._size, self._device, self._on_gpu = key, ptr, size, device, on_gpu
         self._init_views()
-        self._finalizer = weakref.finalize(self, _quietly, _close_key, key)
-        self._forked = False
-        _inherit.track(self)
+        self._own(_quietly, _close_key, key)
         return self
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -152,29 +120,14 @@ class IpcMemory(MemoryViews):
             raise TypeError("this IpcMemory is closed: there is nothing to send")
         return (_arrive_ipc, (self.key, self.device, os.getpid(), None, self.size))
 
-    def _after_fork(self) -> None:
-        _let_go_in_child(self)
-
     def __repr__(self) -> str:
         return f"<IpcMemory {self.size} bytes at {self.ptr:#x}, key {self.key}{', closed' if self.closed else ''}>"
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def close(self) -> None:
         if self._start_close() is None:
             return
         if not self._forked:
             runtime().ipc.close(self.key)
-
-    def __enter__(self) -> IpcMemory:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return
-        self.close()
 
 
 def ipc_open(key: str, device: int | None = None) -> IpcMemory:
@@ -186,7 +139,7 @@ def ipc_open(key: str, device: int | None = None) -> IpcMemory:
     dev = _device(device)
     ptr = rt.ipc.import_key(key, dev)
     block = rt.blocks.at(ptr, IPC)
-    return IpcMemory._make(key, ptr, block.alloc.size, dev, block.alloc.backend.kind is MemoryKind.GPU)
+    return IpcMemory._make(key, ptr, block.alloc.size, dev, block.alloc.backend.on_gpu)
 
 
 def _arrive_ipc(key: str, device: int, sender: int, validated: bool | None, size: int) -> IpcMemory:
@@ -205,14 +158,6 @@ def _arrive_ipc(key: str, device: int, sender: int, validated: bool | None, size
             f"the memory sent by process {sender} cannot be imported in process {me}: {how} and {me} is not on its "
             f"trustlist. Before sending it, call ipc_allow([{me}]) on the DeviceBuffer in the exporting process, or "
             "ipc_export(validate_pids=False) it") from None
-
-
-def _let_go_in_child(obj: DeviceBuffer | IpcMemory) -> None:
-    """In a forked child: the memory stays mapped here, but it is the parent's to free."""
-    if obj._finalizer.alive:
-        obj._finalizer.detach()
-        obj._finalizer = _inherit.inherited(obj)
-        obj._forked = True
 
 
 def _free_block(ptr: int) -> None:

@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterable
-from typing import Any
 
 from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidParamError
 from ..wire.props import check_int, check_ptr
-from . import _inherit
 from ._checks import _access, _flag, _pids, _size
+from ._owned import Owned
 from .memory import PhysicalMemory, _arrived_lock, _hold, _let_go, _quietly, _receive, _Ticket
 from .views import MemoryViews
 
 __all__ = ["Mapping", "VirtualRange"]
 
 
-class VirtualRange:
+class VirtualRange(Owned):
     """A reserved, inaccessible range of virtual addresses (at `at` exactly, when given)."""
 
     def __init__(self, size: int, at: int | None = None, gpu: bool | None = None) -> None:
@@ -30,15 +28,7 @@ class VirtualRange:
         self._size = -(-_size(size) // g) * g
         on_gpu = _flag("gpu", gpu, allow_none=True)
         self._ptr = runtime().memory.reserve(self._size, 0, check_ptr("at", at), on_gpu)
-        self._finalizer = weakref.finalize(self, _release_quietly, self._ptr)
-        self._forked = False
-        _inherit.track(self)
-
-    def _after_fork(self) -> None:
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            self._finalizer = _inherit.inherited(self)
-            self._forked = True
+        self._own(_release_quietly, self._ptr)
 
     @property
     def ptr(self) -> int:
@@ -80,12 +70,6 @@ class VirtualRange:
             self._finalizer.detach()
             if not self._forked:
                 runtime().memory.release(self.ptr)
-
-    def __enter__(self) -> VirtualRange:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _release_quietly(ptr: int) -> None:
@@ -131,8 +115,6 @@ class Mapping(MemoryViews):
     _owned: list[PhysicalMemory]
     _held: list[PhysicalMemory]
     _lock: threading.Lock
-    _finalizer: weakref.finalize[Any, Any]
-    _forked = False  # inherited by a forked child: still mapped there; closing it only lets go
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("Mapping cannot be instantiated directly: use PhysicalMemory.map() or VirtualRange.map()")
@@ -161,16 +143,8 @@ class Mapping(MemoryViews):
         self._held = list(held or [])
         self._lock = threading.Lock()
         self._init_views()
-        self._finalizer = weakref.finalize(self, _unmap_quietly, self._parts, rng, own_range, self._owned,
-                                           self._held)
-        _inherit.track(self)
+        self._own(_unmap_quietly, self._parts, rng, own_range, self._owned, self._held)
         return self
-
-    def _after_fork(self) -> None:
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            self._finalizer = _inherit.inherited(self)
-            self._forked = True
 
     def __repr__(self) -> str:
         chunks = f", {len(self._parts)} chunks" if len(self._parts) > 1 else ""
@@ -193,10 +167,6 @@ class Mapping(MemoryViews):
     def capacity(self) -> int:
         """The most bytes this mapping can `grow()` to (its size, unless it was mapped with `max_size`)."""
         return self._range.size if self._growable and self._range is not None else self.size
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def set_access(self, access: str) -> None:
         flags = _access(access)
@@ -283,14 +253,6 @@ class Mapping(MemoryViews):
             memory.close()
         for memory in self._held:
             _let_go(memory)
-
-    def __enter__(self) -> Mapping:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return  # do not mask the error in flight; the mapping goes when its last view does
-        self.close()
 
 
 def _map_back_to_back(memories: list[PhysicalMemory], access: str, room: int = 0,

@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
 from .._process import runtime
-from ..backends.base import MemoryKind
 from ..errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle
 from ..wire.props import U64, Location, PhysicalProp, check_device, check_int, check_prop
-from . import _inherit
 from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _device, _flag, _pids, _size
+from ._owned import Owned
 
 if TYPE_CHECKING:
     from .mapping import Mapping
@@ -78,7 +77,7 @@ class Device:
         return PhysicalMemory._make(rt.memory.malloc_physical(rounded, prop))
 
 
-class PhysicalMemory:
+class PhysicalMemory(Owned):
     """A physical allocation (made here or imported); `close()` frees this process's handle to it.
 
     Made by `Device.allocate` and `import_handle` only (not instantiated directly). It travels: pickled (a
@@ -101,8 +100,6 @@ class PhysicalMemory:
     _validate: bool
     _trusted: list[int]
     _remote_trusted: list[tuple[int, list[int]]]
-    _finalizer: weakref.finalize[Any, Any]
-    _forked = False  # inherited by a forked child: imported again there on first use
     _holders = 0  # arrived here: the mappings (and pools) that hold this import
     _handed_out = False  # arrived here as itself: its receiver closes it, not the mappings that share it
 
@@ -124,22 +121,15 @@ class PhysicalMemory:
         self.location = alloc.prop.location.as_dict()
         self.imported = bool(alloc.imported_from)
         self.pages = alloc.mem.pages
-        self._on_gpu = alloc.backend.kind is MemoryKind.GPU
-        self._remote = alloc.backend.kind is MemoryKind.REMOTE  # another server's: copies only (SPEC §8)
+        self._on_gpu = alloc.backend.on_gpu
+        self._remote = alloc.backend.remote  # another server's: copies only (SPEC §8)
         self._origin = origin
         self._shareable = None
         self._validate = True  # how it was exported, and whom it trusts: what a grown chunk is exported with
         self._trusted = []
         self._remote_trusted = []
-        self._finalizer = weakref.finalize(self, _free_quietly, handle)
-        _inherit.track(self)
+        self._own(_free_quietly, handle)  # inherited by a forked child: imported again there on first use
         return self
-
-    def _after_fork(self) -> None:
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            self._finalizer = _inherit.inherited(self)
-            self._forked = True
 
     def _import_in_child(self) -> None:
         """Inherited through fork: import the memory by its handle here (the parent's handle means nothing)."""
@@ -190,10 +180,6 @@ class PhysicalMemory:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("imported" if self.imported else "local")
         return f"<PhysicalMemory {self.size} bytes on device {self.device}, {state}>"
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def _live(self) -> int:
         if self.closed:
@@ -290,12 +276,6 @@ class PhysicalMemory:
             self._finalizer.detach()
             if not self._forked:
                 runtime().memory.free_physical(self._handle)
-
-    def __enter__(self) -> PhysicalMemory:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ class PoolBuffer(MemoryViews):
     _offset: int
     _length: int
     meta: dict[str, Any]
-    _finalizer: weakref.finalize[Any, Any]
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("PoolBuffer cannot be instantiated directly: use MemoryPool.allocate()")
@@ -86,14 +85,6 @@ class PoolBuffer(MemoryViews):
         if detached is not None:
             _, give_back, args, _ = detached
             give_back(*args)
-
-    def __enter__(self) -> PoolBuffer:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.live_views():
-            return
-        self.close()
 
 
 def _give_back(give_back: Any, offset: int, length: int) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 from .._process import runtime
 from ..errors import InvalidHandleError, InvalidParamError, MemoryAllocationError
 from ..wire.props import check_int
-from . import _inherit
 from ._checks import _access, _pids, _size
+from ._owned import Owned
 from .mapping import VirtualRange
 from .memory import Device, PhysicalMemory, _hold, _let_go, _quietly, _receive, _Ticket
 from .pool_buffers import PoolBuffer
@@ -55,7 +55,7 @@ _imported: weakref.WeakValueDictionary[str, MemoryPool] = weakref.WeakValueDicti
 _imported_lock = threading.Lock()
 
 
-class MemoryPool:
+class MemoryPool(Owned):
     """Buffers carved from shared chunks of `chunk_size` bytes (default: 32 MiB, or `max_size` when smaller;
     rounded up to the granularity) on `device`, growing up to `max_size` bytes.
 
@@ -94,9 +94,7 @@ class MemoryPool:
             first.close()
             raise
         self._on_gpu, self._remote = first.on_gpu, first.remote
-        self._finalizer = weakref.finalize(self, _unmap_pool, self._range, self._chunks, False)
-        self._forked = False
-        _inherit.track(self)
+        self._own(_unmap_pool, self._range, self._chunks, False)
         self._add_chunk(0, first)
         with _imported_lock:
             _imported[self._id] = self
@@ -118,9 +116,7 @@ class MemoryPool:
                 pool._device = first.device if first is not None else 0
                 pool._range = VirtualRange(ticket.capacity, gpu=bool(ticket.on_gpu))
                 pool._on_gpu, pool._remote = bool(ticket.on_gpu), False
-                pool._finalizer = weakref.finalize(pool, _unmap_pool, pool._range, pool._chunks, True)
-                pool._forked = False
-                _inherit.track(pool)
+                pool._own(_unmap_pool, pool._range, pool._chunks, True)
                 _imported[ticket.pool_id] = pool
         if pool._imported_pool:
             pool._take(ticket)
@@ -152,18 +148,7 @@ class MemoryPool:
                     _let_go(memory)
                     raise
 
-    def _after_fork(self) -> None:
-        """In a forked child: the pool stays mapped here, but it is the parent's (to allocate in and to free)."""
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            self._finalizer = _inherit.inherited(self)
-            self._forked = True
-
     # ------------------------------------------------------------ what a user (or a torch layer) reads
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     @property
     def imported(self) -> bool:
@@ -350,13 +335,8 @@ class MemoryPool:
             self._chunks.clear()
             self._range.close()
 
-    def __enter__(self) -> MemoryPool:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and any(b.live_views() for b in self._buffers):
-            return  # do not mask the error in flight
-        self.close()
+    def _busy(self) -> bool:
+        return any(b.live_views() for b in self._buffers)
 
 
 def _check_alignment(alignment: object) -> int:

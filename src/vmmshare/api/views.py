@@ -15,6 +15,7 @@ from .. import constants as C
 from ..backends.remote import NO_CPU_ACCESS
 from ..errors import FeatureNotSupportedError, InvalidParamError
 from ..wire.props import check_int
+from ._owned import Owned
 
 
 class DLPackRequestError(InvalidParamError, BufferError):
@@ -32,8 +33,9 @@ class _Keepalive:
 _VIEWS_LOCK = threading.RLock()
 
 
-class MemoryViews:
-    """Views of `size` bytes at `ptr` (GPU memory when `on_gpu`, on `device`); subclasses set those and `closed`."""
+class MemoryViews(Owned):
+    """Views of `size` bytes at `ptr` (GPU memory when `on_gpu`, on `device`) of an object that owns them; subclasses
+    set those and their finalizer."""
 
     _ptr: int
     _size: int
@@ -70,10 +72,6 @@ class MemoryViews:
     def _init_views(self) -> None:
         self._views: dict[int, weakref.ref[Any]] = {}  # live buffers handed out, by id
 
-    @property
-    def closed(self) -> bool:
-        raise NotImplementedError
-
     def _closed_message(self) -> str:
         return f"this {type(self).__name__} is closed"
 
@@ -84,6 +82,9 @@ class MemoryViews:
     def live_views(self) -> int:
         return len(self._views)
 
+    def _busy(self) -> bool:
+        return bool(self._views)
+
     def _check_closable(self) -> None:
         if len(self._views):
             raise BufferError(f"{len(self._views)} view(s) of this {type(self).__name__} are alive: delete them first")
@@ -91,7 +92,7 @@ class MemoryViews:
     def _start_close(self) -> Any:
         """For close(): None when closed already, else (BufferError while views are alive) the finalizer detached
         as one step with the view check, its (obj, func, args, kwargs); no view can be counted after it."""
-        finalizer: weakref.finalize[Any, Any] = self._finalizer  # type: ignore[attr-defined]
+        finalizer = self._finalizer
         with _VIEWS_LOCK:
             if not finalizer.alive:
                 return None

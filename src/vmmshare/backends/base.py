@@ -30,7 +30,11 @@ class Memory(Protocol):
 class Backend(Protocol):
     """Allocate, adopt, export, reserve, map, protect, copy and fill memory of one kind."""
 
-    kind: MemoryKind
+    kind: MemoryKind  # what the broker records an export of its memory as
+    name: str  # how messages name its memory: "host", "GPU", "remote"
+    on_gpu: bool  # a GPU driver's memory: exported as a GPU fd, capped by the GPU (not the node), not CPU-addressable
+    remote: bool  # another server's memory: copies only, through the transfer engine, mapped into host reservations
+    cpu_access: bool  # the CPU can load and store its mappings (and so copy and view them directly)
 
     def granularity(self, device: int) -> int:
         """The smallest allocation and mapping unit on `device`."""

@@ -64,6 +64,7 @@ class CudaBackend:
     """The process's view of the GPUs: contexts are the devices' primary contexts."""
 
     kind = MemoryKind.GPU
+    name, on_gpu, remote, cpu_access = "GPU", True, False, False
 
     def __init__(self) -> None:
         self.cu = _driver()

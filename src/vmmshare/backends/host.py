@@ -178,6 +178,7 @@ class HostBackend:
     """Host memory: memfds mapped into reservations of the arena; the CPU copies."""
 
     kind = MemoryKind.HOST
+    name, on_gpu, remote, cpu_access = "host", False, False, True
 
     def __init__(self) -> None:
         self.arena = Arena()

@@ -50,6 +50,7 @@ class RemoteBackend:
     """Copies to and from memory of other servers; reservations are the host's (and stay inaccessible)."""
 
     kind = MemoryKind.REMOTE
+    name, on_gpu, remote, cpu_access = "remote", False, True, False
 
     def __init__(self, transfers: Callable[[], Transfers]) -> None:
         self._transfers = transfers  # this process's engine, made on first use
@@ -106,20 +107,20 @@ class RemoteBackend:
     def protect(self, ptr: int, size: int, access: int, device: int) -> None:
         """Access flags are the runtime's to check before each copy: nothing to change in the address space."""
 
-    def read(self, mem: RemoteMemory, offset: int, local: int, count: int) -> None:
-        """`count` bytes of `mem` from `offset` into local memory at `local` (the CPU can address it)."""
-        _check(mem, offset, count)
+    def read(self, memory: Memory, offset: int, local: int, count: int) -> None:
+        """`count` bytes of `memory` from `offset` into local memory at `local` (the CPU can address it)."""
+        mem = _check(memory, offset, count)
         self.engine().read(mem.segment, local, mem.address + offset, count)
 
-    def write(self, mem: RemoteMemory, offset: int, local: int, count: int) -> None:
-        """`count` bytes of local memory at `local` into `mem` from `offset`."""
-        _check(mem, offset, count)
+    def write(self, memory: Memory, offset: int, local: int, count: int) -> None:
+        """`count` bytes of local memory at `local` into `memory` from `offset`."""
+        mem = _check(memory, offset, count)
         self.engine().write(mem.segment, local, mem.address + offset, count)
 
-    def between(self, to: RemoteMemory, to_offset: int, of: RemoteMemory, of_offset: int, count: int) -> None:
+    def between(self, to_memory: Memory, to_offset: int, of_memory: Memory, of_offset: int, count: int) -> None:
         """Remote to remote (the same server's or two servers'), through the bounce buffer."""
-        _check(of, of_offset, count)
-        _check(to, to_offset, count)
+        of = _check(of_memory, of_offset, count)
+        to = _check(to_memory, to_offset, count)
         engine = self.engine()
         with self._bounce_lock:
             bounce = self._bounce_buffer()
@@ -128,9 +129,9 @@ class RemoteBackend:
                 engine.read(of.segment, bounce, of.address + of_offset + done, n)
                 engine.write(to.segment, bounce, to.address + to_offset + done, n)
 
-    def set(self, mem: RemoteMemory, offset: int, value: int, count: int) -> None:
-        """`count` bytes of `mem` from `offset` set to `value` (written from the bounce buffer)."""
-        _check(mem, offset, count)
+    def set(self, memory: Memory, offset: int, value: int, count: int) -> None:
+        """`count` bytes of `memory` from `offset` set to `value` (written from the bounce buffer)."""
+        mem = _check(memory, offset, count)
         engine = self.engine()
         with self._bounce_lock:
             bounce = self._bounce_buffer()
@@ -170,7 +171,11 @@ class RemoteBackend:
         return self._bounce
 
 
-def _check(mem: RemoteMemory, offset: int, count: int) -> None:
-    """The engine answers an address outside the memory it serves by dropping the connection: never send one."""
+def _check(mem: Memory, offset: int, count: int) -> RemoteMemory:
+    """`mem` as the import it is, once `[offset, offset+count)` is checked to lie inside it: the engine answers an
+    address outside the memory it serves by dropping the connection, so never send one."""
+    if not isinstance(mem, RemoteMemory):
+        raise InvalidParamError(f"{mem.pages} memory is not memory of another server")
     if offset < 0 or count < 0 or offset + count > mem.size:
         raise InvalidParamError(f"{count} bytes at offset {offset} run past the remote memory ({mem.size} bytes)")
+    return mem

@@ -25,7 +25,7 @@ from typing import Any
 from .. import constants as C
 from ..config import Quotas
 from ..wire import local as P
-from ..wire.handles import FLAG_NO_PID_VALIDATION, MAX_TRUSTLIST, Endpoint, FabricHandle, default_bytes
+from ..wire.handles import FLAG_NO_PID_VALIDATION, Endpoint, FabricHandle, default_bytes
 from . import trust as trustlists
 from .listing import LIST_IMPORTERS, LIST_PAGE, LIST_TRUST, listing_page
 from .records import KIND_GPU, KIND_HOST, ChargedMemory, Client, Hold, Identity, Lookups, Share
@@ -42,6 +42,7 @@ WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10  # F_SEAL_FUTURE_WRITE: importers map th
 Answer = tuple[P.Message, int]  # a reply and the fd to send with it (-1: none; the ledger still owns it)
 NO_ENDPOINT = Endpoint()  # a node without the cross-server transport
 
+NOT_ITS_MEMFD = "the attached fd is not the allocation's memory (a memfd of its size, open read-write)"
 
 class Ledger:
     """The node's sharing authority as plain data: capacity accounting, holds, exports and their trustlists."""
@@ -80,9 +81,9 @@ class Ledger:
         LedgerError when it may not (a pid the broker cannot see, its user's quota of connections)."""
         if pid <= 0:
             raise LedgerError(
-                C.ACL_ERROR_RT_NO_PERMISSION,
                 "the broker cannot see this process (the kernel gives it pid 0: the broker runs in a pid namespace "
                 "that does not contain this process); run the broker in the host's pid namespace, or in yours",
+                C.ACL_ERROR_RT_NO_PERMISSION,
             )
         if server is None:  # a remote importer holds no connection here: its holds count, not connections
             self.usage.connect(uid)
@@ -138,9 +139,8 @@ class Ledger:
         if wanted is None:
             return []  # refused before any lookup
         new = sum(pid not in trust for pid in wanted)
-        if len(trust) + others + new > MAX_TRUSTLIST:
-            return []
         try:
+            trustlists.check_room(len(trust) + others, new)
             self.usage.check_trust(client.uid, new)
         except LedgerError:
             return []
@@ -157,10 +157,10 @@ class Ledger:
             free = self.capacity - self.used[self._device(m.device)]
             if m.size > free:
                 raise LedgerError(
-                    C.ACL_ERROR_RT_MEMORY_ALLOCATION,
                     f"device {m.device} has {free} of {self.capacity} bytes free on this node; {m.size} bytes do not "
                     f"fit. The capacity is the broker's VMMSHARE_DEVICE_MEMORY, read when it started (broker pid "
                     f"{self.broker_pid}): free memory, or stop the broker and start it again with a larger value",
+                    C.ACL_ERROR_RT_MEMORY_ALLOCATION,
                 )
             self.usage.check_memory(client.uid, m.device, m.size)
         return P.Token(self._new_charge(ChargedMemory(client, m.device, m.size))), -1
@@ -168,7 +168,7 @@ class Ledger:
     def _charge_gpu(self, client: Client, m: P.ChargeGpu, fd: int, found: Lookups | None) -> Answer:
         """GPU memory (a CUDA-backend allocation): the GPU's own capacity applies, not this node's."""
         if m.device >= MAX_GPUS:
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"GPU {m.device} is beyond {MAX_GPUS} GPUs")
+            raise LedgerError(f"GPU {m.device} is beyond {MAX_GPUS} GPUs", C.ACL_ERROR_RT_INVALID_DEVICEID)
         return P.Token(self._new_charge(ChargedMemory(client, m.device, m.size, KIND_GPU))), -1
 
     def _mem_info(self, client: Client, m: P.MemInfo, fd: int, found: Lookups | None) -> Answer:
@@ -176,7 +176,7 @@ class Ledger:
 
     def _device(self, device: int) -> int:
         if not 0 <= device < len(self.used):
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_DEVICEID, f"device {device} does not exist on this node")
+            raise LedgerError(f"device {device} does not exist on this node", C.ACL_ERROR_RT_INVALID_DEVICEID)
         return device
 
     def _account(self, memory: ChargedMemory, sign: int) -> None:
@@ -207,7 +207,7 @@ class Ledger:
     def _own(self, client: Client, hold: int) -> Hold:
         found = self.holds.get(hold)
         if found is None or found.client is not client:
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE, "unknown allocation token for this connection")
+            raise LedgerError("unknown allocation token for this connection", C.ACL_ERROR_RT_INVALID_HANDLE)
         return found
 
     def _release_request(self, client: Client, m: P.Release, fd: int, found: Lookups | None) -> Answer:
@@ -275,13 +275,13 @@ class Ledger:
     def _share(self, client: Client, m: P.Export, fd: int, found: Lookups | None) -> bytes:
         memory = self._own(client, m.hold).memory
         if memory.share is not None:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "this allocation was exported already")
+            raise LedgerError("this allocation was exported already", C.ACL_ERROR_RT_PARAM_INVALID)
         if m.flags not in (0, 1) or m.share_type not in (1, 2) or m.memory_kind != memory.kind:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"bad export flags {m.flags} or share type {m.share_type}, "
-                              f"or memory kind {m.memory_kind} for an allocation charged as kind {memory.kind}")
+            raise LedgerError(f"bad export flags {m.flags} or share type {m.share_type}, or memory kind "
+                              f"{m.memory_kind} for an allocation charged as kind {memory.kind}",
+                              C.ACL_ERROR_RT_PARAM_INVALID)
         if fd < 0 or m.size != memory.size:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory (a "
-                                                            "memfd of its size, open read-write)")
+            raise LedgerError(NOT_ITS_MEMFD, C.ACL_ERROR_RT_PARAM_INVALID)
         if memory.kind == KIND_HOST:
             self._check_memfd(fd, m.size)
         self.usage.check_export(client.uid)
@@ -306,22 +306,21 @@ class Ledger:
         file that shrinks under a mapping kills them with SIGBUS."""
         info = self.memfd_info(fd)
         if info is None or info[0] != size:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "the attached fd is not the allocation's memory (a "
-                                                            "memfd of its size, open read-write)")
+            raise LedgerError(NOT_ITS_MEMFD, C.ACL_ERROR_RT_PARAM_INVALID)
         seals = info[1]
         if seals < 0 or seals & SIZE_SEALS != SIZE_SEALS or seals & WRITE_SEALS:
             raise LedgerError(
-                C.ACL_ERROR_RT_PARAM_INVALID,
                 "the attached fd is not a memfd sealed against resizing (F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_SEAL, "
                 f"and no write seal; it has {'none: not a memfd' if seals < 0 else f'seals {seals:#x}'}): "
                 "importers of a file that can shrink would die of SIGBUS",
+                C.ACL_ERROR_RT_PARAM_INVALID,
             )
 
     def _revoke_request(self, client: Client, m: P.Revoke, fd: int, found: Lookups | None) -> Answer:
         share = self._own(client, m.hold).memory.share
         if share is not None:
             if m.hold in share.importers:
-                raise LedgerError(C.ACL_ERROR_RT_NO_PERMISSION, "only the exporter can revoke its handle")
+                raise LedgerError("only the exporter can revoke its handle", C.ACL_ERROR_RT_NO_PERMISSION)
             self._revoke(share)
         return P.Ok(), -1
 
@@ -340,24 +339,29 @@ class Ledger:
         share = self.exports.get(handle)
         if share is None:
             raise LedgerError(
-                C.ACL_ERROR_RT_INVALID_HANDLE,
                 f"shareable handle {handle:#018x} is unknown on this node, or revoked (its exporter freed it or "
                 "exited)",
+                C.ACL_ERROR_RT_INVALID_HANDLE,
             )
         if share.share_type != share_type:
             raise LedgerError(
-                C.ACL_ERROR_RT_PARAM_INVALID,
                 f"shareable handle {handle:#018x} was exported with share type {share.share_type}, not {share_type}",
+                C.ACL_ERROR_RT_PARAM_INVALID,
+            )
+        return share
+
+    def _own_share(self, client: Client, m: P.SetPids | P.SetRemotePids) -> Share:
+        """The export whose trustlist `m` sets, which only its exporting process may set."""
+        share = self._shared(m.shareable, m.share_type)
+        if share.exporter is not client:
+            raise LedgerError(
+                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
+                C.ACL_ERROR_RT_NO_PERMISSION,
             )
         return share
 
     def _set_pids(self, client: Client, m: P.SetPids, fd: int, found: Lookups | None) -> Answer:
-        share = self._shared(m.shareable, m.share_type)
-        if share.exporter is not client:
-            raise LedgerError(
-                C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
-            )
+        share = self._own_share(client, m)
         before = len(share.trust)
         share.trust = trustlists.bind(self.identify, self.usage, client, m.pids, share.trust, found,
                                      len(share.remote_trust))
@@ -367,20 +371,15 @@ class Ledger:
     def _set_remote_pids(self, client: Client, m: P.SetRemotePids, fd: int, found: Lookups | None) -> Answer:
         """Trust processes of another server: (server id, pid) pairs, each admitting that server's pid only."""
         if self.endpoint.family == 0:
-            raise LedgerError(C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, (
-                f"pids of server {m.server:#x} can only be trusted through the cross-server transport, which is not "
-                "configured on this node (VMMSHARE_FABRIC, VMMSHARE_FABRIC_ADDR, VMMSHARE_CLUSTER_KEY_FILE)"))
-        share = self._shared(m.shareable, m.share_type)
-        if share.exporter is not client:
             raise LedgerError(
-                C.ACL_ERROR_RT_NO_PERMISSION,
-                f"only the exporting process (pid {share.exporter.pid}) may set the trustlist of {m.shareable:#018x}",
-            )
+                f"pids of server {m.server:#x} can only be trusted through the cross-server transport, which is not "
+                "configured on this node (VMMSHARE_FABRIC, VMMSHARE_FABRIC_ADDR, VMMSHARE_CLUSTER_KEY_FILE)",
+                C.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+        share = self._own_share(client, m)
         if not trustlists.valid_pids(m.pids):
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
+            raise LedgerError("pids must be positive 32-bit ints", C.ACL_ERROR_RT_PARAM_INVALID)
         new = {(m.server, p) for p in m.pids} - share.remote_trust
-        if len(share.trust) + len(share.remote_trust) + len(new) > MAX_TRUSTLIST:
-            raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+        trustlists.check_room(len(share.trust) + len(share.remote_trust), len(new))
         self.usage.check_trust(client.uid, len(new))
         share.remote_trust |= new
         self.usage.add_trust(client.uid, len(new))
@@ -397,8 +396,8 @@ class Ledger:
         hold on the export's memory, and the export."""
         share = self._shared(shareable, share_type)
         if share_type == FABRIC and not hmac.compare_digest(secret, share.secret):
-            raise LedgerError(C.ACL_ERROR_RT_INVALID_HANDLE,
-                              f"FABRIC handle {shareable:#018x} does not carry its secret")
+            raise LedgerError(f"FABRIC handle {shareable:#018x} does not carry its secret",
+                              C.ACL_ERROR_RT_INVALID_HANDLE)
         own = client is share.exporter  # rule 13: the exporter may import its own handle, trustlist or not
         if not own and not share.flags & C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION:
             trustlists.admitted(client, share)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import constants as C
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
+from .records import KIND_GPU
 
 if TYPE_CHECKING:
-    from .ledger import Ledger
     from .records import Client, Share
 
 LIST_PAGE = 100  # items per listing page, at most
@@ -27,7 +28,22 @@ LIST_REMOTE = 500  # remote importers and remote trustlist entries listed per ex
 _ROOM = 64  # bytes kept free for the page's "next" value and the closing brackets
 
 
-def listing_page(ledger: Ledger, offset: int, viewer: Client, clients: int) -> str:
+class Book(Protocol):
+    """What a listing page reads of the ledger (which calls it with itself), so that neither imports the other."""
+
+    @property
+    def broker_pid(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def used(self) -> Sequence[int]: ...
+    @property
+    def gpu_used(self) -> Mapping[int, int]: ...
+    @property
+    def exports(self) -> Mapping[int, Share]: ...
+
+
+def listing_page(ledger: Book, offset: int, viewer: Client, clients: int) -> str:
     """One page of the listing as JSON, from item number `offset`; `clients` is what the page reports as connected.
 
     Handle values are shown in full only to the exporter's user (and root): on a multi-user node a handle exported
@@ -77,7 +93,7 @@ def _row(share: Share, viewer: Client) -> dict[str, Any]:
         "handle": f"{share.handle:#018x}" if viewer.uid in (share.exporter.uid, 0) else "(hidden)",
         "share_type": "fabric" if share.share_type == C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC else "default",
         "device": share.memory.device,
-        "gpu": share.memory.kind == 1,
+        "gpu": share.memory.kind == KIND_GPU,
         "size": share.memory.size,
         "owner_pid": share.exporter.pid,
         "pid_validation": not share.flags & 1,

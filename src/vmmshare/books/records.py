@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..backends.base import MemoryKind
+
 Identity = tuple[int | None, int | None]  # a process: (start time in clock ticks, pidfs inode)
-KIND_HOST, KIND_GPU = 0, 1
+KIND_HOST, KIND_GPU = int(MemoryKind.HOST), int(MemoryKind.GPU)  # a charge's kind, as the wire carries it
 NOBODY: Identity = (None, None)  # the identity of a pid that no process has
 
 

@@ -23,6 +23,12 @@ def valid_pids(pids: Iterable[int]) -> bool:
     return not unique or (min(unique) > 0 and max(unique) <= MAX_PID)
 
 
+def check_room(listed: int, new: int) -> None:
+    """Refuse `new` entries on a trustlist that holds `listed` (local and other servers' together) past the cap."""
+    if listed + new > MAX_TRUSTLIST:
+        raise LedgerError(f"a trustlist holds at most {MAX_TRUSTLIST} pids", C.ACL_ERROR_RT_PARAM_INVALID)
+
+
 def of_server(client: Client) -> str:
     return "" if client.server is None else f" of server {client.server:#x}"
 
@@ -60,13 +66,12 @@ def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids
     `others`: entries of other servers' processes on the same export, which count toward the same limit."""
     listed = to_look_up(pids, trust)
     if listed is None:
-        raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, "pids must be positive 32-bit ints")
+        raise LedgerError("pids must be positive 32-bit ints", C.ACL_ERROR_RT_PARAM_INVALID)
     wanted = set(listed)
     if not wanted:
         return trust  # every pid is bound already: nothing changes
     new = len(wanted.difference(trust))
-    if len(trust) + others + new > MAX_TRUSTLIST:
-        raise LedgerError(C.ACL_ERROR_RT_PARAM_INVALID, f"a trustlist holds at most {MAX_TRUSTLIST} pids")
+    check_room(len(trust) + others, new)
     usage.check_trust(client.uid, new)
     got = found if found is not None else Lookups()
     missing = wanted.difference(got.ids, got.failed)
@@ -77,9 +82,9 @@ def bind(identify: Callable[[int], Identity], usage: Usage, client: Client, pids
         pid = min(failed)
         why = got.failed[pid]
         raise LedgerError(
-            C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
             f"could not tell which process has pid {pid} ({why.strerror or why}), so it cannot be trusted "
             "safely; the trustlist is unchanged: try again",
+            C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
         )
     ids = got.ids
     result = dict(trust)
@@ -97,12 +102,12 @@ def admitted(client: Client, share: Share) -> None:
     elif client.pid in share.trust:
         if not same_process(share.trust[client.pid], client.identity):
             raise LedgerError(
-                C.ACL_ERROR_RT_NO_PERMISSION,
                 f"pid {client.pid} was trustlisted for another process that had the same pid (pid reuse)",
+                C.ACL_ERROR_RT_NO_PERMISSION,
             )
         return
     raise LedgerError(
-        C.ACL_ERROR_RT_NO_PERMISSION,
         f"process {client.pid}{of_server(client)} is not on the trustlist of {share.handle:#018x}: the exporter "
         "must add it with mem_set_pid_to_shareable_handle(_v2) (ipc_mem_set_import_pid for an IPC key)",
+        C.ACL_ERROR_RT_NO_PERMISSION,
     )

@@ -12,17 +12,17 @@ from dataclasses import dataclass, field
 
 from .. import constants as C
 from ..config import Quotas
+from ..errors import AclError
 
 FDS_PER_CONNECTION = 2  # its socket and the pidfd that names its process
 
 
-class LedgerError(Exception):
-    """A refused request: the client gets an Error reply with this code and message."""
+class LedgerError(AclError):
+    """A refused request: the client gets an Error reply with this code and message. An AclError, made as every
+    one is (message, then code), so that a refusal travels one way from the book up."""
 
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message, code)
 
 
 @dataclass
@@ -67,17 +67,17 @@ class Usage:
 
     def _refuse(self, uid: int, what: str, held: int, limit: int, variable: str) -> LedgerError:
         return LedgerError(
-            C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
             f"uid {uid} holds {held} {what} in the broker, its limit ({variable}={limit}, read when the broker "
             "started): release some first",
+            C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
         )
 
     def _fds_for(self, count: int) -> None:
         if self.fd_budget is not None and self.fds + count > self.fd_budget:
             raise LedgerError(
-                C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
                 f"the broker holds {self.fds} file descriptors for its clients, all that its open-file limit leaves "
                 "(raise the broker's `ulimit -n`, or release exports and close connections)",
+                C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
             )
 
     # ---------------------------------------------------------------- connections
@@ -132,9 +132,9 @@ class Usage:
         charged = self.users[uid].memory[device] if uid in self.users else 0
         if size > self.memory_quota - charged:
             raise LedgerError(
-                C.ACL_ERROR_RT_MEMORY_ALLOCATION,
                 f"uid {uid} has {charged} bytes charged on device {device}; {size} more would pass its limit of "
                 f"{self.memory_quota} bytes a device (VMMSHARE_QUOTA_MEMORY, read when the broker started)",
+                C.ACL_ERROR_RT_MEMORY_ALLOCATION,
             )
 
     def memory(self, uid: int, device: int, delta: int) -> None:

@@ -97,21 +97,9 @@ def _folder_problem(path: Path) -> str | None:
     return None
 
 
-def _answers(path: Path) -> bool:
-    """Whether a broker already listens at `path` (one whose listen queue is full counts)."""
-    from ..sockets.packets import connect
-
-    try:
-        connect(path, 2.0).close()
-    except TimeoutError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
 def _broker(args: argparse.Namespace) -> int:
     from ..broker.__main__ import main as broker_main
+    from ..broker.system import answers
 
     prog = "vmmshare broker"
     path, source = (args.socket, "--socket") if args.socket is not None else (config.socket_path(), "VMMSHARE_SOCKET")
@@ -122,7 +110,7 @@ def _broker(args: argparse.Namespace) -> int:
     elif problem := _folder_problem(path):
         say_error(prog, f"{source} {str(path)!r}: {problem}")
         return USAGE
-    elif _answers(path):
+    elif answers(path):
         say_error(prog, f"a broker already serves {path}: stop it first, or choose another path with --socket")
         return IN_USE
     forward = ["--socket", str(path), "--log-level", args.log_level or config.log_level()]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import config as cfg
 from ..backends import host, mman
+from ..broker.system import answers
 from ..sockets.packets import peer_credentials, peer_pidfd
 
 
@@ -130,17 +131,10 @@ def broker(path: Path) -> list[Finding]:
                        "" if mode in (0o700, 0o755) else f"chmod 700 {folder}"))
     if path.exists():
         smode = stat.S_IMODE(path.stat().st_mode)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            s.connect(str(path))
-            answers = True
-        except OSError:
-            answers = False
-        finally:
-            s.close()
-        out.append(Finding("ok" if answers else "slow", "broker socket",
-                           f"{path} mode {smode:o}, {'a broker answers' if answers else 'stale: nobody answers'}",
-                           "" if answers else "nothing to do: the next client replaces it"))
+        there = answers(path)
+        out.append(Finding("ok" if there else "slow", "broker socket",
+                           f"{path} mode {smode:o}, {'a broker answers' if there else 'stale: nobody answers'}",
+                           "" if there else "nothing to do: the next client replaces it"))
     else:
         out.append(Finding("ok", "broker socket", f"{path}: no broker running; the first client starts one"))
     return out

@@ -3,11 +3,10 @@ a stream)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from .. import constants as C
 from ..backends import mman
-from ..backends.base import MemoryKind
 from ..backends.remote import BOUNCE, NO_CPU_ACCESS
 from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError
 from ..intervals import Intervals
@@ -172,37 +171,39 @@ class Copies:
 
     def _remote_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
         """A copy with memory of another server on one side or both: the engine moves the bytes to and from memory
-        the CPU can address; GPU memory on the other side goes through a host bounce buffer."""
+        the CPU can address; memory it cannot (a GPU's) on the other side goes through a host bounce buffer."""
         remote = self.rt.remote
-        kt = to.alloc.backend.kind if to is not None else MemoryKind.HOST
-        ko = of.alloc.backend.kind if of is not None else MemoryKind.HOST
-        if kt is MemoryKind.REMOTE and ko is MemoryKind.HOST:
-            remote.write(to.alloc.mem, dst - to.ptr, src, count)  # type: ignore[union-attr, arg-type]
+        if _remote(to):
+            if _remote(of):
+                remote.between(to.alloc.mem, dst - to.ptr, of.alloc.mem, src - of.ptr, count)
+                return
+            far, near, to_far = to, of, True
+        else:
+            assert _remote(of), "a copy with no side of another server is a local copy"
+            far, near, to_far = of, to, False
+        if near is None or near.alloc.backend.cpu_access:
+            if to_far:
+                remote.write(far.alloc.mem, dst - far.ptr, src, count)
+            else:
+                remote.read(far.alloc.mem, src - far.ptr, dst, count)
             return
-        if ko is MemoryKind.REMOTE and kt is MemoryKind.HOST:
-            remote.read(of.alloc.mem, src - of.ptr, dst, count)  # type: ignore[union-attr, arg-type]
-            return
-        gpu = to if kt is MemoryKind.GPU else of if ko is MemoryKind.GPU else None
-        if gpu is None:  # remote to remote
-            remote.between(to.alloc.mem, dst - to.ptr, of.alloc.mem, src - of.ptr, count)  # type: ignore[union-attr, arg-type]
-            return
-        far = of if gpu is to else to
-        assert far is not None
-        with self.rt.lock:  # GPU memory is copied under the lock, as any GPU copy is
-            self._bounce_gpu(gpu, far, gpu is to, dst, src, count)
+        with self.rt.lock:  # memory the CPU cannot address is copied under the lock, as any GPU copy is
+            self._bounce(near, far, not to_far, dst, src, count)
 
-    def _bounce_gpu(self, gpu: MappingEntry, far: MappingEntry, to_gpu: bool, dst: int, src: int, count: int) -> None:
-        remote, backend, device = self.rt.remote, gpu.alloc.backend, self.rt.devices.logical(gpu.alloc.device)
+    def _bounce(self, near: MappingEntry, far: MappingEntry, to_near: bool, dst: int, src: int, count: int) -> None:
+        """Copy between memory of another server (`far`) and local memory the CPU cannot address (`near`), through
+        host memory: its backend copies one way, the engine the other."""
+        remote, backend, device = self.rt.remote, near.alloc.backend, self.rt.devices.logical(near.alloc.device)
         bounce = mman.map_anonymous(min(count, BOUNCE))
         try:
             for done in range(0, count, BOUNCE):
                 n = min(BOUNCE, count - done)
-                if to_gpu:
-                    remote.read(far.alloc.mem, src - far.ptr + done, bounce, n)  # type: ignore[arg-type]
+                if to_near:
+                    remote.read(far.alloc.mem, src - far.ptr + done, bounce, n)
                     backend.copy(dst + done, bounce, n, device)
                 else:
                     backend.copy(bounce, src + done, n, device)
-                    remote.write(far.alloc.mem, dst - far.ptr + done, bounce, n)  # type: ignore[arg-type]
+                    remote.write(far.alloc.mem, dst - far.ptr + done, bounce, n)
         finally:
             mman.unmap(bounce, min(count, BOUNCE))
 
@@ -220,7 +221,7 @@ class Copies:
                 return
         for p, n, m in pieces:
             if _remote(m):
-                self.rt.remote.set(m.alloc.mem, p - m.ptr, value, n)  # type: ignore[union-attr, arg-type]
+                self.rt.remote.set(m.alloc.mem, p - m.ptr, value, n)
                 continue
             with self.rt.lock:
                 self._still_mapped(p, n, m)
@@ -257,22 +258,22 @@ class Copies:
             for p, _, m in self._pieces(ptr, size, False, "ptr"):
                 if _remote(m):
                     raise FeatureNotSupportedError(f"{p:#x} cannot be viewed by the CPU: {NO_CPU_ACCESS}")
-                if m is not None and m.alloc.backend.kind is not MemoryKind.HOST:
+                if m is not None and not m.alloc.backend.cpu_access:
                     raise InvalidParamError(f"{p:#x} is GPU memory, which the CPU cannot read: memcpy it to the host")
 
 
 def _mover(to: MappingEntry | None, of: MappingEntry | None) -> MappingEntry | None:
-    """Whichever side is not plain host memory decides who copies: the transfer engine for memory of another
-    server, a GPU, or (None) the CPU."""
-    kt = to.alloc.backend.kind if to is not None else MemoryKind.HOST
-    ko = of.alloc.backend.kind if of is not None else MemoryKind.HOST
-    if kt is MemoryKind.REMOTE or (kt is not MemoryKind.HOST and ko is not MemoryKind.REMOTE):
-        return to
-    return of if ko is not MemoryKind.HOST else None
+    """In a copy within this server, whichever side the CPU cannot address decides who copies: its backend (a
+    GPU's; the destination's first), or (None) the CPU."""
+    for m in (to, of):
+        if m is not None and not m.alloc.backend.cpu_access:
+            return m
+    return None
 
 
-def _remote(m: MappingEntry | None) -> bool:
-    return m is not None and m.alloc.backend.kind is MemoryKind.REMOTE
+def _remote(m: MappingEntry | None) -> TypeGuard[MappingEntry]:
+    """Whether `m` maps memory of another server (a side no local backend can copy)."""
+    return m is not None and m.alloc.backend.remote
 
 
 def _local(chunk: Chunk) -> bool:

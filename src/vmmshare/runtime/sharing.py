@@ -8,7 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
-from ..backends.base import Memory, MemoryKind
+from ..backends.base import Memory
 from ..errors import FeatureNotSupportedError, InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle, ShareType
 from ..wire.props import PhysicalProp, prop_of
@@ -47,7 +47,7 @@ class Sharing:
                 raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
             if alloc.exported is not None:
                 raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
-            on_gpu = alloc.backend.kind is MemoryKind.GPU
+            on_gpu = alloc.backend.on_gpu
             if on_gpu and share_type is ShareType.FABRIC and not self._told_fabric.is_set():
                 self._told_fabric.set()
                 log.warning("FABRIC export of GPU memory: the handle is vmmshare's FABRIC format and the memory "
@@ -172,7 +172,7 @@ class Sharing:
         device = self.rt.devices.logical(device)  # the backends address the node's devices
         if not got.gpu:
             return self.rt.host.adopt(got.fd, got.size, device)
-        if self.rt.device_backend.kind is not MemoryKind.GPU:
+        if not self.rt.device_backend.on_gpu:
             self.rt.host.adopt(got.fd, got.size, device).close()
             raise FeatureNotSupportedError(
                 "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda"

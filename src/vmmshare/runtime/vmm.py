@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
 from ..backends import host, mman
-from ..backends.base import Backend, Memory, MemoryKind
+from ..backends.base import Backend, Memory
 from ..errors import (
     AclError,
     FeatureNotSupportedError,
@@ -105,7 +105,7 @@ class Vmm:
         device = self._node_device(prop.location) if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
         numa = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
         config = self.rt.config
-        if device >= 0 and backend.kind is MemoryKind.HOST and size > config.device_memory:
+        if device >= 0 and not backend.on_gpu and size > config.device_memory:  # device memory the node counts
             raise MemoryAllocationError(
                 f"device {device} has {config.device_memory} of {config.device_memory} bytes free; "
                 f"{size} bytes do not fit (free memory, or raise VMMSHARE_DEVICE_MEMORY)"
@@ -120,7 +120,7 @@ class Vmm:
                 failed.append(exc)
 
         try:
-            node_ref = self.rt.node.charge(device, size, make, gpu=backend.kind is MemoryKind.GPU)
+            node_ref = self.rt.node.charge(device, size, make, gpu=backend.on_gpu)
         except BaseException:
             for mem in made:
                 mem.close()
@@ -247,8 +247,8 @@ class Vmm:
                 raise InvalidParamError(f"ptr {ptr:#x} must be aligned to the allocation's granularity {g}")
             if self.mappings.overlaps(ptr, size):
                 raise InvalidParamError(f"[{ptr:#x}, {ptr + size:#x}) overlaps an existing mapping: unmap_mem it first")
-            if alloc.backend is not r.backend and alloc.backend.kind is not MemoryKind.REMOTE:
-                what, where = _space(alloc.backend), _space(r.backend)
+            if alloc.backend is not r.backend and not alloc.backend.remote:
+                what, where = alloc.backend.name, r.backend.name
                 raise FeatureNotSupportedError(
                     f"{what} memory cannot be mapped into a {where} reservation: reserve the range for the "
                     "memory's location"
@@ -265,7 +265,7 @@ class Vmm:
         """Reserve a range of the allocation's size and map it there (in one system call for host memory): what
         the Pythonic `map()`, aclrtMalloc blocks and IPC imports do, without a range of their own to reuse."""
         size = alloc.size
-        if alloc.backend.kind is MemoryKind.REMOTE:  # its range is a host reservation the CPU cannot touch
+        if alloc.backend.remote:  # its range is a host reservation the CPU cannot touch
             ptr = self.reserve(size, 0, 0, on_device=False, owner=owner)
             try:
                 self.map_alloc(ptr, size, alloc, access, prepopulate)
@@ -369,10 +369,6 @@ class Vmm:
         for alloc in self.allocs:
             with contextlib.suppress(OSError, AclError):
                 alloc.backend.forget(alloc.mem)
-
-
-def _space(backend: Backend) -> str:
-    return {MemoryKind.GPU: "GPU", MemoryKind.REMOTE: "remote"}.get(backend.kind, "host")
 
 
 def _owned_by(owner: str) -> str:

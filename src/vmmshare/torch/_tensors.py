@@ -20,7 +20,6 @@ import torch
 from .._process import runtime
 from ..api.mapping import Mapping
 from ..api.memory import Device, import_handle
-from ..backends.base import MemoryKind
 from ..errors import (
     ContextNullError,
     FeatureNotSupportedError,
@@ -29,6 +28,7 @@ from ..errors import (
     NoPermissionError,
 )
 from ..wire.handles import ShareableHandle
+from ..wire.props import pid_list
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ def _device(device: Any) -> tuple[torch.device, int, str]:
     if dev.type == "cpu":
         # device memory, where the CPU can address it (the host backend): counted in the device's capacity and
         # listed by `vmmshare ls`, like weights in an NPU's memory; host memory beside GPUs (the CUDA backend)
-        if runtime().device_backend.kind is MemoryKind.HOST:
+        if not runtime().device_backend.on_gpu:
             return dev, _current_device(), "device"
         return dev, 0, "host"
     if dev.type == "cuda":
-        if runtime().device_backend.kind is not MemoryKind.GPU:
+        if not runtime().device_backend.on_gpu:
             raise InvalidParamError(f"device {dev}: GPU tensors need GPU memory, which the host backend does not "
                                     "have: set VMMSHARE_BACKEND=cuda, or use device='cpu'")
         return dev, dev.index or 0, "device"
@@ -254,15 +254,11 @@ def bare_pid() -> int:
 
 
 def _pid_list(pids: Iterable[int]) -> list[int]:
+    """A trustlist argument of the torch surface (empty allowed), checked as every surface checks one."""
     try:
-        listed = list(pids)
-    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
-        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
-    for p in listed:
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 1 << 31:
-            raise InvalidParamError(f"pids must be positive 32-bit ints (host pids: vmmshare.torch.bare_pid() in "
-                                    f"the consumer), got {p!r}")
-    return listed
+        return pid_list(pids, allow_empty=True)
+    except InvalidParamError as exc:
+        raise InvalidParamError(f"{exc.message} (host pids: vmmshare.torch.bare_pid() in the consumer)") from None
 
 
 def _exported(backing: _Backing, pids: list[int], validate_pids: bool) -> ShareableHandle:

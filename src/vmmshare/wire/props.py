@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,3 +226,15 @@ def check_pids(pids: object, allow_empty: bool = False) -> list[int]:
     if len(pids) > handles.MAX_TRUSTLIST:
         raise InvalidParamError(f"pid_list has {len(pids)} pids; at most {handles.MAX_TRUSTLIST} per handle")
     return [check_int(f"pid_list[{i}]", p, 1, (1 << 31) - 1) for i, p in enumerate(pids)]
+
+
+def pid_list(pids: Iterable[object], allow_empty: bool = False) -> list[int]:
+    """A trustlist from any iterable of pids (what the Pythonic surfaces take), checked as `check_pids` checks a
+    list: the one check of type, range and count each surface runs before a trustlist reaches the broker."""
+    if isinstance(pids, (list, tuple)):
+        return check_pids(pids, allow_empty)
+    try:
+        listed = list(pids)
+    except Exception:  # not iterable, or an iterable that fails: either way not a list of pids
+        raise InvalidParamError(f"pids must be an iterable of ints, got {type(pids).__name__}") from None
+    return check_pids(listed, allow_empty)

@@ -13,6 +13,7 @@ Needs root (network namespaces) and the engine (pip install 'vmmshare[fabric]').
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -270,7 +271,7 @@ def print_report(res: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- all-to-all at scale (--servers N)
 
 SHARE = 4 * MiB  # each server's one FABRIC export
-IDLE_S = 5.0  # seconds the brokers' CPU is sampled for, every import held
+IDLE_S = 10.0  # seconds the brokers' CPU is sampled for, every import held
 LONE_REPS = 30  # import + map cycles of the lone importer
 
 
@@ -337,10 +338,44 @@ def _lone(handle: str) -> None:
     print(json.dumps({"first": times[0], "later": times[1:]}), flush=True)
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+def _cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (all its threads), or of its thread `tid`; 0 once it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+PARTS = ("broker loop", "broker engine", "metadata service", "importer engines")
+
+
+def _parts(brokers: dict[int, list[int]], workers: set[int]) -> dict[str, float]:
+    """CPU seconds so far of each part of every server: the broker's loop thread (its main thread), the broker's
+    other threads (its transfer engine's), its metadata service child, and the importing processes' threads but
+    their main one (their engines', which run while the imports are held)."""
+    out = dict.fromkeys(PARTS, 0.0)
+    for pids in brokers.values():
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                continue
+            if b"metadata_service" in cmdline:
+                out["metadata service"] += _cpu_seconds(pid)
+                continue
+            for tid in tids:
+                out["broker loop" if tid == pid else "broker engine"] += _cpu_seconds(pid, tid)
+    for pid in workers:
+        with contextlib.suppress(OSError):
+            for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+                if tid != pid:
+                    out["importer engines"] += _cpu_seconds(pid, tid)
+    return out
 
 
 def _rss(pid: int) -> int:
@@ -402,9 +437,13 @@ def run_scale(count: int) -> dict[str, Any]:
         brokers = {s.number: _brokers(cluster, s.number, workers) for s in cluster.servers}
         every = [p for pids in brokers.values() for p in pids]
         before = sum(_cpu_seconds(p) for p in every)
+        parts_before = _parts(brokers, workers)
         t0 = time.monotonic()
         time.sleep(IDLE_S)  # a measurement window, not synchronisation: every import is held meanwhile
-        idle = (sum(_cpu_seconds(p) for p in every) - before) / (time.monotonic() - t0)
+        window = time.monotonic() - t0
+        idle = (sum(_cpu_seconds(p) for p in every) - before) / window
+        parts_after = _parts(brokers, workers)
+        res["idle_cores_by_part"] = {k: (parts_after[k] - parts_before[k]) / window for k in PARTS}
         per_server = [sum(_rss(p) for p in [*brokers[s.number], procs[s.number - 1].pid]) for s in cluster.servers]
         lone_cmd = cluster.server(1).command([*me, "--role", "lone", "--info", handles["2"]])
         lone_out = subprocess.run(lone_cmd, env=env, capture_output=True, text=True)
@@ -460,6 +499,9 @@ def print_scale(results: list[dict[str, Any]]) -> None:
         print(f"  {r['servers']:3d} {r['imports']:8d} {r['verified']:8d}  {la['median']:9.2f} {la['p99']:7.2f} "
               f"{la['max']:7.2f}  {fi['median']:9.2f} {fi['max']:7.2f}  {lo['median']:6.2f} {lo['first']:8.2f}  "
               f"{r['memory_per_server_mib']:10.1f} {r['idle_brokers_cores']:10.4f}")
+        parts = r.get("idle_cores_by_part", {})
+        if parts:
+            print("      idle, cores: " + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()))
         for f in r["failed"][:5]:
             print(f"      failed: {f}")
         if r["left_behind"]:

@@ -167,15 +167,38 @@ def test_a_reconnection_with_no_route_is_tried_again_later(node: Node, monkeypat
     assert node.agent.reconnect_at[EP] > 0.0 and EP not in node.agent.links
 
 
-def test_a_heartbeat_to_a_reset_peer_closes_the_link_quietly(node: Node) -> None:
-    link, far = node.link(outbound=True)
-    node.agent.held[EP] = {5}
-    link.last_sent -= 2 * node.agent.timeout  # quiet both ways long enough for a heartbeat, not for silence
-    link.last_heard -= 2 * node.agent.timeout
-    node.agent._took(EP, 5, link)  # the hold is tied to the link: it has heartbeats, due now
+def test_an_idle_link_with_holds_wakes_the_loop_never_and_the_kernel_watches_it(node: Node) -> None:
+    """No heartbeats: a proved link with remote holds both ways has no deadline in the agent's heap, and its TCP
+    socket has keepalive on, probing from half a fabric timeout of quiet and failing after three fabric timeouts
+    without an answer (unacknowledged data too)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    near = socket.create_connection(server.getsockname())
+    far, _ = server.accept()
+    server.close()
+    near.setblocking(False)
+    a = node.agent
+    link = Link(near, node.sel, KEY, 1, a.timeout, True, EP, on_ready=lambda _: None, on_request=lambda *_: None,
+                on_closed=a._closed)
+    link.on_deadline = a.wake
+    a.links[EP] = link
+    link.state, link.peer_id = State.READY, 2
+    a.held[EP] = {5}
+    a._took(EP, 5, link)
+    link.tied.add(9)
+    a.tick()
+    assert a.wait_time() is None, "an idle link with holds schedules nothing"
+    opt = near.getsockopt
+    assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert opt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    quiet, every, probes = (opt(socket.IPPROTO_TCP, o) for o in
+                            (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT))
+    assert quiet == every == max(1, -(-a.timeout // 2))
+    assert quiet + probes * every == pytest.approx(3 * a.timeout, abs=every)
+    assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(3 * a.timeout * 1000)
+    link.request(F.Release(5), lambda _: None)  # a request has a deadline again: the heap holds it
+    wait = a.wait_time()
+    assert wait is not None and 0 < wait <= a.timeout
     far.close()
-    node.agent.tick()
-    assert link.state is State.CLOSED and EP not in node.agent.links and EP in node.agent.reconnect_at
 
 
 # ---------------------------------------------------------------- two nodes: an importer (server 1), an exporter (2)

@@ -157,7 +157,7 @@ def test_a_peer_import_the_ledger_refuses_gets_an_error_and_the_link_serves_on(n
 
 
 def test_a_reconnection_with_no_route_is_tried_again_later(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
-    def unreachable(address: str, port: int) -> socket.socket:
+    def unreachable(address: str, port: int, source: str = "") -> socket.socket:
         raise OSError(errno.ENETUNREACH, f"cannot connect to {address}:{port}: Network is unreachable")
 
     monkeypatch.setattr(agent_module, "dial", unreachable)
@@ -199,6 +199,22 @@ def test_an_idle_link_with_holds_wakes_the_loop_never_and_the_kernel_watches_it(
     wait = a.wait_time()
     assert wait is not None and 0 < wait <= a.timeout
     far.close()
+
+
+def test_a_link_is_dialed_from_the_brokers_fabric_address_so_its_endpoint_claim_matches() -> None:
+    """On a host with several addresses the broker dials from VMMSHARE_FABRIC_ADDR, not the one the route picks:
+    127.0.0.2 dialing 127.0.0.1 would come from 127.0.0.1 unbound, and the peer would refuse its Listens."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = fabric_agent(1, ("127.0.0.2", 17017))
+    try:
+        link = a._link(listener.getsockname())
+        peer, (source, _) = listener.accept()
+        assert source == "127.0.0.2"
+        assert link.claim == ("127.0.0.2", 17017)
+        peer.close()
+    finally:
+        listener.close()
+        a.close()
 
 
 # ---------------------------------------------------------------- two nodes: an importer (server 1), an exporter (2)
@@ -251,7 +267,7 @@ class Cluster:
         b.data_endpoint = StandInEngine.segment
         return b
 
-    def _dial(self, address: str, port: int) -> socket.socket:
+    def _dial(self, address: str, port: int, source: str = "") -> socket.socket:
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
         far.setblocking(False)
@@ -340,7 +356,7 @@ def test_a_hold_the_exporter_refuses_to_adopt_is_no_longer_kept(cluster: Cluster
 def test_reconnections_stop_when_the_exporters_lease_has_ended(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     dials: list[tuple[str, int]] = []
 
-    def unreachable(address: str, port: int) -> socket.socket:
+    def unreachable(address: str, port: int, source: str = "") -> socket.socket:
         dials.append((address, port))
         raise OSError(errno.ENETUNREACH, "Network is unreachable")
 
@@ -367,7 +383,7 @@ def _silent_peers(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
     """Every dial connects to a listener that never proves the key (a keyless user's own listener)."""
     peers: list[socket.socket] = []
 
-    def silent_peer(address: str, port: int) -> socket.socket:
+    def silent_peer(address: str, port: int, source: str = "") -> socket.socket:
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
         peers.append(far)

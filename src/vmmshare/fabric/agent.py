@@ -459,7 +459,7 @@ class Agent(Serving):
         if link is not None and link.state is not State.CLOSED:
             return link
         try:
-            sock = dial(*endpoint)
+            sock = dial(*endpoint, source=self.config.fabric_addr)
         except OSError:
             if quiet:
                 self._retry_later(endpoint)

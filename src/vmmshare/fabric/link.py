@@ -357,12 +357,17 @@ def keep_alive(sock: socket.socket, timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def dial(address: str, port: int) -> socket.socket:
-    """A non-blocking, close-on-exec TCP socket connecting to (address, port) (the connect completes later)."""
+def dial(address: str, port: int, source: str = "") -> socket.socket:
+    """A non-blocking, close-on-exec TCP socket connecting to (address, port) (the connect completes later), from
+    `source` when given (this broker's VMMSHARE_FABRIC_ADDR): on a host with several addresses the kernel would
+    otherwise pick one by route, and the peer takes the endpoint a link names (Listens) only for the address the
+    connection comes from."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if source and (":" in source) == (family == socket.AF_INET6):
+            sock.bind((source, 0))
         err = sock.connect_ex((address, port))
         if err not in (0, errno.EINPROGRESS):
             raise OSError(err, f"cannot connect to {address}:{port}: {_strerror(err)}")

@@ -445,6 +445,8 @@ def run_scale(count: int) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env["VMMSHARE_BROKER_IDLE"] = "600"
     procs: list[subprocess.Popen[str]] = []
+    shm_before = _shm()
+    ran: set[tuple[int, int]] = set()  # (pid, start time) of every process seen on the cluster's servers
     t_up = time.perf_counter()
     cluster.up()
     up_s = time.perf_counter() - t_up
@@ -502,6 +504,8 @@ def run_scale(count: int) -> dict[str, Any]:
             proc.stdin.close()
             proc.wait(60)
     finally:
+        for s in cluster.servers:
+            ran.update(_started(p) for p in cluster.pids(s.number))
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
@@ -524,7 +528,7 @@ def run_scale(count: int) -> dict[str, Any]:
         "lone_cpu_per_cycle_ms": lone["cpu_ms"],
         "memory_per_server_mib": statistics.mean(per_server) / MiB,
         "idle_brokers_cores": idle,
-        "left_behind": _left_behind(cluster),
+        "left_behind": _left_behind(cluster, ran, shm_before),
     })
     return res
 
@@ -561,11 +565,49 @@ def _run_lone(cluster: Any, me: list[str], env: dict[str, str], handle: str, wor
     return lone
 
 
-def _left_behind(cluster: Any) -> list[str]:
-    """What `cluster down` left: its namespaces, and shared-memory files of its servers' processes."""
+def _started(pid: int) -> tuple[int, int]:
+    """(pid, start time in clock ticks since boot): a process, told apart from a later one reusing its pid; the
+    start time is -1 for a process that is gone or has exited (a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return pid, int(fields[19]) if fields[0] != "Z" else -1
+    except (OSError, ValueError, IndexError):
+        return pid, -1
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _in_use(paths: set[str]) -> set[str]:
+    """Which of `paths` a live process has open or mapped (another program's, not a leftover)."""
+    used: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target in paths:
+                        used.add(target)
+            with open(f"/proc/{pid}/maps") as maps:
+                used.update(path for line in maps if (path := line.rstrip("\n").split(maxsplit=5)[-1]) in paths)
+    return used
+
+
+def _left_behind(cluster: Any, ran: set[tuple[int, int]], shm_before: set[str]) -> list[str]:
+    """What `cluster down` left: its namespaces, any process that ran on its servers (brokers, their metadata
+    services, the workers, whose threads are the engines), and /dev/shm entries made during the run that no live
+    process holds."""
     from .cluster import _namespaces
 
-    left = sorted(ns for ns in _namespaces() if ns.startswith(f"vmms-{cluster.name}-"))
+    left = sorted(f"namespace {ns}" for ns in _namespaces() if ns.startswith(f"vmms-{cluster.name}-"))
+    left += sorted(f"process {pid}" for pid, start in ran if start >= 0 and _started(pid) == (pid, start))
+    fresh = {f"/dev/shm/{name}" for name in _shm() - shm_before}
+    left += sorted(f"file {path}" for path in fresh - _in_use(fresh))
     return left
 
 
@@ -595,7 +637,9 @@ def print_scale(results: list[dict[str, Any]]) -> None:
         for f in r["failed"][:5]:
             print(f"      failed: {f}")
         if r["left_behind"]:
-            print(f"      left behind by cluster down: {', '.join(r['left_behind'])}")
+            print(f"      left behind by cluster down: {', '.join(r['left_behind'][:20])}")
+        else:
+            print("      cluster down left nothing: no namespace, process or /dev/shm entry of the run")
 
 
 def plot_scale(results: list[dict[str, Any]], path: str) -> str:

@@ -157,7 +157,7 @@ def test_a_peer_import_the_ledger_refuses_gets_an_error_and_the_link_serves_on(n
 
 
 def test_a_reconnection_with_no_route_is_tried_again_later(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
-    def unreachable(address: str, port: int) -> socket.socket:
+    def unreachable(address: str, port: int, source: str = "") -> socket.socket:
         raise OSError(errno.ENETUNREACH, f"cannot connect to {address}:{port}: Network is unreachable")
 
     monkeypatch.setattr(agent_module, "dial", unreachable)
@@ -167,15 +167,54 @@ def test_a_reconnection_with_no_route_is_tried_again_later(node: Node, monkeypat
     assert node.agent.reconnect_at[EP] > 0.0 and EP not in node.agent.links
 
 
-def test_a_heartbeat_to_a_reset_peer_closes_the_link_quietly(node: Node) -> None:
-    link, far = node.link(outbound=True)
-    node.agent.held[EP] = {5}
-    link.last_sent -= 2 * node.agent.timeout  # quiet both ways long enough for a heartbeat, not for silence
-    link.last_heard -= 2 * node.agent.timeout
-    node.agent._took(EP, 5, link)  # the hold is tied to the link: it has heartbeats, due now
+def test_an_idle_link_with_holds_wakes_the_loop_never_and_the_kernel_watches_it(node: Node) -> None:
+    """No heartbeats: a proved link with remote holds both ways has no deadline in the agent's heap, and its TCP
+    socket has keepalive on, probing from half a fabric timeout of quiet and failing after three fabric timeouts
+    without an answer (unacknowledged data too)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    near = socket.create_connection(server.getsockname())
+    far, _ = server.accept()
+    server.close()
+    near.setblocking(False)
+    a = node.agent
+    link = Link(near, node.sel, KEY, 1, a.timeout, True, EP, on_ready=lambda _: None, on_request=lambda *_: None,
+                on_closed=a._closed)
+    link.on_deadline = a.wake
+    a.links[EP] = link
+    link.state, link.peer_id = State.READY, 2
+    a.held[EP] = {5}
+    a._took(EP, 5, link)
+    link.tied.add(9)
+    a.tick()
+    assert a.wait_time() is None, "an idle link with holds schedules nothing"
+    opt = near.getsockopt
+    assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert opt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    quiet, every, probes = (opt(socket.IPPROTO_TCP, o) for o in
+                            (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT))
+    assert quiet == every == max(1, -(-a.timeout // 2))
+    assert quiet + probes * every == pytest.approx(3 * a.timeout, abs=every)
+    assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(3 * a.timeout * 1000)
+    link.request(F.Release(5), lambda _: None)  # a request has a deadline again: the heap holds it
+    wait = a.wait_time()
+    assert wait is not None and 0 < wait <= a.timeout
     far.close()
-    node.agent.tick()
-    assert link.state is State.CLOSED and EP not in node.agent.links and EP in node.agent.reconnect_at
+
+
+def test_a_link_is_dialed_from_the_brokers_fabric_address_so_its_endpoint_claim_matches() -> None:
+    """On a host with several addresses the broker dials from VMMSHARE_FABRIC_ADDR, not the one the route picks:
+    127.0.0.2 dialing 127.0.0.1 would come from 127.0.0.1 unbound, and the peer would refuse its Listens."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = fabric_agent(1, ("127.0.0.2", 17017))
+    try:
+        link = a._link(listener.getsockname())
+        peer, (source, _) = listener.accept()
+        assert source == "127.0.0.2"
+        assert link.claim == ("127.0.0.2", 17017)
+        peer.close()
+    finally:
+        listener.close()
+        a.close()
 
 
 # ---------------------------------------------------------------- two nodes: an importer (server 1), an exporter (2)
@@ -228,7 +267,7 @@ class Cluster:
         b.data_endpoint = StandInEngine.segment
         return b
 
-    def _dial(self, address: str, port: int) -> socket.socket:
+    def _dial(self, address: str, port: int, source: str = "") -> socket.socket:
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
         far.setblocking(False)
@@ -317,7 +356,7 @@ def test_a_hold_the_exporter_refuses_to_adopt_is_no_longer_kept(cluster: Cluster
 def test_reconnections_stop_when_the_exporters_lease_has_ended(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     dials: list[tuple[str, int]] = []
 
-    def unreachable(address: str, port: int) -> socket.socket:
+    def unreachable(address: str, port: int, source: str = "") -> socket.socket:
         dials.append((address, port))
         raise OSError(errno.ENETUNREACH, "Network is unreachable")
 
@@ -344,7 +383,7 @@ def _silent_peers(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
     """Every dial connects to a listener that never proves the key (a keyless user's own listener)."""
     peers: list[socket.socket] = []
 
-    def silent_peer(address: str, port: int) -> socket.socket:
+    def silent_peer(address: str, port: int, source: str = "") -> socket.socket:
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
         peers.append(far)

@@ -1,6 +1,6 @@
 """The broker-to-broker format (wire/peer.py) byte for byte, its stream reader, and the key handshake.
 
-The literals are written from the format description (header: magic ``b"VF"``, version 1, type, request id, body
+The literals are written from the format description (header: magic ``b"VF"``, version 3, type, request id, body
 length, little-endian), never computed from the codec's tables. The handshake cases play the attacker: a wrong
 key, a proof replayed on another connection, a proof reflected back to its maker, a peer claiming our own id, a
 handshake relayed through another endpoint; and the sealed frames after it: tampered with, replayed, reordered,
@@ -24,24 +24,24 @@ N2 = bytes(range(32, 64))
 P32 = bytes([0xAB]) * 32
 
 CASES = [
-    ("hello", 1, F.Hello(0x11223344, N1), "5646 02 01 01000000 24000000  44332211" + N1.hex()),
-    ("challenge", 2, F.Challenge(7, N2, P32), "5646 02 02 02000000 44000000  07000000" + N2.hex() + P32.hex()),
-    ("proof", 3, F.Proof(P32), "5646 02 03 03000000 20000000" + P32.hex()),
-    ("welcome", 4, F.Welcome(), "5646 02 04 04000000 00000000"),
+    ("hello", 1, F.Hello(0x11223344, N1), "5646 03 01 01000000 24000000  44332211" + N1.hex()),
+    ("challenge", 2, F.Challenge(7, N2, P32), "5646 03 02 02000000 44000000  07000000" + N2.hex() + P32.hex()),
+    ("proof", 3, F.Proof(P32), "5646 03 03 03000000 20000000" + P32.hex()),
+    ("welcome", 4, F.Welcome(), "5646 03 04 04000000 00000000"),
     ("import", 0x0A0B0C0D,
      F.Import(shareable=0x0102030405060708, share_type=2, secret_proof=N1, server_id=0xBEEF, pid=4242, uid=1000, tag=9),
-     "5646 02 10 0d0c0b0a 3d000000  0807060504030201 02" + N1.hex() + " efbe0000 92100000 e8030000 0900000000000000"),
-    ("release", 5, F.Release(0xFFFFFFFFFFFFFFFF), "5646 02 11 05000000 08000000 ffffffffffffffff"),
-    ("heartbeat", 6, F.Heartbeat(), "5646 02 12 06000000 00000000"),
-    ("adopt", 7, F.Adopt(3), "5646 02 13 07000000 08000000 0300000000000000"),
+     "5646 03 10 0d0c0b0a 3d000000  0807060504030201 02" + N1.hex() + " efbe0000 92100000 e8030000 0900000000000000"),
+    ("release", 5, F.Release(0xFFFFFFFFFFFFFFFF), "5646 03 11 05000000 08000000 ffffffffffffffff"),
+    ("heartbeat", 6, F.Heartbeat(), "5646 03 12 06000000 00000000"),
+    ("adopt", 7, F.Adopt(3), "5646 03 13 07000000 08000000 0300000000000000"),
     ("listens", 11, F.Listens(F.endpoint_bytes("10.0.0.1", 17017)),
-     "5646 02 14 0b000000 12000000 0a000001" + "00" * 12 + "7942"),
-    ("ok", 8, F.Ok(), "5646 02 40 08000000 00000000"),
-    ("error", 9, F.Error(107017, "gone"), "5646 02 41 09000000 08000000  09a20100 676f6e65"),
+     "5646 03 14 0b000000 12000000 0a000001" + "00" * 12 + "7942"),
+    ("ok", 8, F.Ok(), "5646 03 40 08000000 00000000"),
+    ("error", 9, F.Error(107017, "gone"), "5646 03 41 09000000 08000000  09a20100 676f6e65"),
     ("imported", 10,
      F.Imported(hold=1, size=0x200000, memory_kind=0, handle_type=0, allocation_type=0, mem_attr=5, location_type=1,
                 location_id=-1, address=0x7F0000001000, segment="10.0.0.1:15001"),
-     "5646 02 42 0a000000 2f000000  0100000000000000 0000200000000000 00 00 00 05 01 ffffffff 00100000007f0000"
+     "5646 03 42 0a000000 2f000000  0100000000000000 0000200000000000 00 00 00 05 01 ffffffff 00100000007f0000"
      + b"10.0.0.1:15001".hex()),
 ]
 
@@ -61,12 +61,13 @@ def test_every_kind_has_a_pinned_case() -> None:
     (b"", "shorter"),
     (h("5642 01 04 00000000 00000000"), "magic"),  # the local broker's magic: not this protocol
     (h("5646 01 04 00000000 00000000"), "version"),  # the first protocol: refused
-    (h("5646 02 63 00000000 00000000"), "unknown message type"),
-    (h("5646 02 04 00000000 01000000 00"), "body of 1 bytes"),  # WELCOME has no body
-    (h("5646 02 11 00000000 07000000 00000000000000"), "body of 7"),
-    (h("5646 02 11 00000000 08000000 0000000000000000 00"), "header says"),  # a trailing byte
-    (h("5646 02 41 00000000 06000000 01000000 ff fe"), "UTF-8"),
-    (h("5646 02 41 00000000 05040000") + bytes(0x405), "body of 1029"),  # text beyond its limit
+    (h("5646 02 04 00000000 00000000"), "version"),  # the second (no Listens): refused, not misread
+    (h("5646 03 63 00000000 00000000"), "unknown message type"),
+    (h("5646 03 04 00000000 01000000 00"), "body of 1 bytes"),  # WELCOME has no body
+    (h("5646 03 11 00000000 07000000 00000000000000"), "body of 7"),
+    (h("5646 03 11 00000000 08000000 0000000000000000 00"), "header says"),  # a trailing byte
+    (h("5646 03 41 00000000 06000000 01000000 ff fe"), "UTF-8"),
+    (h("5646 03 41 00000000 05040000") + bytes(0x405), "body of 1029"),  # text beyond its limit
 ])
 def test_bad_frames_are_refused_with_a_reason(raw: bytes, why: str) -> None:
     with pytest.raises(PeerProtocolError, match=why):
@@ -99,7 +100,7 @@ def test_the_reader_cuts_a_stream_fed_byte_by_byte_and_in_bulk() -> None:
 def test_the_reader_refuses_a_bad_header_before_buffering_its_body() -> None:
     reader = FrameReader()
     with pytest.raises(PeerProtocolError, match="body of"):
-        reader.feed(h("5646 02 11 00000000 ffffff7f"))  # a 2 GiB body announced: refused at once
+        reader.feed(h("5646 03 11 00000000 ffffff7f"))  # a 2 GiB body announced: refused at once
     reader = FrameReader()
     with pytest.raises(PeerProtocolError, match="magic"):
         reader.feed(b"GET / HTTP/1.1\r\n")

@@ -9,12 +9,12 @@ memory or dies, the hold goes and the remote hold is released on the link.
 Exporting (serving.py): a remote import is an import like any other, by the same ledger code, and this broker's
 transfer engine serves the memory while remote imports of it live.
 
-Remote holds are tied to the link they came on. Heartbeats keep it, one per link whichever side holds what (either
-side sends one after half a timeout of quiet both ways, and the reply refreshes both); a link with holds silent for
-SILENCE_FACTOR timeouts closes. A link that dies leaves its holds for a lease of LEASE_FACTOR fabric timeouts, within
-which the importing broker reconnects and adopts them again; what is not adopted by then is released, so nothing
-stays behind a server that went away. Every deadline is in one heap: a wake-up touches what is due, never every link
-or hold.
+Remote holds are tied to the link they came on. The kernel watches each link (TCP keepalive, link.keep_alive): a
+link whose peer's host or network is gone fails after SILENCE_FACTOR fabric timeouts, a peer broker that exits
+resets it at once, and an idle link never wakes this loop. A link that dies leaves its holds for a lease of
+LEASE_FACTOR fabric timeouts, within which the importing broker reconnects and adopts them again; what is not
+adopted by then is released, so nothing stays behind a server that went away. Every deadline is in one heap: a
+wake-up touches what is due, never every link or hold.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ from .metadata import MetadataService, new_token
 from .serving import LEASE_FACTOR, MAX_LINKS, RemoteHold, Served, Serving, map_budget
 
 log = logging.getLogger("vmmshare.fabric")
-HEARTBEAT_FACTOR = 0.5  # a link with remote holds sends a heartbeat after this many fabric timeouts of quiet
-SILENCE_FACTOR = 3  # a link with remote holds heard nothing from for this many fabric timeouts is closed
+RETRY_FACTOR = 0.5  # a lost link to an exporter holding our holds is dialed again after this many fabric timeouts
 MAX_DIALS_PER_USER = 16  # links one user's imports may have waiting on their key handshake at once
 MIN_KEY, MAX_KEY = 32, 4096
 FABRIC = C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC
@@ -245,28 +244,16 @@ class Agent(Serving):
                 mman.unmap(address, size)
 
     def _due(self, link: Link, now: float) -> None:
-        """A link's wake-up: its timed-out requests fail, and a link with holds either way is kept or closed."""
+        """A link's wake-up: its timed-out requests fail, or its handshake's time is up."""
         link.expire(now)
-        if link.state is State.READY and (link.tied or link.holding):
-            if now - link.last_heard >= SILENCE_FACTOR * self.timeout:
-                link.close(f"silent for {SILENCE_FACTOR * self.timeout:g} s")
-            elif now - max(link.last_sent, link.last_heard) >= HEARTBEAT_FACTOR * self.timeout:
-                link.request(F.Heartbeat(), _ignore)
         self.wake(link)
 
     def _next_due(self, link: Link) -> float | None:
-        """When the link next has something to do: a request's or its handshake's deadline, a heartbeat, silence."""
-        if link.state is State.CLOSED:
-            return None
-        when = link.next_deadline()
-        if link.state is State.READY and (link.tied or link.holding):
-            keep = min(max(link.last_sent, link.last_heard) + HEARTBEAT_FACTOR * self.timeout,
-                       link.last_heard + SILENCE_FACTOR * self.timeout)
-            when = keep if when is None else min(when, keep)
-        return when
+        """When the link next has something to do: a request's or its handshake's deadline (None: nothing waits)."""
+        return link.next_deadline()
 
     def wake(self, link: Link) -> None:
-        """Put the link's next deadline (a request's, its handshake's, its heartbeat's) in the timer heap."""
+        """Put the link's next deadline (a request's, its handshake's) in the timer heap."""
         when = self._next_due(link)
         if when is not None and (link.wake_at is None or when < link.wake_at):
             link.wake_at = when
@@ -435,13 +422,12 @@ class Agent(Serving):
             link.request(F.Release(hold), _ignore)
 
     def _took(self, endpoint: Endpoint_, hold: int, link: Link) -> None:
-        """A remote hold at `endpoint` is tied to `link` now (taken or adopted over it): the link has heartbeats."""
+        """A remote hold at `endpoint` is tied to `link` now (taken or adopted over it)."""
         old = self.taken.get((endpoint, hold))
         if old is not None:
             old.holding.discard(hold)
         self.taken[(endpoint, hold)] = link
         link.holding.add(hold)
-        self.wake(link)
 
     def _forget(self, endpoint: Endpoint_, hold: int) -> None:
         link = self.taken.pop((endpoint, hold), None)
@@ -473,7 +459,7 @@ class Agent(Serving):
         if link is not None and link.state is not State.CLOSED:
             return link
         try:
-            sock = dial(*endpoint)
+            sock = dial(*endpoint, source=self.config.fabric_addr)
         except OSError:
             if quiet:
                 self._retry_later(endpoint)
@@ -554,7 +540,7 @@ class Agent(Serving):
             self._retry_later(endpoint)
 
     def _retry_later(self, endpoint: Endpoint_) -> None:
-        self.reconnect_at[endpoint] = time.monotonic() + max(0.2, HEARTBEAT_FACTOR * self.timeout)
+        self.reconnect_at[endpoint] = time.monotonic() + max(0.2, RETRY_FACTOR * self.timeout)
 
 
 def _canonical(address: str) -> str:

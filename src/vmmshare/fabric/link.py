@@ -13,10 +13,12 @@ it fails with 507022 naming the peer. The link keeps no timers: `next_due` tells
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import itertools
 import logging
+import math
 import selectors
 import socket
 import time
@@ -79,7 +81,6 @@ class Link:
         self.unsent = bytearray()
         now = time.monotonic()
         self.deadline = now + timeout  # for the handshake
-        self.last_heard = self.last_sent = now
         self.pending: dict[int, Pending] = {}  # in the order sent: the first has the earliest deadline
         self.abandoned: dict[int, Pending] = {}  # timed out, unanswered: a late reply goes to its `late`
         self.queued: list[tuple[Request, Pending]] = []  # requests made before the link was ready
@@ -91,6 +92,7 @@ class Link:
         self.on_deadline: Callable[[Link], None] | None = None  # the owner's: a new deadline to put in its heap
         self._ids = itertools.count(1)
         self._mask = 0
+        keep_alive(sock, timeout)
         self._watch()
 
     @property
@@ -140,7 +142,6 @@ class Link:
             return
         frame = F.encode(message, req)
         self.unsent += self.sealer.seal(frame) if self.sealer is not None else frame
-        self.last_sent = time.monotonic()
         if len(self.unsent) > MAX_UNSENT:
             self.close("it does not read what it is sent")
             return
@@ -194,7 +195,6 @@ class Link:
         if not data:
             self.close("it closed the connection")
             return
-        self.last_heard = time.monotonic()
         self.reader.push(data)
         while self.state is not State.CLOSED and (frame := self.reader.next()) is not None:
             self._frame(*frame)  # one at a time: the handshake switches the reader to sealed frames mid-stream
@@ -338,12 +338,36 @@ def _strerror(err: int) -> str:
     return os.strerror(err)
 
 
-def dial(address: str, port: int) -> socket.socket:
-    """A non-blocking, close-on-exec TCP socket connecting to (address, port) (the connect completes later)."""
+SILENCE_FACTOR = 3  # a link whose peer's kernel does not answer for this many fabric timeouts is closed
+
+
+def keep_alive(sock: socket.socket, timeout: float) -> None:
+    """Let the kernel watch the link (TCP keepalive, and a bound on unacknowledged data): a peer whose host or
+    network is gone fails the socket (ETIMEDOUT) after SILENCE_FACTOR fabric timeouts, and an idle link costs
+    this broker no wake-ups. A peer broker that exits resets the connection at once; one merely frozen keeps it,
+    as a frozen local process keeps what it holds (its requests still time out one by one)."""
+    quiet = max(1, math.ceil(timeout / 2))  # seconds of quiet before the first probe, and between probes
+    probes = max(2, math.ceil(SILENCE_FACTOR * timeout / quiet) - 1)
+    with contextlib.suppress(OSError):  # a socket type without these (not TCP) is left as it is
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, quiet)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, quiet)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(SILENCE_FACTOR * timeout * 1000))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def dial(address: str, port: int, source: str = "") -> socket.socket:
+    """A non-blocking, close-on-exec TCP socket connecting to (address, port) (the connect completes later), from
+    `source` when given (this broker's VMMSHARE_FABRIC_ADDR): on a host with several addresses the kernel would
+    otherwise pick one by route, and the peer takes the endpoint a link names (Listens) only for the address the
+    connection comes from."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if source and (":" in source) == (family == socket.AF_INET6):
+            sock.bind((source, 0))
         err = sock.connect_ex((address, port))
         if err not in (0, errno.EINPROGRESS):
             raise OSError(err, f"cannot connect to {address}:{port}: {_strerror(err)}")

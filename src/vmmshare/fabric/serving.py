@@ -132,7 +132,6 @@ class Serving:
                 continue
             sock.setblocking(False)
             sock.set_inheritable(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
                         on_ready=self._inbound_ready, on_request=self._request, on_closed=self._closed,
                         listening=(self.config.fabric_addr, self.config.fabric_port))
@@ -204,7 +203,6 @@ class Serving:
             return F.Error(code, exc.message if isinstance(exc, AclError) else f"cannot serve the memory: {exc}")
         self.remote_holds[hold] = RemoteHold(client, server, memory, link)
         link.tied.add(hold)
-        self.wake(link)  # a link with holds has heartbeats
         log.debug("fabric: pid %d of server %#x imported %#x", m.pid, server, m.shareable)
         # the hold's own registration and where the engine takes transfers: all the importer learns of this engine
         return F.Imported(hold, memory.size, memory.kind, *share.prop, served.address, self.data_endpoint)
@@ -255,7 +253,6 @@ class Serving:
                                                           "(released, or its lease ran out) or is not this link's")
         rh.link, rh.expires = link, 0.0
         link.tied.add(hold)
-        self.wake(link)
         return F.Ok()
 
     def _drop_remote(self, hold: int) -> None:

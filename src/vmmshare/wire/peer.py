@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 MAGIC = b"VF"
-VERSION = 2  # 2: endpoint-bound proofs, authenticated frames, secrets proved, not sent
+VERSION = 3  # 2: endpoint-bound proofs, sealed frames, secrets proved, not sent; 3: links used both ways (Listens)
 HEADER = struct.Struct("<2sBBII")
 MAX_BODY = 4096
 NONCE = 32

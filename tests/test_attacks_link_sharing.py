@@ -121,14 +121,11 @@ def test_a_claim_for_an_ipv4_mapped_address_is_not_taken_for_the_plain_one(clust
     assert isinstance(refused, F.Error) and ("10.0.0.7", 17017) not in cluster.a.links
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent.py _listens: a claim is checked against the connection's source address only, so a keyed server behind "
-    "the same address as another (NAT, two brokers on one host) names that other's port and takes its endpoint: "
-    "every import of its handles goes to the claimer"))
 def test_a_server_behind_the_same_address_cannot_take_another_servers_endpoint(cluster: Cluster) -> None:
     """Server 3 connects to a from b's address (10.0.0.2, another port) before a has a link to b, and names b's
-    endpoint 10.0.0.2:17017. a's clients' imports of b's handles then go to server 3: it learns each importer's pid,
-    uid and tag and the handle's value, and the import fails (107017: the link proved server 3, not b)."""
+    endpoint 10.0.0.2:17017. a's clients' imports of b's handles must not go to server 3 (it would learn each
+    importer's pid, uid and tag and the handle's value): a claimed link carries requests only for the server that
+    proved itself on it, so a dials b and the import works."""
     handle = cluster.export()
     link, far = proved(cluster.a, 3, (B_ADDRESS, 40005))
     claim(cluster, link, far, EP)
@@ -145,10 +142,23 @@ def test_a_server_behind_the_same_address_cannot_take_another_servers_endpoint(c
     assert isinstance(reply, P.RemoteImported), reply
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent.py _listens/_usable: a claim taken while a's link to b is down makes a adopt its holds at b over the "
-    "claimer's link (Adopt sent to server 3, which says Ok) and stop reconnecting to b, whose lease then releases "
-    "them: a keyed server behind b's address ends other servers' holds at b"))
+def test_a_claim_while_this_broker_dials_that_endpoint_for_another_server_takes_none_of_its_requests(
+        cluster: Cluster) -> None:
+    """a is dialing b for an import of b's handle (the key handshake not done yet) when server 3, from b's address,
+    names b's endpoint: the import queued on a's own link stays there and goes to b, not to the claimer."""
+    handle = cluster.export()
+    x = cluster.a.ledger.connect(1111, 1000, (1, 1))
+    got: list[P.Message] = []
+    assert cluster.a.local(x, P.RemoteImport(handle), got.append) is None
+    assert cluster.a.links[EP].state is not State.READY
+    link, far = proved(cluster.a, 3, (B_ADDRESS, 40007))
+    far.send((F.Listens(F.endpoint_bytes(*EP)), 1))
+    cluster.a.sel.get_key(link.sock).data(selectors.EVENT_READ)  # a reads the claim before its handshake with b ends
+    cluster.pump()
+    assert not [m for m in frames(far) if isinstance(m, F.Import)]
+    assert len(got) == 1 and isinstance(got[0], P.RemoteImported), got
+
+
 def test_a_server_behind_the_same_address_cannot_adopt_another_servers_holds(cluster: Cluster) -> None:
     x = cluster.a.ledger.connect(1111, 1000, (1, 1))
     assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)

@@ -113,6 +113,7 @@ class Agent(Serving):
         self.links: dict[Endpoint_, Link] = {}
         self.held: dict[Endpoint_, set[int]] = {}  # remote holds this node's clients have, by exporting broker
         self.taken: dict[tuple[Endpoint_, int], Link] = {}  # the link each of them was taken or adopted over
+        self.held_from: dict[Endpoint_, int] = {}  # the server id that proved itself at an endpoint we hold at
         self.reconnect_at: dict[Endpoint_, float] = {}
         self.lost_at: dict[Endpoint_, float] = {}  # when the link to an exporter with our remote holds went down
         # exporting side
@@ -226,7 +227,7 @@ class Agent(Serving):
                     self._lose(endpoint, "its lease ended before the link came back")
                 elif self.held.get(endpoint):
                     try:
-                        self._link(endpoint, quiet=True)
+                        self._link(endpoint, self.held_from.get(endpoint), quiet=True)
                     except OSError as exc:  # no route now: tried again later, until the exporter's lease ends
                         log.info("fabric: cannot reconnect to %s:%d: %s", *endpoint, exc.strerror or exc)
         while self.leases and self.leases[0][0] <= now:
@@ -289,7 +290,7 @@ class Agent(Serving):
             return P.Error(C.ACL_ERROR_RT_PARAM_INVALID, (
                 f"this FABRIC handle was exported on this node (server id {handle.server_id:#x} in the handle, "
                 f"{self.server_id:#x} here): import it in a process whose VMMSHARE_SERVER_ID matches its broker's"))
-        fresh = endpoint not in self.links
+        fresh = self._reusable(endpoint, handle.server_id) is None
         if fresh and len(self.links) >= MAX_LINKS:
             return P.Error(C.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, (
                 f"this broker has links to {len(self.links)} other servers' brokers, its limit: the import from "
@@ -302,7 +303,7 @@ class Agent(Serving):
                 f"its limit ({MAX_DIALS_PER_USER}): the import from {ep.address}:{ep.port} is refused until they are "
                 "done"))
         try:
-            link = self._link(endpoint)
+            link = self._link(endpoint, handle.server_id)
             if fresh:
                 self.dialed_by[endpoint] = client.uid
         except OSError as exc:
@@ -428,6 +429,8 @@ class Agent(Serving):
             old.holding.discard(hold)
         self.taken[(endpoint, hold)] = link
         link.holding.add(hold)
+        if link.peer_id is not None:
+            self.held_from[endpoint] = link.peer_id
 
     def _forget(self, endpoint: Endpoint_, hold: int) -> None:
         link = self.taken.pop((endpoint, hold), None)
@@ -438,12 +441,14 @@ class Agent(Serving):
             held.discard(hold)
             if not held:
                 del self.held[endpoint]
+                self.held_from.pop(endpoint, None)
                 self.lost_at.pop(endpoint, None)
 
     def _lose(self, endpoint: Endpoint_, why: str) -> None:
         """Stop keeping the remote holds at an exporter (its broker released them): no more heartbeats or
         reconnections for them; copies of that memory fail, and freeing it is local only."""
         holds = self.held.pop(endpoint, set())
+        self.held_from.pop(endpoint, None)
         for hold in holds:
             link = self.taken.pop((endpoint, hold), None)
             if link is not None:
@@ -452,11 +457,21 @@ class Agent(Serving):
         self.reconnect_at.pop(endpoint, None)
         log.warning("fabric: %d remote import(s) of memory served at %s:%d are lost: %s", len(holds), *endpoint, why)
 
-    def _link(self, endpoint: Endpoint_, quiet: bool = False) -> Link:
-        """The link requests to `endpoint` go on: the one this broker dialed, or the one that broker dialed and named
-        itself on (Listens); dialed now if there is none."""
+    def _reusable(self, endpoint: Endpoint_, server: int | None) -> Link | None:
+        """The live link requests for `server` at `endpoint` may go on: one this broker dialed there, or one a broker
+        named that endpoint on (Listens) if it proved it is `server`; a claim proves only the address, so another
+        server's claimed link is never used for this one's handles or holds."""
         link = self.links.get(endpoint)
-        if link is not None and link.state is not State.CLOSED:
+        if link is None or link.state is State.CLOSED:
+            return None
+        if link.outbound or server is None or link.peer_id == server:
+            return link
+        return None
+
+    def _link(self, endpoint: Endpoint_, server: int | None = None, quiet: bool = False) -> Link:
+        """The link requests for `server` at `endpoint` go on (see `_reusable`); dialed now if there is none."""
+        link = self._reusable(endpoint, server)
+        if link is not None:
             return link
         try:
             sock = dial(*endpoint, source=self.config.fabric_addr)
@@ -467,6 +482,7 @@ class Agent(Serving):
         claim = (self.config.fabric_addr, self.config.fabric_port) if self.config.fabric_addr else None
         link = Link(sock, self.sel, self.key, self.server_id, self.timeout, True, endpoint,
                     on_ready=self._outbound_ready, on_request=self._request, on_closed=self._closed, claim=claim)
+        link.meant_for = server
         link.on_deadline = self.wake
         self.links[endpoint] = link
         self.wake(link)
@@ -479,6 +495,8 @@ class Agent(Serving):
     def _usable(self, link: Link, endpoint: Endpoint_) -> None:
         """`link` carries this broker's requests to `endpoint` now: the remote holds there whose link is gone are
         adopted over it (those tied to another live link stay on theirs)."""
+        if self.held_from.get(endpoint, link.peer_id) != link.peer_id:  # another server is at that endpoint now
+            return
         self.lost_at.pop(endpoint, None)
         self.reconnect_at.pop(endpoint, None)
         for hold in sorted(self.held.get(endpoint, ())):
@@ -512,8 +530,15 @@ class Agent(Serving):
                 f"the endpoint named is not on the address this connection comes from ({link.endpoint[0]}): requests "
                 "to that broker go on a link of their own"))
         endpoint = (_canonical(link.endpoint[0]), port)
+        owner = self.held_from.get(endpoint)
+        if owner is not None and owner != link.peer_id:
+            return F.Error(C.ACL_ERROR_RT_NO_PERMISSION, (
+                f"{endpoint[0]}:{port} is where server {owner:#x} proved itself, and this node holds memory there: "
+                "requests to it go on a link of their own"))
         link.listens = endpoint
         current = self.links.get(endpoint)
+        if current is not None and current.state is not State.CLOSED and current.meant_for not in (None, link.peer_id):
+            return F.Ok()  # this broker is dialing that endpoint for another server: its requests stay on that link
         if current is not None and current.state is State.READY:
             return F.Ok()  # both dialed at once and ours is proved: each side keeps its own (rare)
         self.links[endpoint] = link

@@ -77,6 +77,7 @@ class Link:
         self.session = b""  # the link's id once proved (what an Import's secret proof is bound to)
         self.challenged = False  # the accepting side sent its challenge
         self.peer_id: int | None = None
+        self.meant_for: int | None = None  # the server id the requests queued on a link being dialed are for
         self.reader = F.FrameReader()
         self.unsent = bytearray()
         now = time.monotonic()

@@ -85,6 +85,7 @@ class RunLock:
     starved by a stream of shared holders. flock(2) locks are the workers' own (close-on-exec, never inherited)."""
 
     def __init__(self, folder: str) -> None:
+        self.folder = folder
         os.makedirs(folder, mode=0o700, exist_ok=True)
         self.gate = os.open(os.path.join(folder, "gate"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.room = os.open(os.path.join(folder, "room"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -105,26 +106,22 @@ class RunLock:
                 fcntl.flock(self.gate, fcntl.LOCK_UN)
 
 
-def _run_folder() -> str | None:
-    """The folder the workers of one parallel run share (None outside one)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    return os.path.join(tempfile.gettempdir(), f"vmmshare-tests-run-{run}") if run else None
-
-
 _RUN_LOCK: RunLock | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker (and only there: not in a pytest that a test runs), open the run's lock. Every worker opens
+    it before any test runs (tests are handed out once all have collected), so whichever worker ends first may
+    remove the folder: the others keep locking the same files through the fds they hold."""
     global _RUN_LOCK
-    folder = _run_folder()
-    if folder is not None and os.environ.get("PYTEST_XDIST_WORKER"):
-        _RUN_LOCK = RunLock(folder)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        _RUN_LOCK = RunLock(os.path.join(tempfile.gettempdir(), f"vmmshare-tests-run-{workerinput['testrunuid']}"))
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    folder = _run_folder()
-    if folder is not None and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, once all workers ended
-        shutil.rmtree(folder, ignore_errors=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _RUN_LOCK is not None:
+        shutil.rmtree(_RUN_LOCK.folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

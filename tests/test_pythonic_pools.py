@@ -20,6 +20,13 @@ MiB = 1 << 20
 CHUNK = 2 * MiB
 
 
+@pytest.fixture(autouse=True)
+def _collected() -> None:
+    """Collect first what earlier tests in this process left to the collector: these tests count the runtime's
+    objects, and another test's garbage is not theirs (in a parallel run any test may come before)."""
+    gc.collect()
+
+
 @pytest.fixture
 def ctx() -> Any:
     return mp.get_context("spawn")

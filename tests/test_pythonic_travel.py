@@ -24,6 +24,13 @@ MiB = 1 << 20
 NO_PERMISSION = C.ACL_ERROR_RT_NO_PERMISSION
 
 
+@pytest.fixture(autouse=True)
+def _collected() -> None:
+    """Collect first what earlier tests in this process left to the collector: these tests count the runtime's
+    objects, and another test's garbage is not theirs (in a parallel run any test may come before)."""
+    gc.collect()
+
+
 @pytest.fixture(params=["spawn", "forkserver", "fork"])
 def ctx(request: pytest.FixtureRequest) -> Any:
     return mp.get_context(request.param)

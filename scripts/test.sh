@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+# In parallel (pytest-xdist): the tests mostly wait on child processes, so more workers than cores pay off
+# (VMMSHARE_TEST_WORKERS=0 runs them in this one process). The tests marked `alone` keep the xdist group "alone",
+# scheduled after the rest (no reordering of groups by size); see tests/conftest.py.
+.venv/bin/python -m pytest -q -n "${VMMSHARE_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"

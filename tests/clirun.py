@@ -3,10 +3,11 @@ its own process, with an environment of the test's own."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from procs import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).parent / "vmmshare"
@@ -16,10 +17,7 @@ HANG_GUARD = 120  # seconds: a guard against a hang only, never part of an asser
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
     """This environment without VMMSHARE_* variables, a socket of the test's own, and `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env["VMMSHARE_SOCKET"] = str(tmp_path / "s" / "broker.sock")
-    env.update(extra)
-    return env
+    return clean_env(**{"VMMSHARE_SOCKET": str(tmp_path / "s" / "broker.sock"), **extra})
 
 
 def vmmshare(env: dict[str, str], *args: str, cmd: list[str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,10 @@ does not leak into the next one.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -17,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import pytest
@@ -64,6 +67,85 @@ HOST = 0
 NONE, READ, READWRITE = 0x0, 0x1, 0x3
 
 SIGSEGV_RC = -signal.SIGSEGV
+
+
+# ---------------------------------------------------------------- running in parallel (pytest-xdist)
+
+# scripts/test.sh runs the suite on several workers (`-n N --dist loadgroup`). Each worker is a process of its own,
+# with its own private broker above. A test marked `alone` changes or measures what the whole machine shares (the
+# kernel's next pid, the hugetlb pool): it runs with no other test of the run in progress, on one worker (the
+# xdist_group "alone"), after every other test. Tests marked `slow` start first, so the run does not end waiting on
+# one long test.
+ALONE = "alone"
+
+
+class RunLock:
+    """Lets an `alone` test run only while no other test of this run does: every test holds `room` shared, an alone
+    test holds it exclusive; `gate` (taken to enter) makes a waiting alone test block newcomers, so it is not
+    starved by a stream of shared holders. flock(2) locks are the workers' own (close-on-exec, never inherited)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        self.gate = os.open(os.path.join(folder, "gate"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.room = os.open(os.path.join(folder, "room"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @contextlib.contextmanager
+    def held(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.room, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+
+_RUN_LOCK: RunLock | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker (and only there: not in a pytest that a test runs), open the run's lock. Every worker opens
+    it before any test runs (tests are handed out once all have collected), so whichever worker ends first may
+    remove the folder: the others keep locking the same files through the fds they hold."""
+    global _RUN_LOCK
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        _RUN_LOCK = RunLock(os.path.join(tempfile.gettempdir(), f"vmmshare-tests-run-{workerinput['testrunuid']}"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _RUN_LOCK is not None:
+        shutil.rmtree(_RUN_LOCK.folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests first, alone tests last (and in one xdist group); otherwise the order of the files."""
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if item.get_closest_marker(ALONE) is not None:
+                item.add_marker(pytest.mark.xdist_group(ALONE))
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker(ALONE) is not None:
+            return 2
+        return 0 if item.get_closest_marker("slow") is not None else 1
+
+    items.sort(key=rank)  # stable: the order within each rank is kept
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Setup, call and teardown of each test under the run's lock (see RunLock)."""
+    if _RUN_LOCK is None:
+        return (yield)
+    with _RUN_LOCK.held(item.get_closest_marker(ALONE) is not None):
+        return (yield)
 
 
 # ---------------------------------------------------------------- tests that need something this machine may lack
@@ -361,7 +443,8 @@ def vmm(acl):
 
 @pytest.fixture
 def fabric() -> Any:
-    """A two-server test cluster (fabric_cluster.py) for one test; its brokers' logs are printed when it fails."""
+    """A two-server test cluster (fabric_cluster.py) for one test, which may stop, restart or reconfigure its
+    brokers and links; its brokers' logs are printed when it fails."""
     from fabric_cluster import TestCluster
 
     c = TestCluster(2)
@@ -372,6 +455,117 @@ def fabric() -> Any:
         raise
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def module_fabric() -> Iterator[Any]:
+    """One two-server test cluster for the tests of a module that use `shared_fabric`."""
+    from fabric_cluster import TestCluster
+
+    c = TestCluster(2)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def shared_fabric(module_fabric: Any) -> Iterator[Any]:
+    """The module's cluster, for a test that neither stops, restarts nor reconfigures its brokers or links. At the
+    test's end its actors are killed and both brokers must come back to holding and serving nothing (the releases
+    between servers take a round trip: waited for); where they do not, the cluster is made afresh for the next
+    test."""
+    from fabric_cluster import eventually
+
+    c = module_fabric
+    yield c
+    for a in c.actors:
+        a.kill()
+    c.actors.clear()
+    try:
+        eventually(c.unchanged, "the test left a broker of the shared cluster holding or serving memory")
+    except AssertionError as exc:
+        left, logs = c.holdings(), c.logs()
+        c.renew()
+        raise AssertionError(f"{exc}: {left}\n{logs}") from None
+
+
+# ---------------------------------------------------------------- brokers started by the tests
+
+
+@pytest.fixture(scope="module")
+def broker_env() -> dict[str, str]:
+    """The environment the brokers below start with, which their clients get too (`broker.env`); a module overrides
+    this fixture for settings of its own (a capacity, a server id)."""
+    from procs import clean_env
+
+    return clean_env()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Any, broker_env: dict[str, str]) -> Iterator[Any]:
+    """A broker of this test alone (SIGKILLed at its end), for a test that kills, stops, restarts or limits it."""
+    from procs import BrokerProc
+
+    b = BrokerProc(tmp_path / "broker", env=broker_env)
+    try:
+        yield b
+    finally:
+        b.kill()  # an idle broker acts on SIGTERM only at its next event: SIGKILL is how the tests end it
+
+
+@pytest.fixture(scope="module")
+def module_broker(tmp_path_factory: pytest.TempPathFactory, broker_env: dict[str, str]) -> Iterator[Any]:
+    """One broker for the tests of a module that use `broker`."""
+    from procs import BrokerProc
+
+    b = BrokerProc(tmp_path_factory.mktemp("broker"), env=broker_env)
+    try:
+        yield b
+    finally:
+        b.kill()
+
+
+def broker_state(b: Any) -> dict[str, Any]:
+    """What a test must leave in a shared broker as it found it: once the broker has dropped every connection closed
+    before this call (a barrier: two round trips on a connection of our own), its clients (ours alone), charges,
+    exports, device 0's free and total memory, and its open fds."""
+    import common
+    from vmmshare.wire import local as P
+
+    with common.Raw(b.socket) as c:
+        for _ in range(2):
+            assert isinstance(c.ask(P.BareTgid()), P.Pid)
+        state: dict[str, Any] = {"used": {}, "gpu_used": {}, "exports": []}
+        offset: int | None = 0
+        while offset is not None:
+            page = c.ask(P.List(offset))
+            assert isinstance(page, P.Listing), page
+            head = json.loads(page.page)
+            offset = head.pop("next")
+            state["used"].update(head.pop("used"))
+            state["gpu_used"].update(head.pop("gpu_used"))
+            state["exports"] += head.pop("exports")
+            state.update(head)  # the node's figures: clients, capacity, export_count, broker_pid
+        mem = c.ask(P.MemInfo(0))
+        assert isinstance(mem, P.Mem), mem
+        state["mem_info"] = (mem.free, mem.total)
+        state["fds"] = b.fd_count()
+        return state
+
+
+@pytest.fixture
+def broker(module_broker: Any) -> Iterator[Any]:
+    """The module's broker, for a test that neither kills, stops nor limits it. The test must leave it as it found
+    it (checked at its end, see `broker_state`: a stronger leak check than a fresh broker per test); where it does
+    not, the broker is started afresh for the next test."""
+    before = broker_state(module_broker)
+    yield module_broker
+    after = broker_state(module_broker)
+    if after != before:
+        module_broker.kill()
+        module_broker.start()
+        raise AssertionError(f"the test left the shared broker changed: {before} -> {after}")
 
 
 @pytest.fixture(scope="module")

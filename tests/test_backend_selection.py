@@ -3,6 +3,7 @@ memory, anything else is a configuration error. (GPU machines run tests/test_cud
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -26,13 +27,22 @@ def run(backend: str) -> list[str]:
     return out.stdout.split(maxsplit=2)
 
 
+@functools.cache
 def gpu_usable() -> bool:
+    """Whether a GPU is usable here (asked in a child process, once, at the first test that needs to know)."""
     out = subprocess.run([sys.executable, "-c", "from vmmshare.backends.cuda import available; print(available())"],
                          capture_output=True, text=True, timeout=60)
     return out.stdout.strip() == "True"
 
 
-without_gpu = pytest.mark.skipif(gpu_usable(), reason="a GPU is usable here: tests/test_cuda.py covers it")
+@pytest.fixture
+def no_gpu() -> None:
+    """Skips a test of the no-GPU paths where a GPU is usable."""
+    if gpu_usable():
+        pytest.skip("a GPU is usable here: tests/test_cuda.py covers it")
+
+
+without_gpu = pytest.mark.usefixtures("no_gpu")
 
 
 @without_gpu

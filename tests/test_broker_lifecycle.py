@@ -26,9 +26,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from procs import PROP, Actor, BrokerProc, MiB2
+from procs import PROP, Actor, BrokerProc, MiB2, clean_env, fails, ok
 from vmmshare.wire import local as P
 
 MiB = 1 << 20
@@ -39,12 +37,6 @@ PARAM = 107000
 BAD_HANDLE = 107017
 NO_MEMORY = 207001
 HANG_GUARD = 30.0  # seconds; a guard against hangs only, never part of an assertion
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env.update(extra)
-    return env
 
 
 def prop_on(device: int) -> dict[str, Any]:
@@ -82,23 +74,6 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.close()
-
-
-def ok(actor: Actor, name: str, *args: Any) -> Any:
-    """Call `name` in `actor`, which must succeed; its outputs (one value, a tuple, or None)."""
-    result = actor.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == 0, f"{name}{args!r} in pid {actor.pid} returned {result!r}: {actor.last_err}"
-    if not isinstance(result, tuple):
-        return None
-    return result[0] if len(result) == 2 else result[:-1]
-
-
-def fails(actor: Actor, code: int, name: str, *args: Any) -> None:
-    result = actor.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == code, f"{name}{args!r} in pid {actor.pid} returned {result!r}, expected {code}: {actor.last_err}"
-    assert actor.last_err.strip(), "a failure sets the recent error message"
 
 
 def malloc_mapped(actor: Actor, size: int, fill: int, device: int = 0) -> tuple[int, int]:
@@ -326,6 +301,7 @@ def _call_all(actors: list[Actor], name: str, *args: Any) -> list[Any]:
     return out
 
 
+@pytest.mark.slow
 def test_auto_start_one_broker_for_many_clients_then_idle_exit(procs: Procs, tmp_path: Path) -> None:
     folder = tmp_path / "auto"
     sock = folder / "broker.sock"

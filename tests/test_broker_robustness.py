@@ -18,16 +18,13 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 import rawsock
-from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
+from procs import PROP, Actor, BrokerProc, MiB2, clean_env, share_and_map
 from vmmshare.wire import local as P
 from vmmshare.wire.local import HEADER, LAYOUTS, MAGIC, MAX_FRAME, VERSION, Frame, Msg, ProtocolError
 
@@ -44,19 +41,10 @@ CAPACITY = 64 << 20
 PROP_FIELDS = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location.type, location.id
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env.update(extra)
-    return env
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProc]:
-    b = BrokerProc(tmp_path, env=clean_env(VMMSHARE_DEVICE_MEMORY=str(CAPACITY)))
-    try:
-        yield b
-    finally:
-        b.kill()  # SIGKILL: how the broker stops on SIGTERM is test_broker_lifecycle's business
+@pytest.fixture(scope="module")
+def broker_env() -> dict[str, str]:
+    """The tests' broker (conftest's `broker`, one for the module) has CAPACITY."""
+    return clean_env(VMMSHARE_DEVICE_MEMORY=str(CAPACITY))
 
 
 # ---------------------------------------------------------------- a raw client

@@ -10,18 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from procs import BrokerProc
+from procs import BrokerProc, clean_env
 from vmmshare.client import autostart
 from vmmshare.config import MAX_SOCKET_PATH
 from vmmshare.errors import AclError
 
 HANG_GUARD = 30.0  # seconds; a guard against hangs only
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env.update(extra)
-    return env
 
 
 def broker_module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

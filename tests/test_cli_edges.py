@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from clirun import HANG_GUARD, VMMSHARE, env_for, refused, vmmshare
+from procs import clean_env
 
 POLL = 0.05  # seconds between looks at /proc while waiting (with a deadline) for a run's processes to start
 
@@ -51,6 +52,7 @@ def test_stress_options_are_usage_errors(tmp_path: Path, args: list[str], option
     assert out.stderr.startswith("usage: vmmshare stress"), out.stderr
 
 
+@pytest.mark.slow
 def test_stress_results_go_to_stdout_readably_or_as_json(tmp_path: Path) -> None:
     """The summary is on stdout, without Python reprs; `--json -` puts only the JSON there (the summary goes to
     stderr), and `--json FILE` writes the same result to the file beside the summary."""
@@ -207,8 +209,8 @@ def test_fabric_handles_carry_the_family_handles_md_says(fabric: str, addr: str,
     code = (
         "from vmmshare.config import Config\nfrom vmmshare.fabric.agent import endpoint_of\n"
         "print(endpoint_of(Config.from_env()).pack().hex())\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env.update(VMMSHARE_FABRIC=fabric, VMMSHARE_FABRIC_PORT="17099", **({"VMMSHARE_FABRIC_ADDR": addr} if addr else {}))
+    env = clean_env(VMMSHARE_FABRIC=fabric, VMMSHARE_FABRIC_PORT="17099",
+                    **({"VMMSHARE_FABRIC_ADDR": addr} if addr else {}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert out.returncode == 0, out.stderr
     raw = bytes.fromhex(out.stdout.strip())
@@ -232,6 +234,7 @@ def _tiny_bench() -> dict[str, Any]:
     return bench.run(True, False, [4096, 2 << 20], 2, [1, 2], 0.1)
 
 
+@pytest.mark.slow
 def test_bench_report_is_narrow_tables_with_their_spread_and_the_machine() -> None:
     """One narrow table per question (no line past 100 columns, no snake_case column names), each latency a
     median with its p10–p90 spread, the machine, date and commit on the first line, targets in words."""
@@ -254,6 +257,7 @@ def test_bench_report_is_narrow_tables_with_their_spread_and_the_machine() -> No
     assert "share 2 MiB, vs SharedMemory create+attach" in text
 
 
+@pytest.mark.slow
 def test_bench_figure_draws_the_spread_log_axes_and_its_label() -> None:
     """The figure: p10–p90 bars on every latency curve, a SharedMemory curve beside vmmshare's first-touch one,
     log x axes, the throughput panel from zero with its target, the machine, date and commit in the title."""
@@ -281,6 +285,7 @@ def test_bench_figure_draws_the_spread_log_axes_and_its_label() -> None:
 # ---------------------------------------------------------------- stress fabric_faults: the fd check
 
 
+@pytest.mark.slow
 def test_fabric_faults_fd_check_counts_the_engine_apart_and_the_rest_exactly(tmp_path: Path) -> None:
     """Its "18 fds after the run, 9 before" was the transfer engine starting on the first cross-server export,
     after the baseline: the check now holds vmmshare's own fds (memfds, pidfds, Unix sockets) to the baseline

@@ -62,6 +62,7 @@ def test_a_user_who_sets_mc_log_level_sees_the_engine_lines() -> None:
     assert "vmmshare's own line" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_fabric_shows_only_its_report() -> None:
     """`vmmshare bench --fabric` loads the engine as the broker does: its stderr is empty (no engine line), and a
     throughput size below the 2 MiB granule (1M) is carried by a 2 MiB allocation instead of failing the export."""

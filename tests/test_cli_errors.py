@@ -7,22 +7,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from clirun import HANG_GUARD, ROOT, env_for, refused, vmmshare
-from procs import Actor, BrokerProc
+from procs import Actor, BrokerProc, clean_env
 
 USAGE, FAILED, IN_USE = 2, 1, 3
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProc]:
-    b = BrokerProc(tmp_path, env=env_for(tmp_path, VMMSHARE_DEVICE_MEMORY="8M"))
-    yield b
-    b.kill()
+@pytest.fixture(scope="module")
+def broker_env() -> dict[str, str]:
+    """The tests' broker (conftest's `broker`, one for the module) has 8 MiB per device."""
+    return clean_env(VMMSHARE_DEVICE_MEMORY="8M")
 
 
 # ---------------------------------------------------------------- bad options

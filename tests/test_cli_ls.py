@@ -8,24 +8,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2
+from procs import PROP, Actor, BrokerProc, MiB2, clean_env, ok
 
 DEFAULT, FABRIC = 1, 2
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProc]:
-    b = BrokerProc(tmp_path, env=_clean_env())
-    yield b
-    b.kill()  # SIGKILL: an idle broker does not act on SIGTERM until its next event (reported as a bug)
 
 
 @pytest.fixture
@@ -41,12 +29,6 @@ def ls(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "vmmshare.cli", "ls", *args], env=env, capture_output=True, text=True, timeout=120
     )
-
-
-def ok(a: Actor, name: str, *args: Any) -> Any:
-    result = a.call(name, *args)
-    assert result[-1] == 0 if isinstance(result, tuple) else result == 0, f"{name} -> {result!r}: {a.last_err}"
-    return result[0] if isinstance(result, tuple) else None
 
 
 def test_ls_shows_an_export_its_trustlist_and_importer(broker: BrokerProc, actors: list[Actor]) -> None:
@@ -126,7 +108,7 @@ def test_ls_forgets_revoked_exports(broker: BrokerProc, actors: list[Actor]) -> 
 def test_ls_without_a_broker_fails_and_starts_none(tmp_path: Path, as_json: bool) -> None:
     folder = tmp_path / "nobroker"
     sock = folder / "broker.sock"
-    env = {**_clean_env(), "VMMSHARE_SOCKET": str(sock)}
+    env = {**clean_env(), "VMMSHARE_SOCKET": str(sock)}
     out = ls(env, *(["--json"] if as_json else []))
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert out.stdout == ""

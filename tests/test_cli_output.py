@@ -38,6 +38,7 @@ def test_demo_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
     assert out.returncode == PIPE_CLOSED and out.stderr == "", out.stderr
 
 
+@pytest.mark.slow
 def test_bench_into_a_closed_pipe_stops_quietly_and_keeps_its_json(tmp_path: Path) -> None:
     target = tmp_path / "bench.json"
     out = with_closed_stdout(env_for(tmp_path), *TINY_BENCH, "--json", str(target))
@@ -107,6 +108,7 @@ def test_demo_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
     assert piped.returncode == 0 and piped.stderr == "", "progress written to a stderr that is not a terminal"
 
 
+@pytest.mark.slow
 def test_bench_shows_progress_on_a_terminal(tmp_path: Path) -> None:
     out, terminal = run_on_a_terminal(env_for(tmp_path), *TINY_BENCH)
     assert out.returncode == 0, out.stdout

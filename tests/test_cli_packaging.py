@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD = 600  # seconds: a guard against a hang only, never part of an assertion
 
@@ -58,6 +60,7 @@ def test_sdist_carries_the_license_and_its_pep_639_metadata(unpacked: Path) -> N
     assert meta["License"] is None  # the deprecated free-text field is gone
 
 
+@pytest.mark.slow
 def test_sdist_test_suite_collects_and_runs_from_the_unpacked_tree(unpacked: Path) -> None:
     """Every test file collects (conftest, the harness in src/vmmshare/cli/stress/, fakecuda, examples and docs are
     there), and a few run green against the unpacked tree's own package."""
@@ -74,6 +77,7 @@ def test_sdist_test_suite_collects_and_runs_from_the_unpacked_tree(unpacked: Pat
     assert " passed" in ran.stdout.splitlines()[-1] and "failed" not in ran.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_wheel_built_from_the_sdist_runs_vmmshare_stress(unpacked: Path, tmp_path: Path) -> None:
     """The wheel carries the stress runs and their harness: `vmmshare stress` lists them and one runs to a clean
     exit, from an install that has no source checkout anywhere near it."""
@@ -84,8 +88,7 @@ def test_wheel_built_from_the_sdist_runs_vmmshare_stress(unpacked: Path, tmp_pat
         z.extractall(site)
     assert "vmmshare/cli/stress/fakecuda/fakecuda.c" in names and "vmmshare/cli/stress/procs.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env.update(PYTHONPATH=str(site), VMMSHARE_SOCKET=str(tmp_path / "s" / "broker.sock"))
+    env = clean_env(PYTHONPATH=str(site), VMMSHARE_SOCKET=str(tmp_path / "s" / "broker.sock"))
 
     def stress(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "vmmshare", "cli", "stress", *args], cwd=tmp_path, env=env,

@@ -4,11 +4,12 @@ On a machine with a usable NVIDIA GPU these run on it. Elsewhere they run on `fa
 libcuda driven through the real cuda-bindings, which checks how vmmshare uses the driver API (and nothing about a
 GPU); the tests that need torch or cupy on a GPU skip there. Without cuda-bindings or a C compiler the module skips
 (and fails where VMMSHARE_REQUIRE_CUDA_TESTS=1, as in CI).
-Every actor runs with VMMSHARE_BACKEND=cuda on a broker of its own test.
+Every actor runs with VMMSHARE_BACKEND=cuda, on the module's broker (conftest's `broker`) unless its test kills it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -24,7 +25,7 @@ import pytest
 
 import fakecuda
 from conftest import CUDA_GATE, require
-from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
+from procs import PROP, Actor, BrokerProc, MiB2, clean_env, share_and_map
 
 HERE = Path(__file__).resolve().parent
 SRC = str(HERE.parent / "src")
@@ -37,51 +38,79 @@ def _gpu_usable(extra_env: dict[str, str] | None = None) -> bool:
     return out.stdout.strip() == "True"
 
 
-def _mode() -> str | None:
-    """'gpu' with a real GPU, 'fake' where the CPU stand-in can run, else None."""
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+BINDINGS = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+
+
+@functools.cache
+def mode() -> str | None:
+    """'gpu' with a real GPU, 'fake' where the CPU stand-in can run, else None. Asked (in a child process that
+    loads the driver) at the first test that needs it, not while the suite is collected."""
+    if not BINDINGS:
         return None
     if _gpu_usable():
         return "gpu"
     return "fake" if shutil.which(os.environ.get("CC", "cc")) else None
 
 
-MODE = _mode()
-if os.environ.get("VMMSHARE_REQUIRE_GPU") == "1" and MODE != "gpu":
-    raise RuntimeError("VMMSHARE_REQUIRE_GPU=1 but no usable GPU: vmmshare.backends.cuda.available() is False")
 # CI sets VMMSHARE_REQUIRE_CUDA_TESTS=1: there the backend's tests never skip
-require(MODE is not None, "no usable NVIDIA GPU, and no CPU stand-in (it needs cuda-bindings and a C compiler)",
-        CUDA_GATE)
+NO_BACKEND = "no usable NVIDIA GPU, and no CPU stand-in (it needs cuda-bindings and a C compiler)"
+require(BINDINGS, NO_BACKEND, CUDA_GATE)
 pytestmark = [pytest.mark.gpu]
-needs_real_gpu = pytest.mark.skipif(MODE != "gpu", reason="needs a real GPU (torch / cupy CUDA tensors)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def backend_mode() -> str | None:
+    """Skips (fails in CI) every test here where neither a GPU nor the stand-in can run."""
+    found = mode()
+    if os.environ.get("VMMSHARE_REQUIRE_GPU") == "1" and found != "gpu":
+        pytest.fail("VMMSHARE_REQUIRE_GPU=1 but no usable GPU: vmmshare.backends.cuda.available() is False",
+                    pytrace=False)
+    require(found is not None, NO_BACKEND, CUDA_GATE)
+    return found
+
+
+@pytest.fixture
+def real_gpu() -> None:
+    """Skips a test that needs a real GPU where the stand-in runs."""
+    if mode() != "gpu":
+        pytest.skip("needs a real GPU (torch / cupy CUDA tensors)")
+
+
+@pytest.fixture
+def stand_in() -> None:
+    """Skips a test that sizes the stand-in's device memory where a real GPU runs."""
+    if mode() != "fake":
+        pytest.skip("sizes the stand-in's device memory")
+
+
+needs_real_gpu = pytest.mark.usefixtures("real_gpu")
+needs_stand_in = pytest.mark.usefixtures("stand_in")
 
 
 @pytest.fixture(scope="module")
 def cuda_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """What a process needs in its environment to see the GPUs (nothing on a real GPU)."""
-    if MODE != "fake":
+    if mode() != "fake":
         return {}
     env = fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
     assert _gpu_usable(env), "the CPU stand-in for libcuda did not load"
     return env
 
 
-@pytest.fixture
-def broker(tmp_path: Path, cuda_env: dict[str, str]) -> Iterator[BrokerProc]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(cuda_env)
-    b = BrokerProc(tmp_path, env=env)
-    yield b
-    b.kill()
+@pytest.fixture(scope="module")
+def broker_env(cuda_env: dict[str, str]) -> dict[str, str]:
+    """The tests' brokers (conftest's `broker`, one for the module, and `own_broker`) and their clients see the
+    GPUs."""
+    return clean_env(**{"PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **cuda_env})
 
 
 @pytest.fixture
 def gpu_actor(broker: BrokerProc) -> Iterator[Callable[..., Actor]]:
+    """`gpu_actor(on=None, **env)`: an Actor with the CUDA backend, a client of `on` (else of `broker`)."""
     made: list[Actor] = []
 
-    def make(**over: str) -> Actor:
-        env = {**broker.env, "VMMSHARE_BACKEND": "cuda", **over}
+    def make(on: BrokerProc | None = None, **over: str) -> Actor:
+        env = {**(on or broker).env, "VMMSHARE_BACKEND": "cuda", **over}
         a = Actor(env)
         made.append(a)
         return a
@@ -383,7 +412,7 @@ def test_share_cycles_leak_no_fd_and_no_allocation(gpu_actor: Callable[..., Acto
         assert download(importer, iptr, 10) == b"still here"
         drop(importer, ih, iptr)
     assert (exporter.call("!fd_count"), importer.call("!fd_count")) == fds
-    if MODE == "fake":
+    if mode() == "fake":
         assert driver_allocations(exporter.pid) == driver_allocations(importer.pid) == 0
 
 
@@ -411,19 +440,19 @@ def test_gpu_memory_is_given_back_when_the_last_holder_dies(gpu_actor: Callable[
 
 
 def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..., Actor],
-                                                          broker: BrokerProc) -> None:
-    a = gpu_actor()
+                                                          own_broker: BrokerProc) -> None:
+    a = gpu_actor(on=own_broker)
     h, ptr = alloc_map(a, 2 * MiB2)
     upload(a, ptr, b"survives")
-    broker.kill()
-    broker.start()
+    own_broker.kill()
+    own_broker.start()
     h2, ptr2 = alloc_map(a)  # the client reconnects and charges its live allocations again, as GPU memory
-    after = listing(broker)
+    after = listing(own_broker)
     assert after["gpu_used"] == {"0": 3 * MiB2} and after["used"] == {}, after
     assert download(a, ptr, 8) == b"survives"
     drop(a, h2, ptr2)
     drop(a, h, ptr)
-    assert listing(broker)["gpu_used"] == {}
+    assert listing(own_broker)["gpu_used"] == {}
 
 
 def test_rule_16_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Callable[..., Actor],
@@ -472,7 +501,7 @@ def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) 
     assert a.call("rt.unmap_mem", ptr) == 0
     assert a.call("rt.release_mem_address", ptr) == 0
     assert a.call("!fd_count") == fds
-    if MODE == "fake":
+    if mode() == "fake":
         assert driver_allocations(a.pid) == 0
 
 
@@ -493,7 +522,7 @@ def test_device_mem_info_is_the_gpus(broker: BrokerProc) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
-@pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")
+@needs_stand_in
 def test_rule_2_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor(FAKECUDA_MEMORY=str(4 * MiB2))
     drop(a, *alloc_map(a))  # connected, context made
@@ -509,7 +538,7 @@ def test_rule_2_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[...
     assert a.call("!fd_count") == fds and driver_allocations(a.pid) == 0  # the failed call left nothing
 
 
-@pytest.mark.skipif(MODE != "fake", reason="sizes the stand-in's device memory")
+@needs_stand_in
 def test_gpu_capacity_is_the_gpus_not_vmmshare_device_memory(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor(FAKECUDA_MEMORY=str(200 << 30), VMMSHARE_DEVICE_MEMORY="1G")
     prop = {**PROP, "location": {"id": 0, "type": 1}}
@@ -523,7 +552,7 @@ def test_gpu_capacity_is_the_gpus_not_vmmshare_device_memory(gpu_actor: Callable
 def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> None:
     exporter, importer = gpu_actor(), gpu_actor()
     count, ret = exporter.call("rt.get_device_count")
-    assert ret == 0 and (count == 2 or MODE == "gpu")  # the stand-in has two
+    assert ret == 0 and (count == 2 or mode() == "gpu")  # the stand-in has two
     if count < 2:
         pytest.skip("one GPU only")
     assert exporter.call("rt.set_device", 1) == 0 and importer.call("rt.set_device", 1) == 0
@@ -549,17 +578,17 @@ def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> 
 
 @pytest.mark.parametrize("peer_path", [True, False], ids=["peers", "no_peers"])
 def test_peer_access_is_the_gpus_topology(gpu_actor: Callable[..., Actor], peer_path: bool) -> None:
-    if MODE == "gpu" and not peer_path:
+    if mode() == "gpu" and not peer_path:
         pytest.skip("the stand-in's setting")
     a = gpu_actor(**({} if peer_path else {"FAKECUDA_NO_PEER": "1"}))
     count, _ = a.call("rt.get_device_count")
     if count < 2:
-        assert MODE == "gpu", "the CPU stand-in has two devices"
+        assert mode() == "gpu", "the CPU stand-in has two devices"
         pytest.skip("one GPU only")
     assert a.call("rt.device_can_access_peer", 0, 0) == (0, 0)
     can, ret = a.call("rt.device_can_access_peer", 0, 1)
-    assert ret == 0 and (can == 1 if MODE == "fake" and peer_path else can in (0, 1))
-    if MODE == "fake" and not peer_path:
+    assert ret == 0 and (can == 1 if mode() == "fake" and peer_path else can in (0, 1))
+    if mode() == "fake" and not peer_path:
         assert can == 0
     assert a.call("rt.device_enable_peer_access", 1, 0) == (0 if can else 207000)
 
@@ -595,7 +624,7 @@ def test_a_context_made_current_by_other_code_does_not_mislead_the_runtime(broke
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     if out.stdout.strip() == "one GPU":
-        assert MODE == "gpu", "the CPU stand-in has two devices"
+        assert mode() == "gpu", "the CPU stand-in has two devices"
         pytest.skip("one GPU only")
     assert out.stdout.strip() == "ok"
 
@@ -618,6 +647,7 @@ def test_fuzzed_calls_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str
         assert result["ok_per_function"].get(name, 0) > 0, f"{name} never succeeded"
 
 
+@pytest.mark.slow
 def test_sigkill_faults_on_gpu_memory_keep_every_invariant(cuda_env: dict[str, str]) -> None:
     """stress/faults.py, CI-sized, under the CUDA backend: exporter, importer and broker killed at random points."""
     sys.path.insert(0, str(HERE.parent / "src" / "vmmshare" / "cli" / "stress"))
@@ -753,6 +783,7 @@ def test_there_is_a_gpu_example() -> None:
     assert GPU_EXAMPLES, "no examples/gpu_*.py: test_gpu_example_runs would be an empty (skipped) parameter set"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda p: p.stem)
 def test_gpu_example_runs(broker: BrokerProc, path: Path) -> None:
     env = {**broker.env, "VMMSHARE_BACKEND": "cuda"}
@@ -769,6 +800,7 @@ def test_demo_shares_gpu_memory(broker: BrokerProc) -> None:
     assert "8 MiB of GPU memory (CUDA backend) shared" in out.stdout and "all steps behaved" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_runs(broker: BrokerProc, tmp_path: Path) -> None:
     """`vmmshare bench --gpu`, small: every step of it runs and reports (on the stand-in the numbers mean nothing)."""
     args = ["bench", "--gpu", "--sizes", "2M,4M", "--reps", "3", "--json", str(tmp_path / "b.json")]
@@ -801,14 +833,14 @@ def test_doctor_lists_the_gpus(broker: BrokerProc) -> None:
                          text=True, timeout=60)
     finding = next(f for f in json.loads(out.stdout) if f["item"] == "backend")
     assert finding["status"] == "ok" and "GPU 0:" in finding["detail"], finding
-    if MODE == "fake":
+    if mode() == "fake":
         assert "GPU 1: 16384 MiB, granularity 2048 KiB" in finding["detail"], finding
 
 
 def test_visible_devices_choose_the_gpu(gpu_actor: Callable[..., Actor]) -> None:
     """ASCEND_RT_VISIBLE_DEVICES=1: the process sees one device, 0, which is GPU 1; its memory, copies and peer
     questions are GPU 1's (the stand-in names each GPU's memory)."""
-    if MODE != "fake":
+    if mode() != "fake":
         pytest.skip("on a real GPU the node's GPUs are what CUDA_VISIBLE_DEVICES leaves; checked on the stand-in")
     a = gpu_actor(ASCEND_RT_VISIBLE_DEVICES="1")
     count, ret = a.call("rt.get_device_count")

@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2
+from procs import PROP, Actor, BrokerProc, MiB2, fails, ok
 from vmmshare.runtime.devices import parse_visible
 
 PARAM, BAD_DEVICE, NO_DEVICE = 107000, 107001, 207004
@@ -42,22 +41,6 @@ def actor(tmp_path: Path) -> Iterator[MakeActor]:
     for a in made:
         a.kill()
     broker.kill()
-
-
-def ok(a: Actor, name: str, *args: Any) -> Any:
-    result = a.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == 0, f"{name}{args!r} -> {result!r}: {a.last_err}"
-    if not isinstance(result, tuple):
-        return None
-    return result[0] if len(result) == 2 else result[:-1]
-
-
-def fails(a: Actor, code: int, name: str, *args: Any) -> str:
-    result = a.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == code, f"{name}{args!r} -> {result!r}, expected {code}: {a.last_err}"
-    return str(a.last_err)
 
 
 # ---------------------------------------------------------------- how the runtime reads the variable

@@ -21,6 +21,7 @@ def test_there_are_examples() -> None:
             "share_ipc_memory", "ipc_memory_withpid", "ipc_memory_withoutpid", "torch_weight_sync"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(path: Path) -> None:
     if path.stem.startswith("torch_") and importlib.util.find_spec("torch") is None:

@@ -87,9 +87,8 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
     ledger = Ledger(1, 1 << 30, identify=lambda pid: (None, None), close_fd=closed.append,
                     memfd_info=lambda fd: (MiB2, 0), quotas=quotas)
     sel = selectors.DefaultSelector()
-    n = Node(Agent(Config.from_env(), ledger, sel), ledger, sel, closed)
+    n = Node(Agent(dataclasses.replace(Config.from_env(), fabric="tcp"), ledger, sel), ledger, sel, closed)
     n.agent.meta.start()  # the node's metadata service, where each import is described to its process's engine
-    n.agent.config = dataclasses.replace(n.agent.config, fabric="tcp")
     yield n
     n.agent.meta.close()
     for link in [*n.agent.links.values(), *n.agent.accepted]:
@@ -121,12 +120,33 @@ def imported(hold: int) -> F.Imported:
     return F.Imported(hold, MiB2, 0, 0, 0, 0, 1, 0, 0x1000, "10.0.0.2:15000")
 
 
+def requests(far: Far) -> list[tuple[int, F.PeerMessage]]:
+    """The requests waiting at the far end of a link, with their ids."""
+    far.sock.setblocking(False)
+    got: list[tuple[int, F.PeerMessage]] = []
+    while True:
+        try:
+            data = far.sock.recv(1 << 16)
+        except BlockingIOError:
+            return got
+        if not data:
+            return got
+        got += far.reader.feed(data)
+
+
 @pytest.mark.parametrize("node", [Quotas(holds=1)], indirect=True)
 def test_a_remote_import_the_importers_quota_refuses_is_released_at_the_exporter(node: Node) -> None:
     client = node.ledger.connect(1234, 1000, (1, 1))
     node.ledger.handle(client, P.Charge(0, MiB2))  # the user's one hold
-    _, far = node.link(outbound=True)
-    reply = node.agent._imported(client, EP, MiB2, imported(77))
+    link, far = node.link(outbound=True)
+    handle = FabricHandle(2, 0, 0x1234, MiB2, secrets.token_bytes(32), 0, Endpoint(4, *EP)).pack()
+    answers: list[P.Message] = []
+    assert node.agent.local(client, P.RemoteImport(handle), answers.append) is None  # asked over the link
+    [(req, sent)] = requests(far)
+    assert isinstance(sent, F.Import) and sent.pid == 1234
+    far.send((imported(77), req))  # the exporting broker made hold 77 for it
+    link.on_event(selectors.EVENT_READ)
+    [reply] = answers
     assert isinstance(reply, P.Error) and reply.code == RESOURCE and "VMMSHARE_QUOTA_HOLDS" in reply.message
     assert not node.agent.held.get(EP), "nothing is kept alive by heartbeats for an import that was refused"
     assert [m for m in frames(far) if isinstance(m, F.Release)] == [F.Release(77)]

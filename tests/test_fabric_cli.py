@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import require
 from fabric_cluster import cluster_problem
+from procs import clean_env
 
 require(not cluster_problem(), cluster_problem())
 
@@ -18,7 +21,7 @@ CLI = [sys.executable, "-m", "vmmshare.cli"]
 
 
 def vmmshare(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    env = clean_env()
     # a hang guard only
     return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=600)
 
@@ -47,6 +50,7 @@ def test_cluster_up_status_exec_down() -> None:
     assert bad.returncode == 2 and "cluster name" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_cluster_of_64_servers_reaches_every_server_and_leaves_nothing() -> None:
     """Past 33 servers on one bridge, the learned ARP entries (N(N-1)) outgrew the kernel's neighbour table and
     servers stopped reaching each other; `up` refused more than 8. Now every server knows every other as a
@@ -85,12 +89,13 @@ def test_a_cluster_of_64_servers_reaches_every_server_and_leaves_nothing() -> No
 
 
 def test_cluster_up_needs_root_and_says_so() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    env = clean_env()
     out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *CLI, "cluster",
                           "up", "--name", "nr"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1 and "needs root" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_demo_fabric_shares_across_two_servers() -> None:
     out = vmmshare("demo", "--fabric")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -98,6 +103,7 @@ def test_demo_fabric_shares_across_two_servers() -> None:
     assert "207006" in out.stdout and "every step behaved" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_fabric_reports_every_ratio(tmp_path: Path) -> None:
     path = tmp_path / "fabric.json"
     out = vmmshare("bench", "--fabric", "--sizes", "1M,4M", "--reps", "2", "--latency-reps", "20", "--json",

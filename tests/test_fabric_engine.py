@@ -169,6 +169,7 @@ except AclError as exc:
     assert "207000" in out.stdout and "vmmshare[fabric]" in out.stdout and "libibverbs1" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_exporting_brokers_engine_serves_more_registrations_than_a_process_engines_value_holds() -> None:
     """The attack: each remote hold is a registration of its own, and the exporting engine writes its whole
     descriptor (every registration, about 60 bytes each) to the node's metadata service at each one; past 64 KiB

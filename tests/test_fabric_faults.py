@@ -35,6 +35,7 @@ def test_a_killed_exporting_broker_is_a_clear_error_and_frees_cleanly(fabric: Te
     assert fabric.brokers[2].listing()["exports"] == []
 
 
+@pytest.mark.slow
 def test_a_frozen_exporting_broker_times_out_and_recovers(fabric: TestCluster) -> None:
     a, b, c = fabric.actor(1), fabric.actor(2), fabric.actor(2)
     _, s, ap = export(a, pids=[b.pid, c.pid])
@@ -57,6 +58,7 @@ def test_a_frozen_exporting_broker_times_out_and_recovers(fabric: TestCluster) -
     eventually(lambda: served_nothing(fabric), "the memory is still served")
 
 
+@pytest.mark.slow
 def test_a_link_down_is_a_clear_error_and_up_again_works(fabric: TestCluster) -> None:
     a, b, c = fabric.actor(1), fabric.actor(2), fabric.actor(2)
     _, s, ap = export(a, pids=[b.pid, c.pid])
@@ -76,6 +78,7 @@ def test_a_link_down_is_a_clear_error_and_up_again_works(fabric: TestCluster) ->
     eventually(lambda: served_nothing(fabric), "the memory is still served")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("who", ["importer", "importers broker", "importers server"])
 def test_what_an_importer_held_is_released_when_it_or_its_server_goes(fabric: TestCluster, who: str) -> None:
     a, b = fabric.actor(1), fabric.actor(2)
@@ -95,6 +98,7 @@ def test_what_an_importer_held_is_released_when_it_or_its_server_goes(fabric: Te
     assert fabric.brokers[1].listing()["exports"] == []
 
 
+@pytest.mark.slow
 def test_after_its_broker_restarts_a_process_imports_and_copies_again(fabric: TestCluster) -> None:
     """The importing broker restarts under a process that imported: the process's next remote import comes with a
     new metadata namespace (the new broker's service), and its copies use an engine started there."""

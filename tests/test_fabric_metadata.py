@@ -140,6 +140,7 @@ def test_a_brokers_metadata_service_goes_with_it(fabric: TestCluster) -> None:
         eventually(lambda child=child: gone(child), f"server {n}'s metadata service outlived its broker")
 
 
+@pytest.mark.slow
 def test_connections_that_trickle_their_requests_do_not_keep_the_engines_out(service: MetadataService) -> None:
     """A local user holds every connection slot open by sending its requests a byte at a time: each is cut off once
     its request has taken REQUEST_TIMEOUT, and an engine's GET is answered (rather than waiting while they trickle)."""

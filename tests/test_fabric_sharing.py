@@ -13,7 +13,7 @@ import pytest
 
 from conftest import require
 from fabric_cluster import TestCluster, cluster_problem, eventually
-from procs import Actor
+from procs import Actor, fails, ok
 
 require(not cluster_problem(), cluster_problem())
 
@@ -23,22 +23,6 @@ PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0
 HOST_PROP = {**PROP, "location": {"id": 0, "type": 0}}
 M2 = 2 << 20
 PARAM, BAD_HANDLE, NOT_SUPPORTED, NO_PERMISSION, IPC = 107000, 107017, 207000, 207006, 507022
-
-
-def ok(a: Actor, name: str, *args: Any) -> Any:
-    result = a.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == 0, f"{name}{args!r} -> {result!r}: {a.last_err}"
-    return result[0] if isinstance(result, tuple) and len(result) == 2 else result[:-1] if isinstance(
-        result, tuple) else None
-
-
-def fails(a: Actor, code: int, name: str, *args: Any) -> str:
-    result = a.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == code, f"{name} -> {result!r}, expected {code}: {a.last_err}"
-    assert a.last_err, f"{name} failed with {code} but left no message"
-    return str(a.last_err)
 
 
 def export(a: Actor, size: int = M2, flags: int = 0, pids: list[int] | None = None,
@@ -76,10 +60,10 @@ def served_nothing(c: TestCluster, n: int = 1) -> bool:
 # ---------------------------------------------------------------- the sample flow
 
 
-def test_the_sharing_sample_flow_across_servers(fabric: TestCluster) -> None:
+def test_the_sharing_sample_flow_across_servers(shared_fabric: TestCluster) -> None:
     """Server 1 exports and trustlists server 2's process by its bare tgid; server 2 imports, maps, and copies in
     every direction between that range and its own memory (malloc_host, malloc, a local VMM mapping), and sets it."""
-    a, b = fabric.actor(1), fabric.actor(2)
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     tgid = ok(b, "rt.device_get_bare_tgid")
     assert tgid == b.pid
     _, s, ap = export(a, 2 * M2, pids=[tgid])
@@ -125,12 +109,12 @@ def test_the_sharing_sample_flow_across_servers(fabric: TestCluster) -> None:
     ok(b, "rt.free_physical", lh)
     ok(b, "rt.free_physical", ih)
     ok(b, "rt.free_host", buf)
-    eventually(lambda: served_nothing(fabric), "server 1 still serves the memory after its importer freed it")
+    eventually(lambda: served_nothing(shared_fabric), "server 1 still serves the memory after its importer freed it")
 
 
-def test_the_pythonic_flow_across_servers(fabric: TestCluster) -> None:
-    a = fabric.actor(1)
-    importer = fabric.cluster.server(2)
+def test_the_pythonic_flow_across_servers(shared_fabric: TestCluster) -> None:
+    a = shared_fabric.actor(1)
+    importer = shared_fabric.cluster.server(2)
     _, s, ap = export(a, M2, flags=NO_PID_CHECK)
     a.call("!write_bytes", ap, b"pythonic")
     code = f"""
@@ -158,55 +142,55 @@ with vmmshare.import_handle(bytes.fromhex({s.hex()!r})) as mem, mem.map() as m:
     assert acl.util.ptr_to_bytes(m.ptr, 4) is None
 print("OK")
 """
-    out = fabric.run(importer.number, code)
+    out = shared_fabric.run(importer.number, code)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
     assert a.call("!read", ap, 8) == b"pyPYonic"
     assert a.call("!read", ap + 100, 4) == b"AAAA"
     assert a.call("!read", ap + 200, 11) == b"local bytes"
-    eventually(lambda: served_nothing(fabric), "the memory is still served after the importer's process ended")
+    eventually(lambda: served_nothing(shared_fabric), "the memory is still served after the importer's process ended")
 
 
 # ---------------------------------------------------------------- the rules across servers
 
 
-def test_rule_11_only_trusted_pids_of_other_servers_import(fabric: TestCluster) -> None:
-    a, b, c = fabric.actor(1), fabric.actor(2), fabric.actor(2)
+def test_rule_11_only_trusted_pids_of_other_servers_import(shared_fabric: TestCluster) -> None:
+    a, b, c = shared_fabric.actor(1), shared_fabric.actor(2), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a, pids=[b.pid])
     msg = fails(c, NO_PERMISSION, imp, s, FABRIC, 0)
-    assert str(c.pid) in msg and f"{fabric.server_id(2):#x}" in msg and "trustlist" in msg
+    assert str(c.pid) in msg and f"{shared_fabric.server_id(2):#x}" in msg and "trustlist" in msg
     ok(a, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [c.pid])  # added later: in from then on
     for x in (b, c):
         ok(x, "rt.free_physical", ok(x, imp, s, FABRIC, 0))
     _, g, _ = export(a, flags=NO_PID_CHECK)  # no validation: any process of any server in the cluster
     ok(c, "rt.free_physical", ok(c, imp, g, FABRIC, 0))
-    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+    eventually(lambda: served_nothing(shared_fabric), "remote holds left behind")
 
 
-def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(fabric: TestCluster) -> None:
-    a, b = fabric.actor(1), fabric.actor(2)
+def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(shared_fabric: TestCluster) -> None:
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a)
-    a.call("!allow_server", s, fabric.server_id(2) ^ 0xFF, [b.pid])  # b's pid, but of a server b is not on
+    a.call("!allow_server", s, shared_fabric.server_id(2) ^ 0xFF, [b.pid])  # b's pid, but of a server b is not on
     fails(b, NO_PERMISSION, imp, s, FABRIC, 0)
-    a.call("!allow_server", s, fabric.server_id(2), [b.pid])
+    a.call("!allow_server", s, shared_fabric.server_id(2), [b.pid])
     h = ok(b, imp, s, FABRIC, 0)
-    rows = fabric.brokers[1].listing()["exports"]
-    assert rows[0]["remote_importers"] == [f"{fabric.server_id(2):#x}:{b.pid}"]
-    assert f"{fabric.server_id(2):#x}:{b.pid}" in rows[0]["remote_trustlist"]
+    rows = shared_fabric.brokers[1].listing()["exports"]
+    assert rows[0]["remote_importers"] == [f"{shared_fabric.server_id(2):#x}:{b.pid}"]
+    assert f"{shared_fabric.server_id(2):#x}:{b.pid}" in rows[0]["remote_trustlist"]
     ok(b, "rt.free_physical", h)
-    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+    eventually(lambda: served_nothing(shared_fabric), "remote holds left behind")
 
 
-def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(fabric: TestCluster) -> None:
+def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(shared_fabric: TestCluster) -> None:
     """ipc_mem_import_pid_inter_server: {sdid, pids} admits those pids of server sdid, not the same pid numbers on
     the exporter's own server."""
-    a, local = fabric.actor(1), fabric.actor(1)
+    a, local = shared_fabric.actor(1), shared_fabric.actor(1)
     ptr = ok(a, "rt.malloc", 4096, 0)
     key = ok(a, "rt.ipc_mem_get_export_key", ptr, 4096, 65, 0)
-    ok(a, "rt.ipc_mem_import_pid_inter_server", key, [{"sdid": fabric.server_id(2), "pid": [local.pid]}])
+    ok(a, "rt.ipc_mem_import_pid_inter_server", key, [{"sdid": shared_fabric.server_id(2), "pid": [local.pid]}])
     fails(local, NO_PERMISSION, "rt.ipc_mem_import_by_key", key, 0)
-    ok(a, "rt.ipc_mem_import_pid_inter_server", key, [{"sdid": fabric.server_id(1), "pid": [local.pid]}])
+    ok(a, "rt.ipc_mem_import_pid_inter_server", key, [{"sdid": shared_fabric.server_id(1), "pid": [local.pid]}])
     q = ok(local, "rt.ipc_mem_import_by_key", key, 0)
     ok(local, "rt.ipc_mem_close", key)
     assert q
@@ -214,17 +198,17 @@ def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(fab
     ok(a, "rt.free", ptr)
 
 
-def test_rule_12_only_the_exporting_process_sets_the_trustlist(fabric: TestCluster) -> None:
-    a, b, neighbour = fabric.actor(1), fabric.actor(2), fabric.actor(1)
+def test_rule_12_only_the_exporting_process_sets_the_trustlist(shared_fabric: TestCluster) -> None:
+    a, b, neighbour = shared_fabric.actor(1), shared_fabric.actor(2), shared_fabric.actor(1)
     _, s, _ = export(a)
     msg = fails(b, NO_PERMISSION, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [b.pid])
-    assert f"{fabric.server_id(1):#x}" in msg
+    assert f"{shared_fabric.server_id(1):#x}" in msg
     fails(neighbour, NO_PERMISSION, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [b.pid])
     fails(b, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s, FABRIC, 0)  # none of it took effect
 
 
-def test_rule_13_the_same_handle_twice_in_one_process(fabric: TestCluster) -> None:
-    a, b = fabric.actor(1), fabric.actor(2)
+def test_rule_13_the_same_handle_twice_in_one_process(shared_fabric: TestCluster) -> None:
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a, pids=[b.pid])
     h = ok(b, imp, s, FABRIC, 0)
@@ -236,13 +220,14 @@ def test_rule_13_the_same_handle_twice_in_one_process(fabric: TestCluster) -> No
         ok(b, "rt.free_physical", h)
     ok(b, "rt.free_physical", ok(b, imp, s, FABRIC, 0))  # freed: it imports again
     ok(a, "rt.free_physical", ok(a, imp, s, FABRIC, 0))  # the exporter imports its own handle
-    eventually(lambda: served_nothing(fabric), "remote holds left behind")
+    eventually(lambda: served_nothing(shared_fabric), "remote holds left behind")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["free", "exit"])
 def test_rule_14_the_exporters_free_or_death_revokes_while_remote_importers_keep_the_memory(
-        fabric: TestCluster, how: str) -> None:
-    a, b, late = fabric.actor(1), fabric.actor(2), fabric.actor(2)
+        shared_fabric: TestCluster, how: str) -> None:
+    a, b, late = shared_fabric.actor(1), shared_fabric.actor(2), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     h, s, ap = export(a, 2 * M2, pids=[b.pid, late.pid])
     a.call("!write", ap, 0x11, 2 * M2)
@@ -260,16 +245,16 @@ def test_rule_14_the_exporters_free_or_death_revokes_while_remote_importers_keep
     ok(b, "rt.memcpy", buf, 2 * M2, rp, 2 * M2, 2)
     assert b.call("!sha256", buf, 2 * M2) == hashlib.sha256(b"\x22" * 2 * M2).hexdigest()
     unmap_free(b, ih, rp)
-    eventually(lambda: served_nothing(fabric), "the memory is still served after its last importer freed it")
-    assert fabric.brokers[1].listing()["used"] == {}
+    eventually(lambda: served_nothing(shared_fabric), "the memory is still served after its last importer freed it")
+    assert shared_fabric.brokers[1].listing()["used"] == {}
 
 
-def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(fabric: TestCluster) -> None:
-    a, b = fabric.actor(1), fabric.actor(2)
+def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(shared_fabric: TestCluster) -> None:
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a, flags=NO_PID_CHECK)
     ok(b, "rt.free_physical", ok(b, imp, s, FABRIC, 0))  # the link and both engines are up from here on
-    fds = {n: fabric.brokers[n].fd_count() for n in (1, 2)}
+    fds = {n: shared_fabric.brokers[n].fd_count() for n in (1, 2)}
     for at, code in ((64, BAD_HANDLE), (95, BAD_HANDLE), (16, BAD_HANDLE), (0, BAD_HANDLE), (32, PARAM),
                      (96, BAD_HANDLE)):
         bad = bytearray(s)
@@ -281,18 +266,18 @@ def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(fabric
     for cut in (s[:127], s + b"\0", b""):
         fails(b, PARAM, imp, cut, FABRIC, 0)
     ok(b, "rt.free_physical", ok(b, imp, s, FABRIC, 0))  # the real handle still imports
-    eventually(lambda: served_nothing(fabric), "remote holds left behind")
-    eventually(lambda: all(fabric.brokers[n].fd_count() <= fds[n] for n in (1, 2)), "a broker holds more fds")
+    eventually(lambda: served_nothing(shared_fabric), "remote holds left behind")
+    eventually(lambda: all(shared_fabric.brokers[n].fd_count() <= fds[n] for n in (1, 2)), "a broker holds more fds")
 
 
-def test_without_the_transport_a_remote_handle_says_what_to_configure(fabric: TestCluster) -> None:
-    plain = {"VMMSHARE_FABRIC": "off", "VMMSHARE_SOCKET": str(fabric.root / "plain" / "broker.sock")}
-    a, b = fabric.actor(1), fabric.actor(2, **plain)  # b's broker (auto-started) has no transport
+def test_without_the_transport_a_remote_handle_says_what_to_configure(shared_fabric: TestCluster) -> None:
+    plain = {"VMMSHARE_FABRIC": "off", "VMMSHARE_SOCKET": str(shared_fabric.root / "plain" / "broker.sock")}
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2, **plain)  # b's broker (auto-started) has no transport
     _, s, _ = export(a, flags=NO_PID_CHECK)
     msg = fails(b, NOT_SUPPORTED, "rt.mem_import_from_shareable_handle_v2", s, FABRIC, 0)
     assert "VMMSHARE_FABRIC=tcp" in msg and "cross-server" in msg
-    off = fabric.actor(1, VMMSHARE_FABRIC="off", VMMSHARE_SOCKET=str(fabric.root / "off" / "broker.sock"))
+    off = shared_fabric.actor(1, VMMSHARE_FABRIC="off", VMMSHARE_SOCKET=str(shared_fabric.root / "off" / "broker.sock"))
     _, t, _ = export(off, flags=NO_PID_CHECK)
     assert t[32:64] == bytes(32)  # no endpoint in the handle
-    msg = fails(fabric.actor(2), NOT_SUPPORTED, "rt.mem_import_from_shareable_handle_v2", t, FABRIC, 0)
+    msg = fails(shared_fabric.actor(2), NOT_SUPPORTED, "rt.mem_import_from_shareable_handle_v2", t, FABRIC, 0)
     assert "no fabric endpoint" in msg and "VMMSHARE_FABRIC" in msg

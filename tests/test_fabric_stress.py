@@ -5,21 +5,21 @@ The seed is fixed (VMMSHARE_STRESS_SEED overrides it); a failure's message carri
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
+
+import pytest
 
 from conftest import require
 from fabric_cluster import cluster_problem
 
 require(not cluster_problem(), cluster_problem())
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"))
 
 import fabric_faults  # noqa: E402
 
 SEED = int(os.environ.get("VMMSHARE_STRESS_SEED", "20261201"))
 
 
+@pytest.mark.slow
 def test_random_kills_across_servers_leave_no_wrong_bytes_and_no_leak() -> None:
     result = fabric_faults.run(8, SEED)
     assert result["trials"] == 8 and all(n == 2 for n in result["by_victim"].values())

@@ -18,15 +18,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"
-sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import faults  # noqa: E402
@@ -51,6 +48,7 @@ def _run(kind: str, tmp_path: Path) -> dict[str, Any]:
     return stats
 
 
+@pytest.mark.slow
 def test_sigkill_of_exporters_at_random_points(tmp_path: Path) -> None:
     stats = _run("exporter", tmp_path)
     n = stats["counters"]
@@ -61,6 +59,7 @@ def test_sigkill_of_exporters_at_random_points(tmp_path: Path) -> None:
     assert sum(stats["kill_phases"].values()) == TRIALS
 
 
+@pytest.mark.slow
 def test_sigkill_of_importers_at_random_points(tmp_path: Path) -> None:
     stats = _run("importer", tmp_path)
     n = stats["counters"]
@@ -69,6 +68,7 @@ def test_sigkill_of_importers_at_random_points(tmp_path: Path) -> None:
     assert sum(stats["kill_phases"].values()) == TRIALS
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_broker_at_random_points(tmp_path: Path) -> None:
     stats = _run("broker", tmp_path)
     n = stats["counters"]
@@ -124,18 +124,13 @@ def _wait_until_awaiting_reply(a: c.Actor) -> None:
     assert state, "the client never waited for the stopped broker's answer"
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[c.BrokerProc]:
-    b = c.BrokerProc(tmp_path / "run", env=c.clean_env(VMMSHARE_DEVICE_MEMORY="64M"))
-    try:
-        yield b
-    finally:
-        if b.alive():
-            os.kill(b.pid, signal.SIGCONT)
-        b.kill()
+@pytest.fixture(scope="module")
+def broker_env() -> dict[str, str]:
+    """The tests' brokers (conftest's `own_broker`: they kill and restart it) have 64 MiB."""
+    return c.clean_env(VMMSHARE_DEVICE_MEMORY="64M")
 
 
-def test_a_call_under_way_when_the_broker_dies_is_served_by_the_restarted_broker(broker: c.BrokerProc) -> None:
+def test_a_call_under_way_when_the_broker_dies_is_served_by_the_restarted_broker(own_broker: c.BrokerProc) -> None:
     """SPEC §5: clients reconnect to a restarted broker (the client "reconnects once if the broker went away").
 
     The broker is stopped while the client waits for its reply, then SIGKILLed and restarted (the start lock held,
@@ -145,20 +140,20 @@ def test_a_call_under_way_when_the_broker_dies_is_served_by_the_restarted_broker
     call failed with 507022. Client and broker share one CPU here, which makes that order the likely one.
     """
     cpu = min(os.sched_getaffinity(0))
-    env = {**broker.env, "VMMSHARE_SPIN_US": "0"}  # the client sleeps in poll() at once while it awaits a reply
+    env = {**own_broker.env, "VMMSHARE_SPIN_US": "0"}  # the client sleeps in poll() at once while it awaits a reply
     a = c.Actor(env)
     try:
         os.sched_setaffinity(a.pid, {cpu})
         for round_ in range(10):
             free, total, ret = a.call("rt.get_mem_info", 0)  # an established connection to the live broker
             assert ret == 0, a.last_err
-            os.sched_setaffinity(broker.pid, {cpu})
-            os.kill(broker.pid, signal.SIGSTOP)
+            os.sched_setaffinity(own_broker.pid, {cpu})
+            os.kill(own_broker.pid, signal.SIGSTOP)
             _send_call(a, "rt.get_mem_info", 0)
             _wait_until_awaiting_reply(a)
-            with c.start_lock(broker):
-                broker.kill()
-                broker.start()
+            with c.start_lock(own_broker):
+                own_broker.kill()
+                own_broker.start()
             got = _answer(a)
             assert got[-1] == 0, (
                 f"round {round_}: the call under way when the broker died failed with {got[-1]}, although a "
@@ -169,7 +164,7 @@ def test_a_call_under_way_when_the_broker_dies_is_served_by_the_restarted_broker
         a.kill()
 
 
-def test_a_broker_death_during_reconnection_leaves_every_allocation_charged(broker: c.BrokerProc) -> None:
+def test_a_broker_death_during_reconnection_leaves_every_allocation_charged(own_broker: c.BrokerProc) -> None:
     """SPEC §5: clients reconnect to a restarted broker, which accounts the whole node's capacity.
 
     The client holds two allocations. Its broker is killed and restarted; the restarted one is stopped (SIGSTOP)
@@ -178,7 +173,7 @@ def test_a_broker_death_during_reconnection_leaves_every_allocation_charged(brok
     holds must be charged again and must still export. (BrokerClient._reconnect re-charged only the tokens of
     its last connection, which it clears before re-charging: one failure mid-way forgot them all for good.)
     """
-    env = {**broker.env, "VMMSHARE_SPIN_US": "0"}
+    env = {**own_broker.env, "VMMSHARE_SPIN_US": "0"}
     a = c.Actor(env)
     try:
         handles = []
@@ -186,18 +181,18 @@ def test_a_broker_death_during_reconnection_leaves_every_allocation_charged(brok
             h, ret = a.call("rt.malloc_physical", c.MiB2, c.PROP, 0)
             assert ret == 0, a.last_err
             handles.append(h)
-        assert c.raw_mem_info(broker.socket) == (60 << 20, 64 << 20)
+        assert c.raw_mem_info(own_broker.socket) == (60 << 20, 64 << 20)
 
-        with c.start_lock(broker):
-            broker.kill()
-            broker.start()
-            os.kill(broker.pid, signal.SIGSTOP)
+        with c.start_lock(own_broker):
+            own_broker.kill()
+            own_broker.start()
+            os.kill(own_broker.pid, signal.SIGSTOP)
         # the next call finds its connection dead, connects to the stopped broker and sends its first re-charge
         _send_call(a, "rt.get_mem_info", 0)
         _wait_until_awaiting_reply(a)
-        with c.start_lock(broker):
-            broker.kill()  # SIGKILL ends a stopped process too
-            broker.start()
+        with c.start_lock(own_broker):
+            own_broker.kill()  # SIGKILL ends a stopped process too
+            own_broker.start()
         got = _answer(a)
         assert got[-1] in (0, c.IPC_ERROR), got  # the call under way may fail: its broker died twice
 

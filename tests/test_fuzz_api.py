@@ -10,15 +10,12 @@ child must each fail the run), and the defects the fuzzer found are pinned by re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"))
 
 import fuzz_api as FA
 import vmmshare.acl as acl_module
@@ -89,6 +86,7 @@ def test_everything_returns_to_baseline(fuzz_result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the harness notices what it should
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "violation"), [
     ("crash", "did not finish cleanly: exit -11"),
     ("hang", "did not finish cleanly: exit timeout"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +22,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"))
 
 import fuzz_protocol as F
 import rawsock

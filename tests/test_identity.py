@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 import pytest
 
 STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"
-sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import identity as ident  # noqa: E402
@@ -45,6 +43,7 @@ def _reuse(trials: int, mode: str, in_pidns: bool, seed: int = SEED) -> dict[str
     return r
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_a_reused_pid_is_refused_inside_a_fresh_pid_namespace() -> None:
     """Rule 12 where pids restart at 1: broker, exporter and both processes live in a new pid namespace; the pid
     of a trustlisted process that exited is handed (ns_last_pid) to a process started a clock tick later."""
@@ -54,6 +53,7 @@ def test_a_reused_pid_is_refused_inside_a_fresh_pid_namespace() -> None:
     assert all("reuse" in m for m in r["refusal_messages"]), r["refusal_messages"]
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_a_pid_reused_within_the_same_clock_tick_is_refused() -> None:
     """Rule 12: "a later process that reuses the pid is refused" - also when it starts within the same clock tick
     (1/CLK_TCK s) as the trustlisted process did. The broker binds a trustlisted pid to the start time in
@@ -77,15 +77,6 @@ def test_a_pid_reused_within_the_same_clock_tick_is_refused() -> None:
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[c.BrokerProc]:
-    b = c.BrokerProc(tmp_path / "run", env=c.clean_env())
-    try:
-        yield b
-    finally:
-        b.kill()
-
-
-@pytest.fixture
 def actors() -> Iterator[list[c.Actor]]:
     made: list[c.Actor] = []
     yield made
@@ -105,12 +96,12 @@ def _container(broker: c.BrokerProc, actors: list[c.Actor]) -> tuple[c.Actor, in
     return a, host_pid
 
 
-def test_two_containers_both_pid_1_are_told_apart_by_their_bare_tgid(broker: c.BrokerProc,
+def test_two_containers_both_pid_1_are_told_apart_by_their_bare_tgid(own_broker: c.BrokerProc,
                                                                       actors: list[c.Actor]) -> None:
-    e = c.Actor(broker.env)
+    e = c.Actor(own_broker.env)
     actors.append(e)
-    c1, host1 = _container(broker, actors)
-    c2, host2 = _container(broker, actors)
+    c1, host1 = _container(own_broker, actors)
+    c2, host2 = _container(own_broker, actors)
     assert (c1.pid, c2.pid) == (1, 1), "each container sees itself as pid 1"
     assert host1 != host2
     assert ident.ok(c1, "rt.device_get_bare_tgid") == host1
@@ -121,18 +112,18 @@ def test_two_containers_both_pid_1_are_told_apart_by_their_bare_tgid(broker: c.B
     assert "trustlist" in c2.last_err
 
 
-def test_a_container_exports_to_a_host_process_named_by_its_bare_tgid(broker: c.BrokerProc,
+def test_a_container_exports_to_a_host_process_named_by_its_bare_tgid(own_broker: c.BrokerProc,
                                                                        actors: list[c.Actor]) -> None:
     """The trustlist holds bare tgids, whichever side of a pid namespace the exporter is on."""
-    box, host_box = _container(broker, actors)
-    importer, stranger = c.Actor(broker.env), c.Actor(broker.env)
+    box, host_box = _container(own_broker, actors)
+    importer, stranger = c.Actor(own_broker.env), c.Actor(own_broker.env)
     actors += [importer, stranger]
     tgid = ident.ok(importer, "rt.device_get_bare_tgid")
     assert tgid == importer.pid
     sh, _p, digest = ident.export_mapped(box, pids=[tgid])
     assert ident.import_digest(importer, sh) == digest
     assert stranger.call("rt.mem_import_from_shareable_handle_v2", sh, c.DEFAULT, 0)[-1] == c.NO_PERMISSION
-    (row,) = c.raw_listing(broker.socket)["exports"]
+    (row,) = c.raw_listing(own_broker.socket)["exports"]
     assert row["owner_pid"] == host_box, "the broker names the exporter by its host pid"
     assert row["trustlist"] == [tgid]
 

@@ -4,17 +4,20 @@ and close in the importer and the exporter, and the runtime's checks and codes."
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from procs import Actor, BrokerProc
+import procs
+from procs import Actor, BrokerProc, clean_env, ok
+
+fails = functools.partial(procs.fails, neutral=(0, None, ""))  # the IPC calls' failed outputs: 0, None or ""
 
 ACL_PARAM = 100000
 PARAM = 107000
@@ -30,13 +33,10 @@ SIZE = 3 << 20  # not a multiple of the page size: the block behind it is 4 MiB
 MakeActor = Callable[..., Actor]
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProc]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env["VMMSHARE_SERVER_ID"] = hex(SERVER_ID)
-    b = BrokerProc(tmp_path, env=env)
-    yield b
-    b.kill()
+@pytest.fixture(scope="module")
+def broker_env() -> dict[str, str]:
+    """The tests' broker (conftest's `broker`, one for the module) and its clients have SERVER_ID."""
+    return clean_env(VMMSHARE_SERVER_ID=hex(SERVER_ID))
 
 
 @pytest.fixture
@@ -51,27 +51,6 @@ def actor(broker: BrokerProc) -> Iterator[MakeActor]:
     yield make
     for a in made:
         a.kill()
-
-
-def ret_of(result: Any) -> int:
-    return result[-1] if isinstance(result, tuple) else result
-
-
-def ok(a: Actor, name: str, *args: Any) -> Any:
-    result = a.call(name, *args)
-    assert ret_of(result) == 0, f"{name}{args!r} in pid {a.pid} returned {result!r}: {a.last_err}"
-    if not isinstance(result, tuple):
-        return None
-    return result[0] if len(result) == 2 else result[:-1]
-
-
-def fails(a: Actor, code: int, name: str, *args: Any) -> str:
-    result = a.call(name, *args)
-    assert ret_of(result) == code, f"{name}{args!r} returned {result!r}, expected {code} (msg {a.last_err!r})"
-    if isinstance(result, tuple):
-        assert all(v in (0, None, "") for v in result[:-1]), f"{name} failed but returned outputs {result!r}"
-    assert name.rsplit(".", 1)[-1] in a.last_err, a.last_err
-    return a.last_err
 
 
 def exported(e: Actor, flags: int = 0, pids: list[int] | None = None) -> tuple[int, str]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
+import pytest
+
 STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"
-sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import load  # noqa: E402
@@ -24,6 +24,7 @@ SEED = int(os.environ.get("VMMSHARE_STRESS_SEED", "20240917"))
 CLIENTS, CYCLES = 8, 50
 
 
+@pytest.mark.slow
 def test_paired_clients_share_under_load_without_errors_or_leaks(tmp_path: Path) -> None:
     result = load.run(CLIENTS, CYCLES, None, SEED, refuse=0.25, workdir=tmp_path)
     assert result["violations"] == [], f"seed {SEED}: {json.dumps(result['violations'])[:2000]}"

@@ -407,6 +407,7 @@ valid_frames = st.sampled_from(list(Msg)).flatmap(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(valid_frames)
 def test_any_valid_frame_round_trips(parts: tuple) -> None:

@@ -72,6 +72,7 @@ with vmmshare.import_handle(good) as mem:
     mem.close()
 
 
+@pytest.mark.slow
 def test_rule_16_a_fabric_handle_with_an_altered_size_is_refused_across_servers(request: pytest.FixtureRequest) -> None:
     """The importer's broker asks the exporter's for the memory (SPEC §8) and refuses an answer whose size is not
     the handle's with 107017 (it does not match what was exported), giving the remote hold back."""

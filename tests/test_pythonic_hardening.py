@@ -40,6 +40,13 @@ BAD: list[Any] = [None, "1", "", 1.5, float("nan"), -1, 1 << 64, 1 << 200, -(1 <
                   object(), np.zeros(2), np.int64(-3), Weird(), True, (1, 2), bytearray(3)]
 
 
+@pytest.fixture(autouse=True)
+def _collected() -> None:
+    """Collect first what earlier tests in this process left to the collector: these tests count the runtime's
+    objects, and another test's garbage is not theirs (in a parallel run any test may come before)."""
+    gc.collect()
+
+
 @pytest.fixture(scope="module")
 def objects() -> Iterator[dict[str, Any]]:
     """Live objects the malformed calls are made on, and closed ones."""

@@ -6,11 +6,10 @@ reservation. The servers are network namespaces of this machine (fabric_cluster.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from conftest import require
 from fabric_cluster import TestCluster, cluster_problem
-from procs import Actor
+from procs import ok
 
 require(not cluster_problem(), cluster_problem())
 
@@ -21,15 +20,8 @@ PARAM = 107000
 DEFAULT_KIND = 4
 
 
-def ok(a: Actor, name: str, *args: Any) -> Any:
-    result = a.call(name, *args)
-    ret = result[-1] if isinstance(result, tuple) else result
-    assert ret == 0, f"{name}{args!r} -> {result!r}: {a.last_err}"
-    return result[0] if isinstance(result, tuple) and len(result) == 2 else None
-
-
-def test_rule_7_a_local_mapping_next_to_a_remote_one_is_one_range(fabric: TestCluster) -> None:
-    a, b = fabric.actor(1), fabric.actor(2)
+def test_rule_7_a_local_mapping_next_to_a_remote_one_is_one_range(shared_fabric: TestCluster) -> None:
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     h = ok(a, "rt.malloc_physical", M2, PROP, 0)
     p = ok(a, "rt.reserve_mem_address", M2, 0, 0, 0)
     ok(a, "rt.map_mem", p, M2, 0, h, 0)

@@ -34,7 +34,6 @@ from pathlib import Path
 import pytest
 
 STRESS = Path(__file__).resolve().parents[1] / "src" / "vmmshare" / "cli" / "stress"
-sys.path.insert(0, str(STRESS))
 
 import common as c  # noqa: E402
 import flood  # noqa: E402
@@ -366,6 +365,7 @@ def test_fail_closed_a_trustlist_entry_is_refused_when_the_broker_is_out_of_fds(
     assert ident.import_digest(importer, shareable) == _digest
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_readding_the_pid_of_a_process_that_exited_does_not_open_it_to_the_next(
         broker: c.LoggedBroker, actors: Callable[..., Actor]) -> None:
     """T5. The exporter re-sends its trustlist after a trusted process exited: the entry used to be bound anew to
@@ -405,6 +405,7 @@ def _nobody(as_nobody: list[str], b: c.LoggedBroker, actors: Callable[..., Actor
     return lambda: actors(full, as_nobody)
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_rule_12_readding_the_pid_of_a_process_that_died_does_not_let_its_new_owner_in(
         as_nobody: list[str], world: Path, actors: Callable[..., Actor]) -> None:
     """T5, rule 12. The exporter trusted [P, Q]; P exited and another user's process got pid P; the exporter re-sent
@@ -442,6 +443,7 @@ def _holds_pidfd_of(broker_pid: int, pid: int) -> bool:
     return False
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_rule_12_a_long_trustlist_is_bound_to_the_processes_that_had_the_pids_when_it_was_received(
         as_nobody: list[str], world: Path, actors: Callable[..., Actor]) -> None:
     """T18, rule 12. With the broker loaded (other clients' long trustlists in flight), an exporter's
@@ -764,6 +766,7 @@ def test_fd_exhaustion_accept_neither_spins_nor_floods_the_log(broker: c.LoggedB
     assert 1 <= len(lines) <= 6, f"{len(lines)} log lines for 40 refusals"
 
 
+@pytest.mark.slow
 def test_trustlist_flood_leaves_other_clients_served() -> None:
     """T9. SET_PIDS of 4,096 pids cost the broker a lookup each, and 64 connections sending them held off other
     clients' imports for seconds; 4,096 copies of one pid (one lookup, but 4,096 entries decoded and checked inline)
@@ -1116,6 +1119,7 @@ def hugetlb_pool() -> Iterator[None]:
         knob.write_text(str(before))
 
 
+@pytest.mark.alone  # the hugetlb pool is the machine's
 def test_hugetlb_exports_cannot_be_truncated_by_an_importer(hugetlb_pool: None, broker: c.LoggedBroker) -> None:
     """T12. hugetlb memfds carried only F_SEAL_SEAL: any importer could ftruncate the shared file and crash the
     exporter and every other importer. They carry the size seals now (or are not made of hugetlb pages)."""

@@ -1,8 +1,8 @@
 """SPEC §4 rules 9–17 (sharing) and the §6 FABRIC layout, with real processes and a real broker.
 
-Every test gets its own broker on a temporary socket; the exporter and importers are separate Python
-processes (`procs.Actor`) that run `vmmshare.acl` calls. Nothing is mocked and nothing waits on time:
-each step waits for the actor's reply, which comes after the broker answered it.
+The tests share one broker on a temporary socket (conftest's `broker`), which each must leave as it found it; the
+exporter and importers are separate Python processes (`procs.Actor`) that run `vmmshare.acl` calls. Nothing is
+mocked and nothing waits on time: each step waits for the actor's reply, which comes after the broker answered it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import cannot_run, require
-from procs import PROP, Actor, ActorDied, BrokerProc, MiB2, host_children, refusal
+from procs import PROP, Actor, ActorDied, BrokerProc, MiB2, clean_env, fails, host_children, ok, refusal
 
 ACL_PARAM = 100000  # the acl layer's own checks (SPEC §4a)
 PARAM = 107000
@@ -43,19 +43,10 @@ MakeActor = Callable[..., Actor]
 # ---------------------------------------------------------------- fixtures
 
 
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
-    env["VMMSHARE_SERVER_ID"] = hex(SERVER_ID)
-    return env
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProc]:
-    b = BrokerProc(tmp_path, env=_clean_env())
-    yield b
-    # SIGKILL, not SIGTERM: an idle broker does not act on SIGTERM until its next event (reported as a bug);
-    # the actors are gone by now (the `actor` fixture ends first), so nothing is lost
-    b.kill()
+@pytest.fixture(scope="module")
+def broker_env() -> dict[str, str]:
+    """The tests' broker (conftest's `broker`, one for the module) and its clients have SERVER_ID."""
+    return clean_env(VMMSHARE_SERVER_ID=hex(SERVER_ID))
 
 
 @pytest.fixture
@@ -76,30 +67,6 @@ def actor(broker: BrokerProc) -> Iterator[MakeActor]:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def ret_of(result: Any) -> int:
-    return result[-1] if isinstance(result, tuple) else result
-
-
-def ok(a: Actor, name: str, *args: Any) -> Any:
-    """Run `name` in `a`; it must succeed. Returns the single output, the outputs, or None."""
-    result = a.call(name, *args)
-    assert ret_of(result) == 0, f"{name}{args!r} in pid {a.pid} returned {result!r}: {a.last_err}"
-    if not isinstance(result, tuple):
-        return None
-    return result[0] if len(result) == 2 else result[:-1]
-
-
-def fails(a: Actor, code: int, name: str, *args: Any) -> str:
-    """Run `name` in `a`; it must return `code` with neutral outputs and a message naming the call."""
-    result = a.call(name, *args)
-    assert ret_of(result) == code, f"{name}{args!r} returned {result!r}, expected {code} (msg {a.last_err!r})"
-    if isinstance(result, tuple):
-        assert all(v in (0, None) for v in result[:-1]), f"{name} failed but returned outputs {result!r}"
-    short = name.rsplit(".", 1)[-1]
-    assert short in a.last_err, f"{name} failed with {code} but the message {a.last_err!r} does not name it"
-    return a.last_err
 
 
 @dataclass
@@ -356,6 +323,7 @@ def test_rule_12_at_most_4096_pids_per_handle(actor: MakeActor) -> None:
     ok(i, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_rule_12_a_reused_pid_is_refused(actor: MakeActor) -> None:
     e = actor()
     first = actor()
@@ -370,6 +338,7 @@ def test_rule_12_a_reused_pid_is_refused(actor: MakeActor) -> None:
     fails(second, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s.shareable, DEFAULT, 0)
 
 
+@pytest.mark.alone  # steers the kernel's next pid (ns_last_pid)
 def test_rule_12_a_pid_trustlisted_before_its_process_exists_is_bound_to_nothing(actor: MakeActor) -> None:
     e = actor()
     target = free_pid()

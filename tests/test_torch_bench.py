@@ -18,6 +18,7 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_measure(tmp_path: Path) -> None:
     out = tmp_path / "torch.json"
     got = bench("--quick", "--json", str(out))

@@ -33,11 +33,11 @@ if str(HERE) not in sys.path:
 
 import fakecuda  # noqa: E402
 import rawsock  # noqa: E402
-from procs import PROP, Actor, BrokerProc, MiB2, host_children  # noqa: E402
+from procs import PROP, Actor, BrokerProc, MiB2, clean_env, host_children  # noqa: E402
 from vmmshare.cli.console import interrupt_ignored_by_children  # noqa: E402
 from vmmshare.wire import local as P  # noqa: E402
 
-__all__ = ["PROP", "Actor", "BrokerProc", "MiB2", "host_children"]
+__all__ = ["PROP", "Actor", "BrokerProc", "MiB2", "clean_env", "host_children"]
 
 MiB = 1 << 20
 DEFAULT, FABRIC = 1, 2
@@ -48,13 +48,6 @@ NO_PERMISSION = 207006
 NO_MEMORY = 207001
 IPC_ERROR = 507022
 HANG_GUARD = 30.0  # seconds: a guard against a hang only, never part of an assertion
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any VMMSHARE_* variable, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_") and k != "PYTHONFAULTHANDLER"}
-    env.update(extra)
-    return env
 
 
 @contextlib.contextmanager

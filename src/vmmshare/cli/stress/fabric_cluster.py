@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from procs import Actor
+from procs import Actor, clean_env
 from vmmshare.cli.cluster import Cluster
 from vmmshare.fabric.engine import missing
 
@@ -96,6 +96,7 @@ class TestCluster:
     __test__ = False
 
     def __init__(self, servers: int = 2, timeout: float = 1.0, brokers: bool = True) -> None:
+        self.servers, self.timeout, self.with_brokers = servers, timeout, brokers
         self.root = Path(tempfile.mkdtemp(prefix="vmc", dir="/tmp"))
         name = f"t{os.getpid() % 10000}x{next(_names)}"[:8]
         self.cluster = Cluster(name, servers, root=self.root, timeout=timeout)
@@ -112,8 +113,7 @@ class TestCluster:
 
     def env(self, n: int, **extra: str) -> dict[str, str]:
         """The environment of a process on server `n` (its VMMSHARE_* settings; brokers are started by the test)."""
-        base = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_") and k != "PYTHONFAULTHANDLER"}
-        return {**base, **self.cluster.server(n).env, "VMMSHARE_BROKER_IDLE": "600", **extra}
+        return clean_env(**{**self.cluster.server(n).env, "VMMSHARE_BROKER_IDLE": "600", **extra})
 
     def server_id(self, n: int) -> int:
         return self.cluster.server(n).server_id
@@ -132,6 +132,32 @@ class TestCluster:
     def logs(self) -> str:
         return "\n".join(f"--- broker {b.n}\n{b.log.read_text()[-3000:] if b.log.exists() else ''}"
                          for b in self.brokers.values())
+
+    def renew(self) -> None:
+        """Close this cluster and bring up a fresh one like it in its place (new namespaces, brokers, key)."""
+        self.close()
+        self.__init__(self.servers, self.timeout, self.with_brokers)  # type: ignore[misc]
+
+    def holdings(self) -> dict[int, dict[str, Any]]:
+        """What each broker holds and serves (call it once the test's processes are gone): whether it is alive, its
+        clients (other than the connection that asks), charges, exports and memfds mapped for other servers."""
+        import common
+
+        out: dict[int, dict[str, Any]] = {}
+        for n, b in self.brokers.items():
+            if not b.alive():
+                out[n] = {"alive": False}
+                continue
+            common.barrier(b.socket)  # it has dropped every client that was gone before this call
+            listed = common.raw_listing(b.socket)
+            out[n] = {"alive": True, "clients": listed["clients"], "used": listed["used"],
+                      "gpu_used": listed["gpu_used"], "exports": listed["exports"], "served": b.memfd_mappings()}
+        return out
+
+    def unchanged(self) -> bool:
+        """Whether every broker is alive and holds and serves nothing (see `holdings`)."""
+        idle = {"alive": True, "clients": 0, "used": {}, "gpu_used": {}, "exports": [], "served": 0}
+        return all(h == idle for h in self.holdings().values())
 
     def close(self) -> None:
         for a in self.actors:

@@ -16,6 +16,14 @@ HERE = Path(__file__).resolve().parent
 ACTOR = HERE / "actor.py"
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any VMMSHARE_* variable (nor PYTHONFAULTHANDLER, whose dumps would join the
+    children's output), plus `extra`: what a child that must see only the settings its test gives it starts with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_") and k != "PYTHONFAULTHANDLER"}
+    env.update(extra)
+    return env
+
+
 class BrokerProc:
     """A broker started for one test on its own socket; `env` points clients at it."""
 
@@ -118,6 +126,34 @@ class Actor:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             self.proc.wait(10)
+
+
+def ret_of(result: Any) -> int:
+    """The ret of a pyACL call's result: the last value, or the value itself for calls without outputs."""
+    return int(result[-1] if isinstance(result, tuple) else result)
+
+
+def ok(a: Actor, name: str, *args: Any) -> Any:
+    """Run `name` in `a`; it must succeed. Its outputs: the one value, a tuple of them, or None."""
+    result = a.call(name, *args)
+    if ret_of(result) != 0:  # raised, not asserted: the stress runs use this too, and may run with -O
+        raise AssertionError(f"{name}{args!r} in pid {a.pid} returned {result!r}: {a.last_err}")
+    if not isinstance(result, tuple):
+        return None
+    return result[0] if len(result) == 2 else result[:-1]
+
+
+def fails(a: Actor, code: int, name: str, *args: Any, neutral: tuple[Any, ...] = (0, None)) -> str:
+    """Run `name` in `a`; it must return `code` with neutral outputs (`neutral`: add "" for calls whose outputs are
+    strings) and a recent error message that names the call. Returns that message."""
+    result = a.call(name, *args)
+    if ret_of(result) != code:
+        raise AssertionError(f"{name}{args!r} in pid {a.pid} returned {result!r}, expected {code}: {a.last_err!r}")
+    if isinstance(result, tuple) and not all(v in neutral for v in result[:-1]):
+        raise AssertionError(f"{name} failed but returned outputs {result!r}")
+    if name.rsplit(".", 1)[-1] not in a.last_err:
+        raise AssertionError(f"{name} failed with {code} but the message {a.last_err!r} does not name it")
+    return a.last_err
 
 
 def refusal(prefix: list[str]) -> str:

@@ -18,6 +18,7 @@ import pytest
 
 from vmmshare.wire import local as P
 from vmmshare.wire import peer as F
+from vmmshare.wire.framing import PROP, cut_text
 from vmmshare.wire.local import Frame, Msg, ProtocolError
 
 
@@ -193,3 +194,34 @@ def test_sealed_peer_frames_are_the_recorded_bytes() -> None:
         sealed = sealer.seal(F.encode(message, case["req"]))
         assert _matches(case, sealed), sealed.hex()
         assert reader.feed(sealed) == [F.Frame(case["req"], message)]
+
+
+def test_the_allocation_property_is_one_codec_in_every_message_that_carries_it() -> None:
+    """EXPORT, IMPORTED, REMOTE_IMPORTED and the peer's IMPORTED carry the five prop fields, in one order and code."""
+    carriers = [P.LAYOUTS[Msg.EXPORT], P.LAYOUTS[Msg.IMPORTED], P.LAYOUTS[Msg.REMOTE_IMPORTED],
+                F.LAYOUTS[F.Kind.IMPORTED]]
+    for layout in carriers:
+        at = layout.fields.index(PROP.fields[0])
+        assert layout.fields[at : at + 5] == PROP.fields, layout.name
+        assert PROP.format in layout.fixed.format, layout.name
+    prop = (2, 0, 5, 1, -3)
+    local = P.Imported(1, 2, 0, *prop)
+    peer = F.Imported(1, 2, 0, *prop, 0x1000, "10.0.0.1:1")
+    assert PROP.values(local) == PROP.values(peer) == prop
+    assert PROP.values(P.decode(P.encode(local, 1), 1).message) == prop
+    assert PROP.values(F.decode(F.encode(peer, 1)).message) == prop
+
+
+def test_text_is_cut_by_one_rule_on_both_wires() -> None:
+    """An over-long error text is cut on a UTF-8 boundary by both protocols; a peer segment name is refused, not cut."""
+    for text in ("a" + "é" * 3000, "€" * 2000, "😀" * 1200):
+        local = P.decode(P.encode(P.Error(1, text), 1)).message
+        peer = F.decode(F.encode(F.Error(1, text), 1)).message
+        assert isinstance(local, P.Error) and isinstance(peer, F.Error)
+        assert local.message.encode() == cut_text(text.encode(), 4096)
+        assert peer.message.encode() == cut_text(text.encode(), F.MAX_TEXT)
+        assert text.startswith(local.message) and text.startswith(peer.message)
+    assert cut_text("é".encode() * 3, 5) == "é".encode() * 2
+    assert cut_text(b"abc", 3) == b"abc"
+    with pytest.raises(F.PeerProtocolError):
+        F.encode(F.Imported(1, 1, 0, 0, 0, 5, 1, 0, 0, "é" * 128), 1)

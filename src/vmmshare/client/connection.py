@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..backends.remote import Transfers
-from ..config import Config, spin_seconds
+from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
 from ..sockets.packets import DONTWAIT, close_fds, recv_packet, send_packet
@@ -32,7 +32,6 @@ from .autostart import reach_broker
 log = logging.getLogger("vmmshare.client")
 REPLY_TIMEOUT = 60.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
-SPIN_SECONDS = spin_seconds("VMMSHARE_SPIN_US", 100)
 R = TypeVar("R", bound=P.Message)
 
 
@@ -49,7 +48,7 @@ class BrokerClient:
         self._tokens = itertools.count(1)
         self._holds: dict[int, int] = {}  # token -> the broker's hold id on this connection
         self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # token -> its charge, to repeat on a new broker
-        self._waiter = _Waiter()
+        self._waiter = _Waiter(config.spin)
         self._owner: int | None = None  # the thread in a request, if any
         self._metadata = "P2PHANDSHAKE"  # this process's metadata URL, from its first remote import's reply
 
@@ -322,7 +321,8 @@ class _Waiter:
 
     SKIP_AFTER_MISS = 16
 
-    def __init__(self) -> None:
+    def __init__(self, spin: float) -> None:
+        self.spin = spin  # seconds (the Config's, from VMMSHARE_SPIN_US)
         self.skip = 0
         self._sock: socket.socket | None = None
         self._poller = select.poll()
@@ -336,7 +336,7 @@ class _Waiter:
         if self.skip:
             self.skip -= 1
         else:
-            deadline = time.perf_counter() + SPIN_SECONDS
+            deadline = time.perf_counter() + self.spin
             while not poller.poll(0):
                 if time.perf_counter() > deadline:
                     self.skip = self.SKIP_AFTER_MISS

@@ -26,6 +26,7 @@ from ..books.ledger import Client, Ledger, LedgerError
 from ..config import Config, Quotas
 from ..fabric.agent import Agent, endpoint_of
 from ..sockets import packets
+from ..sockets.spinning import core_free
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
 from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
@@ -203,7 +204,10 @@ class Broker:
 
     def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
-        from sleep costs several times what serving a request does."""
+        from sleep costs several times what serving a request does. Not while no core is free (`core_free`): the
+        clients need them to send those requests."""
+        if not self.config.broker_spin or not core_free():
+            return []
         deadline = time.perf_counter() + self.config.broker_spin
         while time.perf_counter() < deadline:
             events = self.sel.select(0)

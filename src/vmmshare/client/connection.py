@@ -24,6 +24,7 @@ from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
 from ..sockets.packets import DONTWAIT, close_fds, recv_packet, send_packet
+from ..sockets.spinning import core_free
 from ..wire import local as P
 from ..wire.local import ProtocolError, decode, encode
 from ..wire.props import PhysicalProp, prop_of
@@ -315,8 +316,9 @@ class _Waiter:
     """Waits for the broker's reply: polls for a few microseconds first (a wake-up from sleep costs far more
     on most machines than the broker takes to answer), then sleeps in poll(2), up to REPLY_TIMEOUT.
 
-    Polling pays only while replies come quickly: after a reply that outlasted the polling window (a busy
-    broker, many clients on few cores), the next requests wait without polling, leaving the cores to others.
+    Polling pays only while a core is free for it (`core_free`: else it sleeps at once) and replies come quickly:
+    after a reply that outlasted the polling window (a busy broker, many clients on few cores), the next requests
+    wait without polling, leaving the cores to others.
     """
 
     SKIP_AFTER_MISS = 16
@@ -335,7 +337,7 @@ class _Waiter:
         poller = self._poller
         if self.skip:
             self.skip -= 1
-        else:
+        elif self.spin and core_free():
             deadline = time.perf_counter() + self.spin
             while not poller.poll(0):
                 if time.perf_counter() > deadline:

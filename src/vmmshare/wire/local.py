@@ -103,6 +103,7 @@ class Frame(NamedTuple):
 
 
 def _layout(message: type[Message], fmt: str, tail: Tail = Tail.NONE, max_tail: int = 0, fds: int = 0) -> Layout:
+    """A message type's layout, numbered by its class (every text tail of this protocol is cut to fit)."""
     return Layout(message, message.TYPE, fmt, tail, max_tail, fds)
 
 

@@ -10,62 +10,53 @@ import sys
 import pytest
 
 from vmmshare.sockets import spinning
+from vmmshare.sockets.spinning import spin
 
 
-@pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No sample taken yet, so the next core_free() reads the kernel's count."""
-    monkeypatch.setattr(spinning, "_sampled_at", -math.inf)
-    return monkeypatch
+@pytest.fixture(autouse=True)
+def calm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No back-off left over from an earlier spin of this process."""
+    monkeypatch.setattr(spinning, "_calm_after", -math.inf)
 
 
-def test_the_kernel_counts_this_process_among_the_runnable() -> None:
-    running = spinning.runnable_tasks()
-    assert running is not None and running >= 1
+def test_what_the_poll_found_is_returned_at_once() -> None:
+    calls: list[int] = []
+
+    def ready() -> list[int]:
+        calls.append(1)
+        return [7]
+
+    assert spin(ready, 0.001) == [7]
+    assert len(calls) == 1
 
 
-def test_no_spin_while_more_tasks_are_runnable_than_cores(fresh: pytest.MonkeyPatch) -> None:
-    """Real busy processes, one more than this process's cores: every one of them is runnable, so no spin."""
-    cores = len(os.sched_getaffinity(0))
+def test_a_window_of_zero_never_polls() -> None:
+    """VMMSHARE_SPIN_US=0 and VMMSHARE_BROKER_SPIN_US=0: the wait blocks in the kernel at once."""
+    assert spin(lambda: pytest.fail("polled"), 0.0) is None
+
+
+def test_a_spin_gives_up_when_another_task_wants_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy process on this thread's only core: the first yield runs it, so the spin stops long before its
+    window ends, and no spin starts during the back-off that follows (made long here, for a loaded machine)."""
+    monkeypatch.setattr(spinning, "BACK_OFF", 3600.0)
     code = "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"
-    busy = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(cores + 1)]
+    cpu = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    busy = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
-        for proc in busy:
-            assert proc.stdout is not None and proc.stdout.read(1) == b"x"  # it is in its loop
-        running = spinning.runnable_tasks()
-        assert running is not None and running > cores
-        assert spinning.core_free() is False
+        os.sched_setaffinity(busy.pid, {cpu})
+        assert busy.stdout is not None and busy.stdout.read(1) == b"x"  # it is in its loop
+        os.sched_setaffinity(0, {cpu})
+        assert spin(lambda: None, 5.0) is None
+        assert spinning._calm_after > -math.inf, "the spin ran out its window: it did not see the core was wanted"
+        assert spin(lambda: pytest.fail("polled during the back-off"), 5.0) is None
     finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()
+        os.sched_setaffinity(0, saved)
+        busy.kill()
+        busy.wait()
 
 
-@pytest.mark.parametrize(("running", "free"), [(1, True), (None, False), (10_000, False)])
-def test_the_decision_and_its_sample(fresh: pytest.MonkeyPatch, running: int | None, free: bool) -> None:
-    """Spin when no more tasks are runnable than cores; never when the kernel does not say. A sample stands for
-    SAMPLE_EVERY seconds: calls within it do not read the count again."""
-    reads = []
-
-    def count() -> int | None:
-        reads.append(1)
-        return running
-
-    fresh.setattr(spinning, "runnable_tasks", count)
-    fresh.setattr(spinning, "SAMPLE_EVERY", 3600.0)
-    assert spinning.core_free() is free
-    assert spinning.core_free() is free
-    assert len(reads) == 1
-    fresh.setattr(spinning, "SAMPLE_EVERY", 0.0)
-    spinning.core_free()
-    assert len(reads) == 2
-
-
-def test_as_many_runnable_as_cores_still_spins(fresh: pytest.MonkeyPatch) -> None:
-    """The spinner and the end it waits on, each on a core of its own: that is what the spin is for."""
-    cores = len(os.sched_getaffinity(0))
-    fresh.setattr(spinning, "runnable_tasks", lambda: cores)
-    assert spinning.core_free() is True
-    fresh.setattr(spinning, "_sampled_at", -math.inf)
-    fresh.setattr(spinning, "runnable_tasks", lambda: cores + 1)
-    assert spinning.core_free() is False
+def test_a_window_that_ends_without_an_answer_returns_none() -> None:
+    polls: list[int] = []
+    assert spin(lambda: polls.append(1), 0.0005) is None
+    assert polls

@@ -26,7 +26,7 @@ from ..books.ledger import Client, Ledger, LedgerError
 from ..config import Config, Quotas
 from ..fabric.agent import Agent, endpoint_of
 from ..sockets import packets
-from ..sockets.spinning import core_free
+from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
 from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
@@ -204,17 +204,9 @@ class Broker:
 
     def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
-        from sleep costs several times what serving a request does. Not while no core is free (`core_free`): the
-        clients need them to send those requests."""
-        if not self.config.broker_spin or not core_free():
-            return []
-        deadline = time.perf_counter() + self.config.broker_spin
-        while time.perf_counter() < deadline:
-            events = self.sel.select(0)
-            if events:
-                return events
-            os.sched_yield()  # clients preparing their next request may need this core
-        return []
+        from sleep costs several times what serving a request does. Not while another task wants the core (`spin`):
+        the clients need the cores to send those requests."""
+        return spin(lambda: self.sel.select(0), self.config.broker_spin) or []
 
     def _retire(self) -> bool:
         """Leave after an idle spell, unless a client is on its way in (daemon.retire_socket)."""

@@ -11,11 +11,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import select
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,7 +22,7 @@ from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
 from ..sockets.packets import DONTWAIT, close_fds, recv_packet, send_packet
-from ..sockets.spinning import core_free
+from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.local import ProtocolError, decode, encode
 from ..wire.props import PhysicalProp, prop_of
@@ -316,9 +314,9 @@ class _Waiter:
     """Waits for the broker's reply: polls for a few microseconds first (a wake-up from sleep costs far more
     on most machines than the broker takes to answer), then sleeps in poll(2), up to REPLY_TIMEOUT.
 
-    Polling pays only while a core is free for it (`core_free`: else it sleeps at once) and replies come quickly:
-    after a reply that outlasted the polling window (a busy broker, many clients on few cores), the next requests
-    wait without polling, leaving the cores to others.
+    Polling pays only while a core is free for it (`spin` gives up as soon as another task wants the core) and
+    replies come quickly: after a reply that outlasted the polling window (a busy broker, many clients on few
+    cores), the next requests wait without polling, leaving the cores to others.
     """
 
     SKIP_AFTER_MISS = 16
@@ -337,15 +335,10 @@ class _Waiter:
         poller = self._poller
         if self.skip:
             self.skip -= 1
-        elif self.spin and core_free():
-            deadline = time.perf_counter() + self.spin
-            while not poller.poll(0):
-                if time.perf_counter() > deadline:
-                    self.skip = self.SKIP_AFTER_MISS
-                    break
-                os.sched_yield()  # let the broker (or whoever is runnable) have this core
-            else:
-                return recv_packet(sock, DONTWAIT)
+        elif spin(lambda: poller.poll(0), self.spin):
+            return recv_packet(sock, DONTWAIT)
+        else:
+            self.skip = self.SKIP_AFTER_MISS
         if not poller.poll(REPLY_TIMEOUT * 1000):
             raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
         return recv_packet(sock, DONTWAIT)

@@ -1,11 +1,11 @@
-"""Whether a wait on a socket may spin: only while a core is free for it, else it blocks in the kernel at once.
+"""The brief spin both ends make before they sleep, made only while a core is free for it.
 
-Both ends poll briefly before they sleep (the client for the broker's reply, the broker for the next request), since
-a wake-up from sleep costs more than the other end takes to answer, on an idle machine. On a busy one a spin takes the
-core the other end needs: so a spin starts only while no more tasks are runnable, system-wide, than this process has
-CPUs to run on (the spinner and the end it waits on, each on its own core, and nobody waiting for one). The count is
-the kernel's own (the running field of /proc/loadavg, instantaneous, unlike the load averages), sampled at most once
-every SAMPLE_EVERY seconds.
+Both ends poll briefly before they block (the client for the broker's reply, the broker for the next request), since
+on an idle machine a wake-up from sleep costs more than the other end takes to answer. On a busy one a spin takes the
+core another task needs. So a spin yields the core between polls, and a yield that lets another task run (it takes
+longer than YIELD_SLICE to come back) is the sign that the core is wanted: the spin gives up, and no spin starts in
+this process for BACK_OFF seconds, during which every wait blocks in the kernel at once. It needs no file or system
+call beyond the yield, so it costs nothing when the machine is idle and leaves no descriptor open in either end.
 """
 
 from __future__ import annotations
@@ -13,41 +13,36 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-LOADAVG = "/proc/loadavg"  # "0.52 0.31 0.20 3/412 12345": the fourth field is runnable tasks / all tasks
-SAMPLE_EVERY = 0.002  # seconds a sample stands for
+YIELD_SLICE = 50e-6  # seconds: a sched_yield that takes longer than this ran another task on this core
+BACK_OFF = 0.02  # seconds without a spin after one found its core wanted
 
-_sampled_at = -math.inf  # no sample yet
-_free = False
+T = TypeVar("T")
+_calm_after = -math.inf  # no spin starts before this perf_counter() time
 
 
-def runnable_tasks() -> int | None:
-    """Tasks runnable on the whole machine right now (this one included); None when the kernel does not say."""
-    try:
-        fd = os.open(LOADAVG, os.O_RDONLY)
-    except OSError:  # no /proc, or out of file descriptors: a reason not to spin, not an error
+def spin(poll: Callable[[], T], seconds: float) -> T | None:
+    """Call `poll` (which must not block) until it returns something true, for up to `seconds`, yielding the core
+    between calls; what it returned, or None when the window ends or as soon as another task wants this core (then
+    the caller blocks in the kernel instead, and so do the waits of the next BACK_OFF seconds)."""
+    global _calm_after
+    start = time.perf_counter()
+    if seconds <= 0 or start < _calm_after:
         return None
-    try:
-        text = os.read(fd, 128)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        return int(text.split()[3].split(b"/")[0])
-    except (IndexError, ValueError):
-        return None
-
-
-def core_free() -> bool:
-    """Whether a spin now takes no core that a runnable task waits for: no more runnable tasks (this one and, likely,
-    the end it waits on among them) than CPUs this process may use. False when it cannot tell: blocking is always
-    correct."""
-    global _sampled_at, _free
-    now = time.perf_counter()
-    if now - _sampled_at < SAMPLE_EVERY:
-        return _free
-    running = runnable_tasks()
-    _free = running is not None and running <= len(os.sched_getaffinity(0))
-    _sampled_at = now
-    return _free
+    deadline = start + seconds
+    while True:
+        got = poll()
+        if got:
+            return got
+        before = time.perf_counter()
+        if before > deadline:
+            return None
+        os.sched_yield()  # let whoever is runnable here (the other end, on a machine with few cores) have the core
+        if time.perf_counter() - before > YIELD_SLICE:  # someone did: the core is wanted
+            got = poll()
+            if got:
+                return got
+            _calm_after = time.perf_counter() + BACK_OFF
+            return None

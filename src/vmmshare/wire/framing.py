@@ -97,7 +97,8 @@ class Layout:
             self.values = lambda m: (one(m),)
         else:
             self.values = operator.attrgetter(*self.fields)
-        self.tail_of: Callable[[Any], Any] = operator.attrgetter(self.tail_field) if self.tail_field else bool
+        self.tail_of: Callable[[Any], Any] = (operator.attrgetter(self.tail_field) if self.tail_field
+                                              else lambda m: None)  # a message's tail (None: the type has none)
 
     def build(self, values: tuple[Any, ...], tail: Any = None) -> Any:
         """The message of these fixed values (and tail, for a type that has one)."""

@@ -34,14 +34,22 @@ def _path_of(base: Path, size: int, name: str = "broker.sock") -> Path:
 # ---------------------------------------------------------------- polling variables
 
 
-@pytest.mark.parametrize(("module", "variable"), [("vmmshare.client.connection", "VMMSHARE_SPIN_US"),
-                                                  ("vmmshare.broker.server", "VMMSHARE_BROKER_SPIN_US")])
+@pytest.mark.parametrize(("module", "variable", "broker"),
+                         [("vmmshare.client.connection", "VMMSHARE_SPIN_US", False),
+                          ("vmmshare.broker.server", "VMMSHARE_BROKER_SPIN_US", True)])
 @pytest.mark.parametrize("value", ["abc", "-5", "nan"])
-def test_spin_variables_are_read_by_config_and_named_when_bad(module: str, variable: str, value: str) -> None:
-    """The polling windows are read when the module is imported, by config.spin_seconds: a bad value is a
-    ConfigError (a ValueError) naming the variable, never a bare float() error or a negative window."""
-    out = subprocess.run([sys.executable, "-c", f"import {module}"], env=clean_env(**{variable: value}),
-                         capture_output=True, text=True, timeout=HANG_GUARD)
+def test_spin_variables_are_read_by_config_and_named_when_bad(module: str, variable: str, broker: bool,
+                                                              value: str) -> None:
+    """The polling windows are read once, into the Config an entry point builds (config.spin_seconds), never when a
+    module is imported: a bad value is a ConfigError (a ValueError) naming the variable, never a bare float() error
+    or a negative window."""
+    env = clean_env(**{variable: value})
+    imported = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True,
+                              timeout=HANG_GUARD)
+    assert imported.returncode == 0, imported.stderr[-500:]
+    out = subprocess.run([sys.executable, "-c", f"import {module}; from vmmshare.config import Config; "
+                          f"Config.from_env(broker={broker})"], env=env, capture_output=True, text=True,
+                         timeout=HANG_GUARD)
     assert out.returncode != 0
     assert f"ConfigError: {variable}={value!r} is not a number of microseconds" in out.stderr, out.stderr[-500:]
 

@@ -1,6 +1,8 @@
-"""Configuration read from the environment (SPEC §7), parsed once per call so tests can change it.
+"""Configuration read from the environment (SPEC §7): the one module that reads it.
 
-Each variable has one reader; a value it cannot use raises `ConfigError`, whose message names the variable.
+Each variable has one reader; a value it cannot use raises `ConfigError`, whose message names the variable. An entry
+point (the process's runtime, the broker, a command) reads them once, into a `Config`, and passes it down; nothing
+reads them when it is imported, so a test can change them, and a bad one is refused where it is read.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import pwd
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -20,6 +22,9 @@ _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 BACKENDS = ("host", "cuda", "auto")
 MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, with the terminating NUL
+CLIENT_SPIN_US = 100  # default of VMMSHARE_SPIN_US
+BROKER_SPIN_US = 200  # default of VMMSHARE_BROKER_SPIN_US
+VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"  # the runtime's own variable: which devices this process sees
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
@@ -115,6 +120,16 @@ def log_level() -> str:
         raise ConfigError(f"VMMSHARE_LOG={raw!r} is not a log level: use one of {', '.join(LOG_LEVELS)}",
                           "VMMSHARE_LOG")
     return value
+
+
+def visible_devices() -> str | None:
+    """$ASCEND_RT_VISIBLE_DEVICES as given (None when unset); the runtime's device table parses and checks it."""
+    return os.environ.get(VISIBLE_DEVICES)
+
+
+def socket_activated() -> bool:
+    """Whether systemd passed this very process its listening socket ($LISTEN_PID names it)."""
+    return os.environ.get("LISTEN_PID") == str(os.getpid())
 
 
 def spin_seconds(name: str, default_us: float) -> float:
@@ -330,7 +345,8 @@ def fabric_problem() -> None:
 
 _READERS: tuple[Callable[[], object], ...] = (
     devices, device_memory, socket_path, server_id, backend, broker_idle, prepopulate, log_level,
-    lambda: spin_seconds("VMMSHARE_SPIN_US", 100), lambda: spin_seconds("VMMSHARE_BROKER_SPIN_US", 200),
+    lambda: spin_seconds("VMMSHARE_SPIN_US", CLIENT_SPIN_US),
+    lambda: spin_seconds("VMMSHARE_BROKER_SPIN_US", BROKER_SPIN_US),
     fabric, fabric_addr, fabric_port, fabric_timeout, fabric_problem,
     *(lambda name=name: _quota(name) for name in QUOTA_DEFAULTS), quota_memory, broker_user,
 )
@@ -349,7 +365,7 @@ def problems() -> list[ConfigError]:
 
 @dataclass(frozen=True)
 class Config:
-    """One reading of the VMMSHARE_* variables."""
+    """One reading of the VMMSHARE_* variables, made by an entry point and passed down."""
 
     devices: int
     device_memory: int
@@ -364,11 +380,18 @@ class Config:
     fabric_port: int = FABRIC_PORT
     cluster_key_file: Path | None = None
     fabric_timeout: float = 5.0
+    visible_devices: str | None = None  # $ASCEND_RT_VISIBLE_DEVICES, unparsed
+    # a client's own setting, read only for a client, and the broker's own, read only for a broker: a bad value of
+    # one side's variable leaves the other side running
+    spin: float = CLIENT_SPIN_US / 1e6  # seconds a client may poll for the broker's reply before it sleeps
+    broker_spin: float = BROKER_SPIN_US / 1e6  # seconds the broker may poll for more requests before it sleeps
+    quotas: Quotas = Quotas()
 
     @classmethod
-    def from_env(cls) -> Config:
-        """Read the variables; the first that cannot be used raises `ConfigError` (a ValueError) naming it."""
-        return cls(
+    def from_env(cls, broker: bool = False) -> Config:
+        """Read the variables (a client's, or for a `broker` the broker's); the first that cannot be used raises
+        `ConfigError` (a ValueError) naming it."""
+        config = cls(
             devices=devices(),
             device_memory=device_memory(),
             socket_path=socket_path(),
@@ -382,4 +405,9 @@ class Config:
             fabric_port=fabric_port(),
             cluster_key_file=cluster_key_file(),
             fabric_timeout=fabric_timeout(),
+            visible_devices=visible_devices(),
         )
+        if broker:
+            return replace(config, broker_spin=spin_seconds("VMMSHARE_BROKER_SPIN_US", BROKER_SPIN_US),
+                           quotas=quotas())
+        return replace(config, spin=spin_seconds("VMMSHARE_SPIN_US", CLIENT_SPIN_US))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .. import config
+from .daemon import run
 
 LOG_FILE_BYTES = 1 << 20  # a --log-file is rotated at this size, keeping one older file: at most 2 MiB on disk
 
@@ -60,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--log-file {str(args.log_file)!r}: {exc.strerror or exc}")
     logging.basicConfig(level=level, format=fmt, handlers=handlers or None)
     try:
-        from .daemon import run  # reads VMMSHARE_BROKER_SPIN_US
+        settings = config.Config.from_env(broker=True)  # read once, here: everything below is handed it
     except config.ConfigError as exc:
         logging.getLogger("vmmshare.broker").error("bad configuration: %s", exc)
         return 2
-    return run(args.socket, args.idle, args.multi_user, args.ready_fd, args.auto)
+    return run(settings, args.socket, args.idle, args.multi_user, args.ready_fd, args.auto)
 
 
 if __name__ == "__main__":

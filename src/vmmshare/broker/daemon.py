@@ -9,7 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
-from ..config import Config, ConfigError, check_socket_path, quotas
+from ..config import Config, ConfigError, check_socket_path
 from ..fabric.agent import FabricSetupError
 from .server import WAKE, Broker
 from .socketfile import InUse, passed_socket
@@ -17,15 +17,14 @@ from .socketfile import InUse, passed_socket
 log = logging.getLogger("vmmshare.broker")
 
 
-def run(path: Path | None = None, idle: float | None = None, multi_user: bool = False, ready_fd: int = -1,
-        auto: bool = False) -> int:
-    """Run a broker in this process until it is stopped (SIGTERM/SIGINT) or, with `idle`, goes idle. An auto-started
-    broker (`auto`) lingers VMMSHARE_BROKER_IDLE seconds unless `idle` says otherwise.
+def run(config: Config, path: Path | None = None, idle: float | None = None, multi_user: bool = False,
+        ready_fd: int = -1, auto: bool = False) -> int:
+    """Run a broker of this configuration (`Config.from_env(broker=True)`) in this process until it is stopped
+    (SIGTERM/SIGINT) or, with `idle`, goes idle. An auto-started broker (`auto`) lingers VMMSHARE_BROKER_IDLE seconds
+    unless `idle` says otherwise.
 
     Exit status: 0 stopped, 1 could not serve, 2 bad configuration, 3 another broker serves the path."""
     try:
-        config = Config.from_env()
-        limits = quotas()
         if path is not None:
             check_socket_path(path, "--socket")
     except ConfigError as exc:
@@ -33,7 +32,7 @@ def run(path: Path | None = None, idle: float | None = None, multi_user: bool = 
         return 2
     if auto and idle is None:
         idle = config.broker_idle
-    broker = Broker(path or config.socket_path, config, idle, multi_user, limits)
+    broker = Broker(path or config.socket_path, config, idle, multi_user)
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
     wake_w.setblocking(False)

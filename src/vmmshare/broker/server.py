@@ -23,9 +23,10 @@ from pathlib import Path
 
 from .. import constants as C
 from ..books.ledger import Client, Ledger, LedgerError
-from ..config import Config, Quotas, spin_seconds
+from ..config import Config, Quotas
 from ..fabric.agent import Agent, endpoint_of
 from ..sockets import packets
+from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
 from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
@@ -38,7 +39,6 @@ from .socketfile import bind_socket, retire_socket
 
 log = logging.getLogger("vmmshare.broker")
 WAKE = object()  # selector data of the socket a signal writes to (daemon.py): it wakes the loop
-SPIN_SECONDS = spin_seconds("VMMSHARE_BROKER_SPIN_US", 200)
 QUANTUM = 0.0005  # seconds of serving each user's requests gets per turn of the loop (the last one may overrun it)
 INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; more are pinned (jobs.py)
 PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
@@ -75,7 +75,8 @@ class Broker:
         self.multi_user = multi_user
         self.closer = Closer()  # lets go of client fds; a lingering socket cannot block the loop (closer.py)
         self.ledger = Ledger(config.devices, config.device_memory, identify=identity_of_pid, close_fd=self.closer.close,
-                             memfd_info=system.memfd_info, broker_pid=os.getpid(), quotas=limits,
+                             memfd_info=system.memfd_info, broker_pid=os.getpid(),
+                             quotas=limits if limits is not None else config.quotas,
                              fd_budget=system.fd_budget(), endpoint=endpoint_of(config))
         self.conns: dict[int, Conn] = {}
         self.jobs: Jobs[Conn] = Jobs(self.closer.close)
@@ -203,14 +204,9 @@ class Broker:
 
     def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
-        from sleep costs several times what serving a request does."""
-        deadline = time.perf_counter() + SPIN_SECONDS
-        while time.perf_counter() < deadline:
-            events = self.sel.select(0)
-            if events:
-                return events
-            os.sched_yield()  # clients preparing their next request may need this core
-        return []
+        from sleep costs several times what serving a request does. Not while another task wants the core (`spin`):
+        the clients need the cores to send those requests."""
+        return spin(lambda: self.sel.select(0), self.config.broker_spin) or []
 
     def _retire(self) -> bool:
         """Leave after an idle spell, unless a client is on its way in (daemon.retire_socket)."""

@@ -42,11 +42,11 @@ def _socket(text: str) -> Path:
 # ---------------------------------------------------------------- ls
 
 
-def _ls(args: argparse.Namespace) -> int:
+def _ls(args: argparse.Namespace, settings: config.Config) -> int:
     from ..client.connection import BrokerClient
     from ..errors import AclError
 
-    client = BrokerClient(config.Config.from_env(), autostart=False)
+    client = BrokerClient(settings, autostart=False)
     try:
         listing = client.listing()
     except AclError as exc:
@@ -97,15 +97,13 @@ def _folder_problem(path: Path) -> str | None:
     return None
 
 
-def _broker(args: argparse.Namespace) -> int:
+def _broker(args: argparse.Namespace, settings: config.Config) -> int:
     from ..broker.__main__ import main as broker_main
     from ..broker.system import answers
 
     prog = "vmmshare broker"
-    path, source = (args.socket, "--socket") if args.socket is not None else (config.socket_path(), "VMMSHARE_SOCKET")
-    import os
-
-    if os.environ.get("LISTEN_PID") == str(os.getpid()):  # systemd passed the socket: the broker checks it
+    path, source = (args.socket, "--socket") if args.socket is not None else (settings.socket_path, "VMMSHARE_SOCKET")
+    if config.socket_activated():  # systemd passed the socket: the broker checks it
         pass
     elif problem := _folder_problem(path):
         say_error(prog, f"{source} {str(path)!r}: {problem}")
@@ -113,7 +111,7 @@ def _broker(args: argparse.Namespace) -> int:
     elif answers(path):
         say_error(prog, f"a broker already serves {path}: stop it first, or choose another path with --socket")
         return IN_USE
-    forward = ["--socket", str(path), "--log-level", args.log_level or config.log_level()]
+    forward = ["--socket", str(path), "--log-level", args.log_level or settings.log_level]
     if args.idle is not None:
         forward += ["--idle", repr(args.idle)]
     if args.multi_user:
@@ -194,7 +192,7 @@ def _parser() -> Parser:
 
 def _main(argv: list[str]) -> int:
     asks_help = bool({"-h", "--help"} & set(argv[1:]))
-    # bench and demo check before their modules are imported: the broker client reads VMMSHARE_SPIN_US on import
+    # bench and demo parse their own options (and --help needs no configuration): check the variables first
     if argv[:1] in (["bench"], ["demo"]) and not asks_help and not environment_ok(f"vmmshare {argv[0]}"):
         return USAGE
     if argv[:1] == ["bench"]:  # its own options and help
@@ -227,9 +225,10 @@ def _main(argv: list[str]) -> int:
     if args.version or args.command == "version":
         print(f"vmmshare {__version__}")
         return OK
+    settings = config.Config.from_env()  # read once (every variable was just found usable), handed down
     if args.command == "broker":
-        return _broker(args)
-    return _ls(args)
+        return _broker(args, settings)
+    return _ls(args, settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,19 +11,18 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import select
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..backends.remote import Transfers
-from ..config import Config, spin_seconds
+from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
 from ..sockets.packets import DONTWAIT, close_fds, recv_packet, send_packet
+from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.local import ProtocolError, decode, encode
 from ..wire.props import PhysicalProp, prop_of
@@ -32,7 +31,6 @@ from .autostart import reach_broker
 log = logging.getLogger("vmmshare.client")
 REPLY_TIMEOUT = 60.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
-SPIN_SECONDS = spin_seconds("VMMSHARE_SPIN_US", 100)
 R = TypeVar("R", bound=P.Message)
 
 
@@ -49,7 +47,7 @@ class BrokerClient:
         self._tokens = itertools.count(1)
         self._holds: dict[int, int] = {}  # token -> the broker's hold id on this connection
         self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # token -> its charge, to repeat on a new broker
-        self._waiter = _Waiter()
+        self._waiter = _Waiter(config.spin)
         self._owner: int | None = None  # the thread in a request, if any
         self._metadata = "P2PHANDSHAKE"  # this process's metadata URL, from its first remote import's reply
 
@@ -316,13 +314,15 @@ class _Waiter:
     """Waits for the broker's reply: polls for a few microseconds first (a wake-up from sleep costs far more
     on most machines than the broker takes to answer), then sleeps in poll(2), up to REPLY_TIMEOUT.
 
-    Polling pays only while replies come quickly: after a reply that outlasted the polling window (a busy
-    broker, many clients on few cores), the next requests wait without polling, leaving the cores to others.
+    Polling pays only while a core is free for it (`spin` gives up as soon as another task wants the core) and
+    replies come quickly: after a reply that outlasted the polling window (a busy broker, many clients on few
+    cores), the next requests wait without polling, leaving the cores to others.
     """
 
     SKIP_AFTER_MISS = 16
 
-    def __init__(self) -> None:
+    def __init__(self, spin: float) -> None:
+        self.spin = spin  # seconds (the Config's, from VMMSHARE_SPIN_US)
         self.skip = 0
         self._sock: socket.socket | None = None
         self._poller = select.poll()
@@ -335,15 +335,10 @@ class _Waiter:
         poller = self._poller
         if self.skip:
             self.skip -= 1
+        elif spin(lambda: poller.poll(0), self.spin):
+            return recv_packet(sock, DONTWAIT)
         else:
-            deadline = time.perf_counter() + SPIN_SECONDS
-            while not poller.poll(0):
-                if time.perf_counter() > deadline:
-                    self.skip = self.SKIP_AFTER_MISS
-                    break
-                os.sched_yield()  # let the broker (or whoever is runnable) have this core
-            else:
-                return recv_packet(sock, DONTWAIT)
+            self.skip = self.SKIP_AFTER_MISS
         if not poller.poll(REPLY_TIMEOUT * 1000):
             raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
         return recv_packet(sock, DONTWAIT)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ from ..config import Config
 from ..errors import AclError
 from .blocks import Blocks
 from .copies import Copies
-from .devices import VISIBLE_ENV, Devices
+from .devices import Devices
 from .ipc import Ipc
 from .node import Node
 from .sharing import Sharing
@@ -52,7 +51,7 @@ class Runtime:
         self.lock = threading.RLock()
         self.remote = RemoteBackend(lambda: self.node.transfers())  # other servers' memory (its engine: on first use)
         self.devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu,
-                               os.environ.get(VISIBLE_ENV), self.config.server_id)
+                               self.config.visible_devices, self.config.server_id)
         self.memory = Vmm(self)
         self.blocks = Blocks(self)
         self.copies = Copies(self)

@@ -1,8 +1,9 @@
 """The broker-to-broker wire format over TCP, encode/decode only (no I/O), so it can be tested and fuzzed on its own.
 
-A frame is a 12-byte header (magic ``b"VF"``, version, message type, request id, body length) and a body: a
-fixed struct and, for some types, a UTF-8 text tail. A TCP stream carries frames back to back; `FrameReader`
-cuts them out, refusing a bad header before it buffers the body. Decoding is strict, like local.py's.
+A frame is the shared framing's (framing.py): a 12-byte header (magic ``b"VF"``, version, message type, request id,
+body length) and a body: a fixed struct and, for some types, a UTF-8 text tail. A TCP stream carries frames back to
+back; `FrameReader` cuts them out, refusing a bad header before it buffers the body. Decoding is strict, as the local
+protocol's is.
 
 Before any request, the two brokers prove the cluster key to each other (`Initiator`, `Responder`): each sends a
 fresh 32-byte nonce, and each proof is HMAC-SHA256 under the key over the handshake's transcript (both server ids,
@@ -19,7 +20,6 @@ one secret a request carries (a FABRIC handle's) travels as a proof bound to the
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import hashlib
 import hmac
@@ -27,11 +27,12 @@ import ipaddress
 import secrets
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
+
+from .framing import HEADER, PROP, Framing, Layout, Tail
 
 MAGIC = b"VF"
 VERSION = 3  # 2: endpoint-bound proofs, sealed frames, secrets proved, not sent; 3: links used both ways (Listens)
-HEADER = struct.Struct("<2sBBII")
 MAX_BODY = 4096
 NONCE = 32
 MAX_SEGMENT = 255  # bytes of an engine segment name ("<address>:<port>")
@@ -185,94 +186,33 @@ class Frame(NamedTuple):
     message: PeerMessage
 
 
-@dataclass(frozen=True)
-class _Layout:
-    cls: type[PeerMessage]
-    fixed: struct.Struct
-    text: int  # the most bytes of a text tail (0: the type has none)
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        names = tuple(f.name for f in dataclasses.fields(self.cls))  # type: ignore[arg-type]
-        return names[:-1] if self.text else names
+def _layout(cls: type[PeerMessage], fmt: str, text: int = 0, cut: bool = False) -> Layout:
+    """A message type's layout: its fixed struct and, when `text`, a text tail of up to that many bytes (cut when
+    `cut`, refused otherwise)."""
+    return Layout(cls, cls.KIND, fmt, Tail.TEXT if text else Tail.NONE, text, cut=cut)
 
 
-_LAYOUTS: dict[Kind, _Layout] = {
-    layout.cls.KIND: layout
+LAYOUTS: dict[Kind, Layout] = {
+    Kind(layout.kind): layout
     for layout in (
-        _Layout(Hello, struct.Struct("<I32s"), 0),
-        _Layout(Challenge, struct.Struct("<I32s32s"), 0),
-        _Layout(Proof, struct.Struct("<32s"), 0),
-        _Layout(Welcome, struct.Struct("<"), 0),
-        _Layout(Import, struct.Struct("<QB32sIIIQ"), 0),
-        _Layout(Release, struct.Struct("<Q"), 0),
-        _Layout(Heartbeat, struct.Struct("<"), 0),
-        _Layout(Adopt, struct.Struct("<Q"), 0),
-        _Layout(Listens, struct.Struct("<18s"), 0),
-        _Layout(Ok, struct.Struct("<"), 0),
-        _Layout(Error, struct.Struct("<I"), MAX_TEXT),
-        _Layout(Imported, struct.Struct("<QQBBBBBiQ"), MAX_SEGMENT),
+        _layout(Hello, "<I32s"),
+        _layout(Challenge, "<I32s32s"),
+        _layout(Proof, "<32s"),
+        _layout(Welcome, "<"),
+        _layout(Import, "<QB32sIIIQ"),
+        _layout(Release, "<Q"),
+        _layout(Heartbeat, "<"),
+        _layout(Adopt, "<Q"),
+        _layout(Listens, "<18s"),
+        _layout(Ok, "<"),
+        _layout(Error, "<I", MAX_TEXT, cut=True),  # an error message is cut, not lost
+        _layout(Imported, "<QQB" + PROP.format + "Q", MAX_SEGMENT),
     )
 }
-_SIZED = {kind: tuple(len(v) for v in layout.fixed.unpack(bytes(layout.fixed.size)) if isinstance(v, bytes))
-          for kind, layout in _LAYOUTS.items()}
-
-
-def encode(message: PeerMessage, req: int) -> bytes:
-    """One frame; PeerProtocolError if the message's values do not fit its type."""
-    layout = _LAYOUTS.get(getattr(type(message), "KIND", None))  # type: ignore[arg-type]
-    if layout is None or type(message) is not layout.cls:
-        raise PeerProtocolError(f"{type(message).__name__} is not a message of the fabric protocol")
-    values = tuple(getattr(message, name) for name in layout.fields)
-    sized = iter(_SIZED[layout.cls.KIND])
-    for value in values:
-        if isinstance(value, (bytes, bytearray)) and len(value) != next(sized):
-            raise PeerProtocolError(f"{layout.cls.KIND.name}: a bytes field has the wrong length")
-    try:
-        body = layout.fixed.pack(*values)
-    except struct.error as exc:
-        raise PeerProtocolError(f"{layout.cls.KIND.name}: {exc}") from None
-    if layout.text:
-        text = str(getattr(message, dataclasses.fields(layout.cls)[-1].name)).encode("utf-8", "replace")  # type: ignore[arg-type]
-        if len(text) > layout.text:
-            if layout.cls is not Error:
-                raise PeerProtocolError(f"{layout.cls.KIND.name}: text of {len(text)} bytes exceeds {layout.text}")
-            text = text[: layout.text].decode("utf-8", "ignore").encode("utf-8")  # an error message is cut, not lost
-        body += text
-    return HEADER.pack(MAGIC, VERSION, layout.cls.KIND, req & 0xFFFFFFFF, len(body)) + body
-
-
-def _header(data: bytes | bytearray) -> tuple[_Layout, int, int]:
-    """The layout, request id and body length of a frame header, checked before its body is read."""
-    magic, version, kind, req, length = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise PeerProtocolError(f"bad magic {bytes(magic)!r}: not a vmmshare broker")
-    if version != VERSION:
-        raise PeerProtocolError(f"fabric protocol version {version} is not supported (this broker speaks {VERSION})")
-    layout = _LAYOUTS.get(kind)
-    if layout is None:
-        raise PeerProtocolError(f"unknown message type {kind}")
-    size = layout.fixed.size
-    if not size <= length <= size + layout.text:
-        raise PeerProtocolError(f"{layout.cls.KIND.name} body of {length} bytes: it takes {size}"
-                                + (f" to {size + layout.text}" if layout.text else ""))
-    return layout, req, length
-
-
-def decode(frame: bytes) -> Frame:
-    """Decode one whole frame."""
-    if len(frame) < HEADER.size:
-        raise PeerProtocolError(f"frame of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
-    layout, req, length = _header(frame)
-    if len(frame) != HEADER.size + length:
-        raise PeerProtocolError(f"frame of {len(frame)} bytes, its header says {HEADER.size + length}")
-    values: list[Any] = list(layout.fixed.unpack_from(frame, HEADER.size))
-    if layout.text:
-        try:
-            values.append(frame[HEADER.size + layout.fixed.size :].decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise PeerProtocolError(f"{layout.cls.KIND.name} text is not UTF-8: {exc}") from None
-    return Frame(req, layout.cls(*values))
+PEER: Framing[PeerMessage, Frame] = Framing("fabric protocol", MAGIC, VERSION, MAX_BODY, PeerProtocolError, Frame,
+                                            LAYOUTS.values())
+encode = PEER.encode  # (message, req) -> one frame; PeerProtocolError if its values do not fit its type
+decode = PEER.decode  # (frame) -> Frame of one whole frame
 
 
 class FrameReader:
@@ -302,7 +242,7 @@ class FrameReader:
         if not self._need:
             if len(self._buf) < HEADER.size:
                 return None
-            self._need = HEADER.size + _header(self._buf)[2] + tag
+            self._need = HEADER.size + PEER.header(self._buf)[2] + tag
         if len(self._buf) < self._need:
             return None
         frame, self._need = bytes(self._buf[: self._need]), 0

@@ -376,8 +376,9 @@ def _atheris_child(runs: int, corpus: str, extra: list[str]) -> None:
 
     import atheris  # type: ignore[import-not-found]
 
-    sys.modules.pop("vmmshare.wire.local", None)  # imported at the top of this script: load it again, instrumented
-    with atheris.instrument_imports(include=["vmmshare.wire.local"]):
+    for name in ("vmmshare.wire.local", "vmmshare.wire.framing"):  # imported at the top: load again, instrumented
+        sys.modules.pop(name, None)  # (the framing holds the decoder, local.py its table of message types)
+    with atheris.instrument_imports(include=["vmmshare.wire.local", "vmmshare.wire.framing"]):
         proto = importlib.import_module("vmmshare.wire.local")
 
     def one(data: bytes) -> None:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -554,6 +555,9 @@ def broker_state(b: Any) -> dict[str, Any]:
         return state
 
 
+SETTLE_SECONDS = 10.0  # how long a shared broker may take to see the last client of a test go
+
+
 @pytest.fixture
 def broker(module_broker: Any) -> Iterator[Any]:
     """The module's broker, for a test that neither kills, stops nor limits it. The test must leave it as it found
@@ -562,6 +566,10 @@ def broker(module_broker: Any) -> Iterator[Any]:
     before = broker_state(module_broker)
     yield module_broker
     after = broker_state(module_broker)
+    settled = time.monotonic() + SETTLE_SECONDS  # a client that just exited may not be hung up on yet
+    while after != before and time.monotonic() < settled:
+        time.sleep(0.02)
+        after = broker_state(module_broker)
     if after != before:
         module_broker.kill()
         module_broker.start()

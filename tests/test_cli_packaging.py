@@ -91,7 +91,7 @@ def test_wheel_built_from_the_sdist_runs_vmmshare_stress(unpacked: Path, tmp_pat
     env = clean_env(PYTHONPATH=str(site), VMMSHARE_SOCKET=str(tmp_path / "s" / "broker.sock"))
 
     def stress(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "vmmshare", "cli", "stress", *args], cwd=tmp_path, env=env,
+        return subprocess.run([sys.executable, "-m", "vmmshare", "stress", *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=HANG_GUARD)
 
     listing = stress()

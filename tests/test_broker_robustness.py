@@ -18,6 +18,7 @@ import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,22 @@ PROP_FIELDS = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location.t
 def broker_env() -> dict[str, str]:
     """The tests' broker (conftest's `broker`, one for the module) has CAPACITY."""
     return clean_env(VMMSHARE_DEVICE_MEMORY=str(CAPACITY))
+
+
+@pytest.fixture
+def broker(request: pytest.FixtureRequest, broker: Any, tmp_path: Path) -> Iterator[Any]:
+    """conftest's broker; under BOTH_PATHS' "pure", one of the test's own whose packets go through pure Python."""
+    if getattr(request, "param", "compiled") != "pure":
+        yield broker
+        return
+    b = BrokerProc(tmp_path, env=clean_env(VMMSHARE_DEVICE_MEMORY=str(CAPACITY), VMMSHARE_PURE_PYTHON="1"))
+    try:
+        yield b
+    finally:
+        b.kill()
+
+
+BOTH_PATHS = pytest.mark.parametrize("broker", ["compiled", "pure"], indirect=True)
 
 
 # ---------------------------------------------------------------- a raw client
@@ -280,6 +297,7 @@ BAD_FRAMES = {
 }
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize("name", list(BAD_FRAMES))
 def test_malformed_frame_gets_an_error_reply(broker: BrokerProc, baseline: int, name: str) -> None:
     packet = BAD_FRAMES[name]
@@ -300,6 +318,7 @@ def test_many_malformed_frames_on_one_connection(broker: BrokerProc, baseline: i
     assert_healthy(broker, baseline)
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize("size", [MAX_FRAME + 1, 70_000, 200_000])
 def test_oversized_frame(broker: BrokerProc, baseline: int, size: int) -> None:
     """More than 64 KiB, with a header whose length even agrees: refused, and a fd riding on it is closed."""
@@ -406,6 +425,7 @@ def test_seeded_random_packets(broker: BrokerProc, baseline: int) -> None:
 # ---------------------------------------------------------------- file descriptors where none belong
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize(
     ("kind", "values"),
     [(Msg.BARE_TGID, ()), (Msg.CHARGE, (0, MiB2)), (Msg.MEM_INFO, (0,)), (Msg.LIST, (0,)),
@@ -427,6 +447,7 @@ def test_fd_attached_to_a_request_that_takes_none(broker: BrokerProc, baseline: 
     assert_healthy(broker, baseline)
 
 
+@BOTH_PATHS
 def test_too_many_fds(broker: BrokerProc, baseline: int) -> None:
     """Eight fds (more than the broker's control buffer takes) on a BARE_TGID: all of them are let go."""
     with Raw(broker.socket) as c:
@@ -447,6 +468,7 @@ def _export_frame(token: int, size: int = MiB2, flags: int = NO_PID_CHECK, req: 
     return P.encode(P.Export(*export_values(token, size, flags, kind)), req)
 
 
+@BOTH_PATHS
 def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
     with Raw(broker.socket) as c:
         token = charge(c)
@@ -461,6 +483,7 @@ def test_export_without_fd(broker: BrokerProc, baseline: int) -> None:
     assert_healthy(broker, baseline)
 
 
+@BOTH_PATHS
 def test_export_with_three_fds(broker: BrokerProc, baseline: int) -> None:
     with Raw(broker.socket) as c:
         token = charge(c)

@@ -112,6 +112,16 @@ def prepopulate() -> bool:
     return value in _TRUE
 
 
+def pure_python() -> bool:
+    """$VMMSHARE_PURE_PYTHON: packets through pure Python even where the compiled fast path is built (default off)."""
+    raw = os.environ.get("VMMSHARE_PURE_PYTHON", "")
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"VMMSHARE_PURE_PYTHON={raw!r}: use 1, true, yes or on; or 0, false, no or off",
+                          "VMMSHARE_PURE_PYTHON")
+    return value in _TRUE
+
+
 def log_level() -> str:
     """$VMMSHARE_LOG: the broker's log level (default INFO)."""
     raw = os.environ.get("VMMSHARE_LOG", "")
@@ -344,7 +354,7 @@ def fabric_problem() -> None:
 
 
 _READERS: tuple[Callable[[], object], ...] = (
-    devices, device_memory, socket_path, server_id, backend, broker_idle, prepopulate, log_level,
+    devices, device_memory, socket_path, server_id, backend, broker_idle, prepopulate, log_level, pure_python,
     lambda: spin_seconds("VMMSHARE_SPIN_US", CLIENT_SPIN_US),
     lambda: spin_seconds("VMMSHARE_BROKER_SPIN_US", BROKER_SPIN_US),
     fabric, fabric_addr, fabric_port, fabric_timeout, fabric_problem,
@@ -375,6 +385,7 @@ class Config:
     broker_idle: float
     prepopulate: bool
     log_level: str = "INFO"
+    pure_python: bool = False  # packets through pure Python, not the compiled fast path (VMMSHARE_PURE_PYTHON)
     fabric: str = "off"  # the cross-server transport: off, tcp or rdma
     fabric_addr: str = ""
     fabric_port: int = FABRIC_PORT
@@ -400,6 +411,7 @@ class Config:
             broker_idle=broker_idle(),
             prepopulate=prepopulate(),
             log_level=log_level(),
+            pure_python=pure_python(),
             fabric=fabric(),
             fabric_addr=fabric_addr(),
             fabric_port=fabric_port(),

@@ -71,6 +71,7 @@ class Broker:
                  limits: Quotas | None = None) -> None:
         self.path = path
         self.config = config
+        packets.use_pure(config.pure_python)
         self.idle = idle
         self.multi_user = multi_user
         self.closer = Closer()  # lets go of client fds; a lingering socket cannot block the loop (closer.py)

@@ -21,7 +21,8 @@ from ..backends.remote import Transfers
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
-from ..sockets.packets import DONTWAIT, close_fds, recv_packet, send_packet
+from ..sockets import packets
+from ..sockets.packets import DONTWAIT, close_fds
 from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.local import ProtocolError, decode, encode
@@ -48,6 +49,7 @@ class BrokerClient:
         self._holds: dict[int, int] = {}  # token -> the broker's hold id on this connection
         self._charges: dict[int, P.Charge | P.ChargeGpu] = {}  # token -> its charge, to repeat on a new broker
         self._waiter = _Waiter(config.spin)
+        packets.use_pure(config.pure_python)
         self._owner: int | None = None  # the thread in a request, if any
         self._metadata = "P2PHANDSHAKE"  # this process's metadata URL, from its first remote import's reply
 
@@ -94,7 +96,7 @@ class BrokerClient:
         """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
         req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses the broker's refusal of a connection
         try:
-            send_packet(sock, encode(message, req), fds)
+            packets.send_packet(sock, encode(message, req), fds)
         except OSError:
             refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
             if refusal is not None:
@@ -299,7 +301,7 @@ class BrokerClient:
 def _refusal(sock: socket.socket) -> AclError | None:
     """The broker's refusal of this connection (an ERROR to request 0) if it left one on `sock` before closing it."""
     try:
-        packet, got, _ = recv_packet(sock, DONTWAIT)
+        packet, got, _ = packets.recv_packet(sock, DONTWAIT)
     except OSError:
         return None
     close_fds(got)
@@ -336,9 +338,9 @@ class _Waiter:
         if self.skip:
             self.skip -= 1
         elif spin(lambda: poller.poll(0), self.spin):
-            return recv_packet(sock, DONTWAIT)
+            return packets.recv_packet(sock, DONTWAIT)
         else:
             self.skip = self.SKIP_AFTER_MISS
         if not poller.poll(REPLY_TIMEOUT * 1000):
             raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
-        return recv_packet(sock, DONTWAIT)
+        return packets.recv_packet(sock, DONTWAIT)

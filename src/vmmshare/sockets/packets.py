@@ -1,4 +1,10 @@
-"""Packets over an AF_UNIX SOCK_SEQPACKET socket, with file descriptors passed by SCM_RIGHTS."""
+"""Packets over an AF_UNIX SOCK_SEQPACKET socket, with file descriptors passed by SCM_RIGHTS.
+
+`recv_packet`, `recv_request` and `send_packet` run in C (the `_fastpackets` extension) where it was built, and
+in pure Python where it was not, or once `use_pure(True)` was called (the broker client and the broker do, from their
+Config, when VMMSHARE_PURE_PYTHON is set); both behave alike, and both are tested. Call them as attributes of this
+module (`packets.recv_packet`), so that the choice applies.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ _SCM_CREDENTIALS = int(getattr(socket, "SCM_CREDENTIALS", 2))
 _SO_PASSCRED = int(getattr(socket, "SO_PASSCRED", 16))
 
 
-def recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool]:
+def pure_recv_packet(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool]:
     """One packet, the fds that came with it (close-on-exec), and whether it was cut short.
 
     A packet larger than MAX_FRAME, or one whose fds did not fit, comes back truncated=True; the caller
@@ -47,7 +53,7 @@ def pass_credentials(sock: socket.socket) -> None:
     sock.setsockopt(_SOL_SOCKET, _SO_PASSCRED, 1)
 
 
-def recv_request(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool, int]:
+def pure_recv_request(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int], bool, int]:
     """`recv_packet` on a socket with SO_PASSCRED, plus the pid of the process that sent the packet (-1 when the
     kernel attached no credentials)."""
     data, anc, msg_flags, _ = sock.recvmsg(MAX_FRAME + 1, _ANC_CREDS, _CLOEXEC | flags)
@@ -66,12 +72,44 @@ def recv_request(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int],
     return data, fds, truncated, sender
 
 
-def send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:
+def pure_send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:
     """Send one packet, with `fds` attached."""
     if fds:
         sock.sendmsg([data], [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))])
     else:
         sock.send(data)
+
+
+# ---------------------------------------------------------------- the compiled fast path
+
+try:
+    from . import _fastpackets as _fast
+except ImportError:  # not built: no compiler where it was installed
+    _fast = None  # type: ignore[assignment]
+
+FAST_AVAILABLE = _fast is not None
+
+# The C functions go by the socket's own blocking mode, as the pure ones do on a socket without a timeout: the
+# broker's sockets are non-blocking, the client's blocking, and none has a timeout.
+if FAST_AVAILABLE:  # the same functions in C, called straight from the caller (no Python frame in between)
+    _fast.configure(MAX_FRAME, MAX_FDS + 4)  # the room _ANC gives: the same packets come back truncated
+    fast_recv_packet = _fast.recv
+    fast_recv_request = _fast.recv_request
+    fast_send_packet = _fast.send
+
+FAST = FAST_AVAILABLE  # whether this process's packets go through C
+recv_packet = fast_recv_packet if FAST else pure_recv_packet
+recv_request = fast_recv_request if FAST else pure_recv_request
+send_packet = fast_send_packet if FAST else pure_send_packet
+
+
+def use_pure(pure: bool) -> None:
+    """Send and receive in pure Python (`pure`), or in C where the extension is built: for the whole process."""
+    global FAST, recv_packet, recv_request, send_packet
+    FAST = FAST_AVAILABLE and not pure
+    recv_packet = fast_recv_packet if FAST else pure_recv_packet
+    recv_request = fast_recv_request if FAST else pure_recv_request
+    send_packet = fast_send_packet if FAST else pure_send_packet
 
 
 def connect(path: Path | str, timeout: float) -> socket.socket:

@@ -1,0 +1,501 @@
+/* Packets over an AF_UNIX SOCK_SEQPACKET socket in C: one sendmsg or recvmsg per call, the SCM_RIGHTS and
+ * SCM_CREDENTIALS control messages built and parsed here rather than by the interpreter.
+ *
+ * sockets/packets.py keeps the same functions in pure Python and picks these when this module imports (and
+ * VMMSHARE_PURE_PYTHON is not set). Both must behave alike: the same buffer sizes (so the same packets come back
+ * truncated), received fds close-on-exec, every fd that arrived handed back to the caller (who closes the ones it
+ * did not ask for), the sender's pid from the kernel's credentials, errors as the OSError subclass of errno.
+ *
+ * The floor_* functions measure the least a request/reply with an fd can cost (vmmshare bench): both ends in C.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_ANC_FDS 253 /* SCM_MAX_FD: the kernel passes no more in one message */
+#define MAX_DATA (1 << 20)
+
+/* Room for `nfds` descriptors, and the sender's credentials when `creds`: the layout recvmsg fills. */
+static size_t control_size(int nfds, int creds)
+{
+    return CMSG_SPACE(sizeof(int) * (size_t)nfds) + (creds ? CMSG_SPACE(sizeof(struct ucred)) : 0);
+}
+
+/* An int argument, with OverflowError as array('i') gives for one out of range. */
+static int as_int(PyObject *obj)
+{
+    long value = PyLong_AsLong(obj);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value > INT_MAX || value < INT_MIN) {
+        PyErr_SetString(PyExc_OverflowError, value > INT_MAX ? "signed integer is greater than maximum"
+                                                              : "signed integer is less than minimum");
+        return -1;
+    }
+    return (int)value;
+}
+
+static PyObject *fileno_name; /* "fileno", interned at import */
+
+/* The fd of a socket (its fileno(); -1 once closed, which the system call then refuses with EBADF, as Python's
+ * socket methods do), or of an int. -1 with an exception set on failure, so a closed socket is told apart by
+ * PyErr_Occurred. */
+static int sock_fd(PyObject *obj)
+{
+    PyObject *number = PyLong_Check(obj) ? Py_NewRef(obj) : PyObject_CallMethodNoArgs(obj, fileno_name);
+    if (number == NULL)
+        return -1;
+    int fd = as_int(number);
+    Py_DECREF(number);
+    return fd;
+}
+
+static void close_all(const int *fds, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+/* The frame and fd limits of the wire protocol (configure): fixed for the process, so not passed each call. */
+static long max_frame = 64 * 1024;
+static int anc_fds = 5;
+
+PyDoc_STRVAR(configure_doc, "configure(max_frame, anc_fds) -> None\n\n"
+             "Packets longer than max_frame bytes come back truncated; there is room for anc_fds fds.");
+
+static PyObject *fast_configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "configure takes (max_frame, anc_fds)");
+        return NULL;
+    }
+    long frame = PyLong_AsLong(args[0]);
+    int fds = as_int(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (frame < 0 || frame >= MAX_DATA || fds < 0 || fds > MAX_ANC_FDS) {
+        PyErr_SetString(PyExc_ValueError, "max_frame or anc_fds out of range");
+        return NULL;
+    }
+    max_frame = frame;
+    anc_fds = fds;
+    Py_RETURN_NONE;
+}
+
+/* The socket (or fd) and the flags of recv(sock, flags=0). */
+static int recv_args(PyObject *const *args, Py_ssize_t nargs, int *fd, int *flags)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "takes (sock, flags=0)");
+        return -1;
+    }
+    *fd = sock_fd(args[0]);
+    if (*fd == -1 && PyErr_Occurred())
+        return -1;
+    *flags = nargs > 1 ? as_int(args[1]) : 0;
+    return *flags == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* One recvmsg: (data, fds, truncated[, sender pid]). Every fd received is either in the returned list or, if
+ * the result cannot be built (no memory), closed here: none leaks. */
+static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
+{
+    int fd, flags;
+    if (recv_args(args, nargs, &fd, &flags) < 0)
+        return NULL;
+    flags |= MSG_CMSG_CLOEXEC;
+    size_t room = (size_t)max_frame + 1; /* one byte more: a longer packet shows as longer */
+    char stackbuf[64 * 1024 + 1];
+    char *buf = room <= sizeof stackbuf ? stackbuf : PyMem_Malloc(room);
+    union {
+        struct cmsghdr align;
+        char bytes[CMSG_SPACE(sizeof(int) * MAX_ANC_FDS) + CMSG_SPACE(sizeof(struct ucred))];
+    } control;
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    struct iovec iov = {buf, room};
+    struct msghdr msg;
+    ssize_t got;
+    for (;;) {
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.bytes;
+        msg.msg_controllen = control_size(anc_fds, creds);
+        if (flags & MSG_DONTWAIT) {
+            got = recvmsg(fd, &msg, flags);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            got = recvmsg(fd, &msg, flags);
+            Py_END_ALLOW_THREADS
+        }
+        if (got >= 0)
+            break;
+        int err = errno;
+        if (err != EINTR || PyErr_CheckSignals() < 0) { /* EINTR: retry, as Python does (PEP 475) */
+            if (buf != stackbuf)
+                PyMem_Free(buf);
+            errno = err;
+            return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    int fds[MAX_ANC_FDS + 4];
+    Py_ssize_t nfds = 0;
+    long sender = -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+        size_t at = (size_t)((char *)c - control.bytes);
+        size_t len = at + c->cmsg_len > msg.msg_controllen ? msg.msg_controllen - at : c->cmsg_len;
+        if (len < CMSG_LEN(0) || c->cmsg_level != SOL_SOCKET)
+            continue;
+        size_t payload = len - CMSG_LEN(0);
+        if (c->cmsg_type == SCM_RIGHTS) {
+            size_t n = payload / sizeof(int);
+            for (size_t i = 0; i < n && nfds < (Py_ssize_t)(sizeof fds / sizeof fds[0]); i++)
+                memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        } else if (c->cmsg_type == SCM_CREDENTIALS && payload >= sizeof(struct ucred)) {
+            struct ucred cred;
+            memcpy(&cred, CMSG_DATA(c), sizeof cred);
+            sender = cred.pid;
+        }
+    }
+    int truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame;
+    PyObject *data = PyBytes_FromStringAndSize(buf, got);
+    if (buf != stackbuf)
+        PyMem_Free(buf);
+    PyObject *list = PyList_New(nfds);
+    PyObject *pid = creds ? PyLong_FromLong(sender) : NULL;
+    PyObject *result = PyTuple_New(creds ? 4 : 3);
+    if (data == NULL || list == NULL || (creds && pid == NULL) || result == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < nfds; i++) {
+        PyObject *item = PyLong_FromLong(fds[i]);
+        if (item == NULL)
+            goto fail;
+        PyList_SET_ITEM(list, i, item);
+    }
+    PyTuple_SET_ITEM(result, 0, data);
+    PyTuple_SET_ITEM(result, 1, list);
+    PyTuple_SET_ITEM(result, 2, PyBool_FromLong(truncated));
+    if (creds)
+        PyTuple_SET_ITEM(result, 3, pid);
+    return result;
+fail:
+    Py_XDECREF(data);
+    Py_XDECREF(list);
+    Py_XDECREF(pid);
+    Py_XDECREF(result);
+    close_all(fds, nfds);
+    return NULL;
+}
+
+PyDoc_STRVAR(recv_doc, "recv(sock, flags=0) -> (data, fds, truncated)\n\n"
+             "One packet (sock: a socket or an fd), its fds close-on-exec; truncated when longer than max_frame or "
+             "its fds did not fit (see configure).");
+
+static PyObject *fast_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return receive(args, nargs, 0);
+}
+
+PyDoc_STRVAR(recv_request_doc, "recv_request(sock, flags=0) -> (data, fds, truncated, sender)\n\n"
+             "recv, with room for the sender's credentials: sender is its pid, -1 when none came.");
+
+static PyObject *fast_recv_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return receive(args, nargs, 1);
+}
+
+PyDoc_STRVAR(send_doc, "send(sock, data, fds=()) -> None\n\n"
+             "One packet with the fds (a sequence of ints) attached by SCM_RIGHTS; OSError as sendmsg fails (a "
+             "closed peer: BrokenPipeError, never SIGPIPE).");
+
+/* A packet without fds: send(2), GIL released (a full peer queue blocks a blocking socket). */
+static PyObject *send_plain(int fd, PyObject *obj)
+{
+    Py_buffer data;
+    if (PyObject_GetBuffer(obj, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    ssize_t sent;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        sent = send(fd, data.buf, (size_t)data.len, MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+        if (sent >= 0)
+            break;
+        int err = errno;
+        if (err != EINTR || PyErr_CheckSignals() < 0) {
+            PyBuffer_Release(&data);
+            errno = err;
+            return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "send takes (sock, data, fds=())");
+        return NULL;
+    }
+    int fd = sock_fd(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (nargs == 2 || (PyTuple_CheckExact(args[2]) && PyTuple_GET_SIZE(args[2]) == 0))
+        return send_plain(fd, args[1]);
+    PyObject *seq = PySequence_Fast(args[2], "fds must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t nfds = PySequence_Fast_GET_SIZE(seq);
+    if (nfds > MAX_ANC_FDS) {
+        Py_DECREF(seq);
+        errno = EINVAL; /* what sendmsg says of more than SCM_MAX_FD */
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    union {
+        struct cmsghdr align;
+        char bytes[CMSG_SPACE(sizeof(int) * MAX_ANC_FDS)];
+    } control;
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    if (nfds > 0) {
+        msg.msg_control = control.bytes;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+        memset(control.bytes, 0, msg.msg_controllen);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+        for (Py_ssize_t i = 0; i < nfds; i++) {
+            int value = as_int(PySequence_Fast_GET_ITEM(seq, i));
+            if (value == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            memcpy(CMSG_DATA(c) + (size_t)i * sizeof(int), &value, sizeof(int));
+        }
+    }
+    Py_DECREF(seq);
+    Py_buffer data;
+    if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct iovec iov = {data.buf, (size_t)data.len};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    ssize_t sent;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+        if (sent >= 0)
+            break;
+        int err = errno;
+        if (err != EINTR || PyErr_CheckSignals() < 0) {
+            PyBuffer_Release(&data);
+            errno = err;
+            return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- the floor, for vmmshare bench */
+
+PyDoc_STRVAR(floor_serve_doc, "floor_serve(fd, memfd) -> None\n\n"
+             "Answer each packet on fd with the same bytes and memfd attached, until the peer closes: the least a "
+             "broker can do for an import. Blocking, GIL released.");
+
+static PyObject *fast_floor_serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "floor_serve takes (fd, memfd)");
+        return NULL;
+    }
+    int fd = as_int(args[0]);
+    int memfd = as_int(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    char buf[256];
+    union {
+        struct cmsghdr align;
+        char bytes[CMSG_SPACE(sizeof(int))];
+    } control;
+    for (;;) {
+        ssize_t got = recv(fd, buf, sizeof buf, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            err = got < 0 ? errno : 0;
+            break;
+        }
+        struct iovec iov = {buf, (size_t)got};
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.bytes;
+        msg.msg_controllen = sizeof control.bytes;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &memfd, sizeof(int));
+        if (sendmsg(fd, &msg, MSG_NOSIGNAL) < 0 && errno != EINTR) {
+            err = errno == EPIPE || errno == ECONNRESET ? 0 : errno;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+PyDoc_STRVAR(floor_trips_doc, "floor_trips(fd, reps, size) -> (round_trip_ns, round_trip_mmap_ns)\n\n"
+             "reps blocking request/replies on fd, each reply's fd mapped (size bytes, shared) and unmapped: two "
+             "lists of nanoseconds, to the reply and to the mapping. Blocking, GIL released.");
+
+static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "floor_trips takes (fd, reps, size)");
+        return NULL;
+    }
+    int fd = as_int(args[0]);
+    Py_ssize_t reps = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (reps < 0 || reps > 10000000 || size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "reps or size out of range");
+        return NULL;
+    }
+    long long *times = PyMem_Malloc(sizeof(long long) * 2 * (size_t)(reps ? reps : 1));
+    if (times == NULL)
+        return PyErr_NoMemory();
+    int err = 0;
+    Py_ssize_t done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    char request[24] = {0}, reply[256];
+    union {
+        struct cmsghdr align;
+        char bytes[CMSG_SPACE(sizeof(int) * 4)];
+    } control;
+    for (; done < reps; done++) {
+        long long t0 = now_ns();
+        if (send(fd, request, sizeof request, MSG_NOSIGNAL) < 0) {
+            err = errno;
+            break;
+        }
+        struct iovec iov = {reply, sizeof reply};
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.bytes;
+        msg.msg_controllen = sizeof control.bytes;
+        ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+        if (got <= 0) {
+            err = got < 0 ? errno : ECONNRESET;
+            break;
+        }
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        if (c == NULL || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(sizeof(int))) {
+            err = EPROTO;
+            break;
+        }
+        int memfd;
+        memcpy(&memfd, CMSG_DATA(c), sizeof memfd);
+        long long t1 = now_ns();
+        void *at = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+        long long t2 = now_ns();
+        if (at == MAP_FAILED) {
+            err = errno;
+            close(memfd);
+            break;
+        }
+        munmap(at, (size_t)size);
+        close(memfd);
+        times[2 * done] = t1 - t0;
+        times[2 * done + 1] = t2 - t0;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyMem_Free(times);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *trip = PyList_New(reps), *mapped = PyList_New(reps);
+    if (trip == NULL || mapped == NULL) {
+        Py_XDECREF(trip);
+        Py_XDECREF(mapped);
+        PyMem_Free(times);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < reps; i++) {
+        PyObject *a = PyLong_FromLongLong(times[2 * i]), *b = PyLong_FromLongLong(times[2 * i + 1]);
+        if (a == NULL || b == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_DECREF(trip);
+            Py_DECREF(mapped);
+            PyMem_Free(times);
+            return NULL;
+        }
+        PyList_SET_ITEM(trip, i, a);
+        PyList_SET_ITEM(mapped, i, b);
+    }
+    PyMem_Free(times);
+    return Py_BuildValue("(NN)", trip, mapped);
+}
+
+static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))fast_configure, METH_FASTCALL, configure_doc},
+    {"recv", (PyCFunction)(void (*)(void))fast_recv, METH_FASTCALL, recv_doc},
+    {"recv_request", (PyCFunction)(void (*)(void))fast_recv_request, METH_FASTCALL, recv_request_doc},
+    {"send", (PyCFunction)(void (*)(void))fast_send, METH_FASTCALL, send_doc},
+    {"floor_serve", (PyCFunction)(void (*)(void))fast_floor_serve, METH_FASTCALL, floor_serve_doc},
+    {"floor_trips", (PyCFunction)(void (*)(void))fast_floor_trips, METH_FASTCALL, floor_trips_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "vmmshare.sockets._fastpackets",
+    "Packets with fds and credentials over SOCK_SEQPACKET in C (the fast path of vmmshare.sockets.packets).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastpackets(void)
+{
+    fileno_name = PyUnicode_InternFromString("fileno");
+    if (fileno_name == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

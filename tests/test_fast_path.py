@@ -1,0 +1,385 @@
+"""The packets' two paths, the compiled fast path (sockets/_fastpackets.c) and the pure-Python fallback: each test
+runs on both, over real SEQPACKET sockets, with fds, credentials, truncation and bad input; a real broker and real
+client processes share memory with every mix of the two; VMMSHARE_PURE_PYTHON picks the fallback."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import rawsock
+from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
+from vmmshare.sockets import packets
+from vmmshare.wire import local as P
+from vmmshare.wire.local import MAX_FDS, MAX_FRAME
+
+NO_PERMISSION = 207006
+PATHS = ["pure", "compiled"]
+
+
+def _path(name: str) -> SimpleNamespace:
+    if name == "compiled" and not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here (no compiler at install time)")
+    pick = {"pure": "pure_", "compiled": "fast_"}[name]
+    return SimpleNamespace(name=name, **{f: getattr(packets, pick + f) for f in
+                                         ("recv_packet", "recv_request", "send_packet")})
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> SimpleNamespace:
+    """recv_packet, recv_request and send_packet of one path."""
+    return _path(request.param)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected SEQPACKET pair: (the sender's end, the receiver's end with SO_PASSCRED)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    packets.pass_credentials(b)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def closing(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- one packet, both paths
+
+
+def test_the_extension_is_built_where_a_compiler_is() -> None:
+    """An install on a machine with a C compiler builds the fast path (and this process uses it, unless told not)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) here: the pure-Python path is the one installed")
+    assert packets.FAST_AVAILABLE, "a compiler is here but vmmshare.sockets._fastpackets was not built"
+
+
+@pytest.mark.parametrize("nfds", [0, 1])
+def test_a_packet_and_its_fds_arrive_close_on_exec(path: SimpleNamespace, pair: Any, nfds: int) -> None:
+    a, b = pair
+    memfd = os.memfd_create("fast-path-test")
+    try:
+        path.send_packet(a, b"hello, broker", (memfd,) * nfds)
+        data, fds, truncated, sender = path.recv_request(b)
+        try:
+            assert (data, len(fds), truncated, sender) == (b"hello, broker", nfds, False, os.getpid())
+            for fd in fds:
+                assert same_file(fd, memfd) and fd != memfd
+                assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        finally:
+            closing(fds)
+    finally:
+        os.close(memfd)
+
+
+def test_the_sender_is_the_process_that_sent_not_the_one_that_connected(path: SimpleNamespace, pair: Any) -> None:
+    """A forked child writing on its parent's connection is named by the kernel's credentials: its own pid."""
+    a, b = pair
+    child = os.fork()
+    if child == 0:
+        try:
+            path.send_packet(a, b"from the child")
+        finally:
+            os._exit(0)
+    data, fds, truncated, sender = path.recv_request(b)
+    assert os.waitpid(child, 0)[1] == 0
+    assert (data, fds, truncated, sender) == (b"from the child", [], False, child)
+
+
+def test_no_credentials_without_so_passcred(path: SimpleNamespace) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        path.send_packet(a, b"x")
+        assert path.recv_request(b) == (b"x", [], False, -1)
+        path.send_packet(a, b"y")
+        assert path.recv_packet(b) == (b"y", [], False)
+
+
+@pytest.mark.parametrize(("size", "cut"), [(1, False), (MAX_FRAME, False), (MAX_FRAME + 1, True),
+                                           (MAX_FRAME + 1000, True)])
+def test_a_packet_longer_than_max_frame_comes_back_truncated(path: SimpleNamespace, pair: Any, size: int,
+                                                             cut: bool) -> None:
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * size)
+    path.send_packet(a, b"z" * size)
+    data, fds, truncated, _ = path.recv_request(b)
+    assert (truncated, fds) == (cut, [])
+    assert data == b"z" * min(size, MAX_FRAME + 1)
+
+
+@pytest.mark.parametrize("nfds", [MAX_FDS + 1, MAX_FDS + 4, MAX_FDS + 5, 16])
+def test_more_fds_than_asked_for_are_all_handed_back_or_dropped_never_kept(path: SimpleNamespace, pair: Any,
+                                                                          nfds: int) -> None:
+    """Room for a few more than MAX_FDS, so that extra ones show: those that fit come back (the caller closes
+    them), those that do not are closed by the kernel (the packet then comes back truncated)."""
+    a, b = pair
+    before = open_fds()
+    r, w = os.pipe()
+    try:
+        path.send_packet(a, b"fds", (w,) * nfds)
+        data, fds, truncated, sender = path.recv_request(b)
+        assert data == b"fds" and sender == os.getpid()
+        assert truncated == (len(fds) < nfds) and (truncated or nfds <= MAX_FDS + 6)  # room: MAX_FDS + 4, padded
+        assert all(same_file(fd, w) for fd in fds)
+        closing(fds)
+    finally:
+        os.close(w)
+    try:  # every copy of the write end is gone: the read end sees EOF, at once
+        assert os.read(r, 1) == b""
+    finally:
+        os.close(r)
+    assert open_fds() == before
+
+
+def test_bad_fds_are_refused_before_anything_is_sent(path: SimpleNamespace, pair: Any) -> None:
+    a, b = pair
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError) as bad:
+        path.send_packet(a, b"closed fd", (w,))
+    assert bad.value.errno == 9  # EBADF
+    with pytest.raises(OverflowError):
+        path.send_packet(a, b"fd out of range", (1 << 40,))
+    with pytest.raises(TypeError):
+        path.send_packet(a, b"not an fd", ("3",))  # type: ignore[arg-type]
+    with pytest.raises(OSError):
+        path.send_packet(a, b"too many fds", (0,) * 300)
+    path.send_packet(a, b"after")
+    assert path.recv_request(b) == (b"after", [], False, os.getpid()), "a refused send sent something"
+
+
+def test_nothing_to_read_and_a_closed_peer(path: SimpleNamespace, pair: Any) -> None:
+    a, b = pair
+    with pytest.raises(BlockingIOError):
+        path.recv_request(b, packets.DONTWAIT)
+    with pytest.raises(BlockingIOError):
+        path.recv_packet(b, packets.DONTWAIT)
+    a.close()
+    assert path.recv_packet(b) == (b"", [], False)  # end of the connection
+    with pytest.raises(BrokenPipeError):  # not SIGPIPE: this process lives on to see the error
+        path.send_packet(b, b"to nobody")
+
+
+def test_a_closed_socket_is_an_error_not_a_crash(path: SimpleNamespace) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.close()
+    b.close()
+    with pytest.raises(OSError):
+        path.send_packet(a, b"x")
+    with pytest.raises(OSError):
+        path.recv_packet(a)
+
+
+def test_a_signal_during_a_blocking_receive(path: SimpleNamespace, pair: Any) -> None:
+    """A handler that returns: the receive goes on (PEP 475) and gets the packet the handler sent. A handler that
+    raises: its exception comes out of the receive, and nothing leaks."""
+    a, b = pair
+
+    def send_from_handler(signum: int, frame: object) -> None:
+        path.send_packet(a, b"sent by the handler")
+
+    previous = signal.signal(signal.SIGALRM, send_from_handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert path.recv_request(b) == (b"sent by the handler", [], False, os.getpid())
+
+        class Stop(Exception):
+            pass
+
+        def raise_from_handler(signum: int, frame: object) -> None:
+            raise Stop
+
+        signal.signal(signal.SIGALRM, raise_from_handler)
+        before = open_fds()
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Stop):
+            path.recv_request(b)
+        assert open_fds() == before
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("case", [(b"", 0), (b"a", 1), (b"q" * 4096, 1), (b"r" * (MAX_FRAME + 1), 1),
+                                  (b"s" * 100, MAX_FDS + 6)], ids=["empty", "one", "page", "long", "fds"])
+def test_both_paths_read_every_packet_alike(pair: Any, case: tuple[bytes, int]) -> None:
+    """The same packet, read by each path (sent by the other): the same data, fd count, truncation and sender."""
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here")
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 18)
+    data, nfds = case
+    seen = []
+    r, w = os.pipe()
+    try:
+        for sender, receiver in ((_path("pure"), _path("compiled")), (_path("compiled"), _path("pure"))):
+            sender.send_packet(a, data, (w,) * nfds)
+            got, fds, truncated, pid = receiver.recv_request(b)
+            closing(fds)
+            seen.append((got, len(fds), truncated, pid))
+            sender.send_packet(a, data, (w,) * nfds)
+            got, fds, truncated = receiver.recv_packet(b)
+            closing(fds)
+            seen.append((got, len(fds), truncated))
+    finally:
+        os.close(r)
+        os.close(w)
+    assert seen[0] == seen[2] and seen[1] == seen[3]
+
+
+# ---------------------------------------------------------------- real processes on each path
+
+
+def _env(folder: Path, pure: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    env["VMMSHARE_SOCKET"] = str(folder / "broker.sock")
+    if pure:
+        env["VMMSHARE_PURE_PYTHON"] = "1"
+    return env
+
+
+def _uses(env: dict[str, str]) -> str:
+    """Which path a broker client of a process with `env` takes: True (compiled) or False, as text."""
+    code = ("from vmmshare.client.connection import BrokerClient; from vmmshare.config import Config; "
+            "from vmmshare.sockets import packets; BrokerClient(Config.from_env(), autostart=False); "
+            "print(packets.FAST)")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.parametrize(("broker_pure", "clients_pure"), [(False, False), (True, True), (False, True),
+                                                             (True, False)],
+                         ids=["compiled", "pure", "compiled-broker", "pure-broker"])
+def test_share_and_refuse_between_real_processes_on_each_path(tmp_path: Path, broker_pure: bool,
+                                                              clients_pure: bool) -> None:
+    """A broker and two client processes, each on its path: an export, an import mapped and read back, the
+    trustlist enforced, a connection used by another process than its owner refused, nothing left held."""
+    if not packets.FAST_AVAILABLE and not (broker_pure and clients_pure):
+        pytest.skip("the compiled fast path is not built here")
+    broker = BrokerProc(tmp_path, env=_env(tmp_path, broker_pure))
+    env = _env(tmp_path, clients_pure)
+    assert _uses(env) == str(not clients_pure)
+    exporter, importer, outsider = Actor(env), Actor(env), Actor(env)
+    try:
+        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
+        assert ret == 0, exporter.last_err
+        ptr, ret = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+        assert ret == 0 and exporter.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, exporter.last_err
+        exporter.call("!write_bytes", ptr, b"over either path")
+        shareable, ih, iptr = share_and_map(exporter, importer, h, MiB2)
+        assert importer.call("!read", iptr, 16) == b"over either path"
+        _, ret = outsider.call("rt.mem_import_from_shareable_handle_v2", shareable, 1, 0)
+        assert ret == NO_PERMISSION, "an import from a process off the trustlist"
+        assert importer.call("rt.unmap_mem", iptr) == 0 and importer.call("rt.free_physical", ih) == 0
+    finally:
+        for actor in (exporter, importer, outsider):
+            actor.close()
+    _refuses_another_senders_request(broker)
+    broker.kill()
+
+
+def _refuses_another_senders_request(broker: BrokerProc) -> None:
+    """A request written on this process's connection by a forked child: the broker reads the child's pid from
+    the packet's credentials and refuses it; the owner is served on."""
+    with rawsock.Connection(broker.socket, 30.0) as c:
+        rawsock.send(c.sock, P.encode(P.BareTgid(), 1))
+        data, fds, _ = rawsock.recv(c.sock)
+        assert data is not None and not fds and P.decode(data).message == P.Pid(os.getpid())
+        child = os.fork()
+        if child == 0:
+            try:
+                rawsock.send(c.sock, P.encode(P.BareTgid(), 2))
+            finally:
+                os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        data, fds, _ = rawsock.recv(c.sock)
+        assert data is not None and not fds
+        reply = P.decode(data).message
+        assert isinstance(reply, P.Error) and reply.code == NO_PERMISSION and f"pid {child}" in reply.message
+
+
+# ---------------------------------------------------------------- VMMSHARE_PURE_PYTHON
+
+
+@pytest.mark.parametrize(("value", "fast"), [("1", False), ("yes", False), (" ON ", False), ("0", True),
+                                             ("off", True), ("", True)])
+def test_vmmshare_pure_python_picks_the_path(tmp_path: Path, value: str, fast: bool) -> None:
+    if fast and not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here")
+    env = _env(tmp_path, False)
+    env["VMMSHARE_PURE_PYTHON"] = value
+    assert _uses(env) == str(fast)
+
+
+def test_a_bad_vmmshare_pure_python_is_named_without_a_traceback(tmp_path: Path) -> None:
+    env = _env(tmp_path, False)
+    env["VMMSHARE_PURE_PYTHON"] = "sometimes"
+    for argv in (["ls"], ["broker", "--idle", "1"]):
+        done = subprocess.run([sys.executable, "-m", "vmmshare.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "VMMSHARE_PURE_PYTHON='sometimes'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_without_the_extension_the_pure_path_serves(tmp_path: Path) -> None:
+    """Where the extension was not built, the import of vmmshare still works and packets go through Python: a
+    process in which it cannot be imported shares memory with one in which it can."""
+    hide = ("import importlib.abc, sys\n"
+            "class Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'vmmshare.sockets._fastpackets':\n"
+            "            raise ImportError('not built')\n"
+            "sys.meta_path.insert(0, Hide())\n")
+    code = hide + ("import vmmshare\n"
+                   "from vmmshare.sockets import packets\n"
+                   "assert not packets.FAST_AVAILABLE and not packets.FAST\n"
+                   "assert packets.recv_request is packets.pure_recv_request\n"
+                   "mem = vmmshare.import_handle(sys.argv[1])\n"
+                   "m = mem.map()\n"
+                   "print(bytes(m.numpy()[:12]).decode())\n"
+                   "m.close(); mem.close()\n")
+    broker = BrokerProc(tmp_path, env=_env(tmp_path, False))
+    env = _env(tmp_path, False)
+    exporter = Actor(env)
+    try:
+        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
+        assert ret == 0, exporter.last_err
+        ptr, ret = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+        assert ret == 0 and exporter.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, exporter.last_err
+        exporter.call("!write_bytes", ptr, b"pure Python!")
+        shareable, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 1, 1)  # no pid check
+        assert ret == 0, exporter.last_err
+        done = subprocess.run([sys.executable, "-c", code, str(shareable)], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "pure Python!"
+    finally:
+        exporter.close()
+        broker.kill()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import email.parser
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
@@ -58,6 +60,7 @@ def test_sdist_carries_the_license_and_its_pep_639_metadata(unpacked: Path) -> N
     meta = email.parser.Parser().parsestr((unpacked / "PKG-INFO").read_text())
     assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE"]
     assert meta["License"] is None  # the deprecated free-text field is gone
+    assert (unpacked / "src/vmmshare/sockets/_fastpackets.c").is_file() and (unpacked / "setup.py").is_file()
 
 
 @pytest.mark.slow
@@ -88,6 +91,8 @@ def test_wheel_built_from_the_sdist_runs_vmmshare_stress(unpacked: Path, tmp_pat
         z.extractall(site)
     assert "vmmshare/cli/stress/fakecuda/fakecuda.c" in names and "vmmshare/cli/stress/procs.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):  # the fast path is built where it can be
+        assert any(n.startswith("vmmshare/sockets/_fastpackets.") and n.endswith(".so") for n in names), names
     env = clean_env(PYTHONPATH=str(site), VMMSHARE_SOCKET=str(tmp_path / "s" / "broker.sock"))
 
     def stress(*args: str) -> subprocess.CompletedProcess[str]:
@@ -100,3 +105,6 @@ def test_wheel_built_from_the_sdist_runs_vmmshare_stress(unpacked: Path, tmp_pat
     run = stress("fuzz_api", "--calls", "200")
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stdout + run.stderr
     assert "counts back: True" in run.stdout
+    fast = subprocess.run([sys.executable, "-c", "from vmmshare.sockets import packets; print(packets.FAST)"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert fast.stdout.strip() == str(any(n.endswith(".so") for n in names)), fast.stderr

@@ -28,15 +28,23 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
         assert point["ops_per_s"] > 0 and point["client_cpu_us"] > 0 and point["broker_cpu_us"] > 0, point
     floor = res["floor"]
     assert 0 < floor["fd_round_trip"]["median"] <= floor["fd_round_trip_mmap"]["median"]
-    assert set(res["floor_ratios"]) == {"import (request, reply with fd)", "import + reserve + map",
-                                        "SharedMemory attach"}
+    python_ratios = {"import (request, reply with fd)", "import + reserve + map", "SharedMemory attach"}
+    if res["c_floor"]:  # the physical floor, both ends in C, needs the fast path built
+        assert set(res["c_floor"]) == {"any_core", "one_core"}
+        for c in res["c_floor"].values():
+            assert 0 < c["fd_round_trip"]["median"] <= c["fd_round_trip_mmap"]["median"]
+        assert set(res["floor_ratios"]) == python_ratios | {f"{k}, vs the C floor" for k in (
+            "import", "import + reserve + map", "SharedMemory attach")}
+        assert "blocking fd round trip in C, any core" in out.stdout
+    else:
+        assert set(res["floor_ratios"]) == python_ratios
     assert 0 <= res["idle_cpu"] < 1
     assert res["bandwidth"]["read_ratio"] > 0
     assert {"lazy", "prepopulated"} == set(res["bandwidth"]["first_touch"])
     assert "share_2MiB_vs_shm" in res["targets"] and "importer_2MiB_vs_attach" in res["targets"]
     assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
     assert "What does handing memory to another process cost?" in out.stdout and "targets:" in out.stdout
-    assert "The floor" in out.stdout
+    assert "The floors" in out.stdout and "load average" in out.stdout
 
 
 def test_bench_rejects_bad_sizes() -> None:

@@ -4,8 +4,9 @@ Measured side by side (medians over repetitions, with the 10th–90th percentile
 - share latency by step — allocate, map, export, trustlist | import, reserve+map, first touch — against
   `multiprocessing.shared_memory` (create | attach), sending the bytes through `multiprocessing.Pipe`, and
   `torch.Tensor.share_memory_()` passed through a queue (when torch is installed);
-- the floor: a raw request/reply with an fd between two Python processes (and the mmap of it), and each
-  importer step's ratio to it;
+- the floors: a raw request/reply with an fd between two Python processes (and the mmap of it), and the physical
+  one, the same with both ends in C (on any core, and with both ends on one core), and each importer step's ratio
+  to them;
 - broker throughput: import+free round trips per second with 1, 4 and 16 client processes, the CPU time each
   round trip costs the clients and the broker, and the broker's CPU use when idle;
 - steady-state read bandwidth of an imported mapping against a private buffer of the same size;
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .bench_broker import floor, idle_cpu, throughput
+from .bench_broker import c_floor, floor, idle_cpu, throughput
 from .bench_measures import (
     GiB,
     KiB,
@@ -101,8 +102,14 @@ def floor_ratios(res: dict[str, Any]) -> dict[str, float]:
     if not row or "import" not in row or not rtt:
         return {}
     imp, rm = row["import"]["median"], row["reserve_map"]["median"]
-    return {"import (request, reply with fd)": imp / rtt, "import + reserve + map": (imp + rm) / rtt_map,
-            "SharedMemory attach": row["shm_attach"]["median"] / rtt_map}
+    out = {"import (request, reply with fd)": imp / rtt, "import + reserve + map": (imp + rm) / rtt_map,
+           "SharedMemory attach": row["shm_attach"]["median"] / rtt_map}
+    physical = res.get("c_floor", {}).get("any_core")
+    if physical:
+        c_rtt, c_map = physical["fd_round_trip"]["median"], physical["fd_round_trip_mmap"]["median"]
+        out.update({"import, vs the C floor": imp / c_rtt, "import + reserve + map, vs the C floor": (imp + rm) / c_map,
+                    "SharedMemory attach, vs the C floor": row["shm_attach"]["median"] / c_map})
+    return out
 
 
 TARGET_NAMES = {  # each target as the question it answers
@@ -141,6 +148,9 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
           file=out)
     print("  on " + ", ".join(p for p in (m.get("cpu"), m.get("cpus") and f"{m['cpus']} cores",
                                           m.get("kernel") and f"Linux {m['kernel']}") if p), file=out)
+    if "load" in m:
+        print(f"  load average {m['load'][0]:.2f} at the start, {res.get('load_after', m['load'])[0]:.2f} at the end; "
+              f"packets: {m.get('packets', '?')}", file=out)
     if m.get("cpus") is not None and m["cpus"] <= 4:
         print("  (few cores: other load on the machine moves these numbers; compare ratios within one run)", file=out)
     alternatives = [("share", "vmmshare"), ("shm_share", "SharedMemory"), ("pipe", "Pipe"),
@@ -160,11 +170,18 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
                 for r in lat], out)
     if "floor" in res:
         f = res["floor"]
-        rows = [("raw fd round trip (the floor)", f"{f['fd_round_trip']['median']:.1f}", "floor"),
-                ("... with the fd's mmap", f"{f['fd_round_trip_mmap']['median']:.1f}", "floor, mapped")]
+        rows = [("raw fd round trip, Python (the floor)", _cell(f["fd_round_trip"]), "floor"),
+                ("... with the fd's mmap", _cell(f["fd_round_trip_mmap"]), "floor, mapped")]
+        for where, c in res.get("c_floor", {}).items():
+            rows += [(f"blocking fd round trip in C, {where.replace('_', ' ')}", _cell(c["fd_round_trip"]),
+                      "C floor" if where == "any_core" else ""),
+                     ("... with the fd's mmap", _cell(c["fd_round_trip_mmap"]),
+                      "C floor, mapped" if where == "any_core" else "")]
+        if "c_floor" in res and not res["c_floor"]:
+            rows.append(("the C floor", "-", "not built here"))
         rows += [(name, "", f"{v:.2f}x") for name, v in res.get("floor_ratios", {}).items()]
-        _table("The floor: what any two Python processes pay to pass an fd, µs (median)", ("", "µs", "vs floor"),
-               rows, out)
+        _table("The floors: what two Python processes, and two C ones, pay to pass an fd; µs, median (p10–p90)",
+               ("", "µs", "vs floor"), rows, out)
     if "throughput" in res:
         _table("How many import+free round trips a broker serves", ("clients", "round trips/s", "client CPU µs",
                                                                      "broker CPU µs"),
@@ -216,7 +233,10 @@ def machine_facts() -> dict[str, Any]:
             commit += f" @ {rev.stdout.strip()}"
     except (OSError, subprocess.SubprocessError):
         pass
+    from ..sockets import packets
+
     return {"cpus": os.cpu_count(), "python": sys.version.split()[0], "cpu": " ".join(cpu.split()),
+            "load": list(os.getloadavg()), "packets": "compiled" if packets.FAST else "pure Python",
             "kernel": platform.release(), "when": datetime.datetime.now(datetime.timezone.utc).strftime(
                 "%Y-%m-%d %H:%M UTC"), "commit": commit}
 
@@ -339,11 +359,13 @@ def run(
             a.send(("stop",))
         peer.join()
     res["floor"] = floor(reps_override or (300 if quick else 3000), step)
+    res["c_floor"] = c_floor(reps_override or (1000 if quick else 10000), step)
     res["floor_ratios"] = floor_ratios(res)
     res["throughput"] = throughput(clients, seconds, step)
     step("the broker's CPU while idle")
     res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)
     res["targets"] = targets(res)
+    res["load_after"] = list(os.getloadavg())
     return res
 
 

@@ -1,5 +1,6 @@
-"""What `vmmshare bench` measures of the broker: the floor of a round trip (a raw fd round trip between two Python
-processes), import + free round trips per second with the CPU each side spends, and the CPU of an idle broker."""
+"""What `vmmshare bench` measures of the broker: the floors of a round trip (a raw fd round trip between two Python
+processes, and the physical one: a blocking request/reply carrying the fd, then mmap, both ends in C), import + free
+round trips per second with the CPU each side spends, and the CPU of an idle broker."""
 
 from __future__ import annotations
 
@@ -151,3 +152,47 @@ def floor(reps: int, step: Step = quiet) -> dict[str, Any]:
         a.close()
         server.join(10)
     return {"fd_round_trip": stats_of(rtt), "fd_round_trip_mmap": stats_of(rtt_map)}
+
+
+def _c_floor_server(sock: socket.socket, cpu: int | None) -> None:
+    """The C floor's other end: answer each packet with the same bytes and a 2 MiB memfd, all in C."""
+    from ..sockets import _fastpackets
+
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    fd = os.memfd_create("vmmshare-floor", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 * MiB)
+    _fastpackets.floor_serve(sock.fileno(), fd)
+
+
+def c_floor(reps: int, step: Step = quiet) -> dict[str, Any]:
+    """The physical floor of an import: one blocking request over SOCK_SEQPACKET and a reply carrying a 2 MiB memfd,
+    then its mmap, both ends in C (the compiled fast path's helpers); once free to run on any core (the reply
+    wakes the other side, often on another core) and once with both ends on one core. Empty where the fast path
+    is not built."""
+    from ..sockets import packets
+
+    if not packets.FAST_AVAILABLE:
+        return {}
+    from ..sockets import _fastpackets
+
+    ctx = mp.get_context("spawn")
+    out: dict[str, Any] = {}
+    mine = os.sched_getaffinity(0)
+    for where, cpu in (("any_core", None), ("one_core", min(mine))):
+        step(f"the floor in C, {where.replace('_', ' ')}")
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server = ctx.Process(target=quiet_child, args=(_c_floor_server, b, cpu))
+        start_child(server)
+        b.close()
+        try:
+            if cpu is not None:
+                os.sched_setaffinity(0, {cpu})
+            trip, mapped = _fastpackets.floor_trips(a.fileno(), reps + 100, 2 * MiB)
+        finally:
+            os.sched_setaffinity(0, mine)
+            a.close()
+            server.join(10)
+        out[where] = {"fd_round_trip": stats_of([t / 1000 for t in trip[100:]]),
+                      "fd_round_trip_mmap": stats_of([t / 1000 for t in mapped[100:]])}
+    return out

@@ -151,6 +151,7 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
     int fds[MAX_ANC_FDS + 4];
     Py_ssize_t nfds = 0;
     long sender = -1;
+    int overflow = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
         size_t at = (size_t)((char *)c - control.bytes);
         size_t len = at + c->cmsg_len > msg.msg_controllen ? msg.msg_controllen - at : c->cmsg_len;
@@ -159,15 +160,23 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
         size_t payload = len - CMSG_LEN(0);
         if (c->cmsg_type == SCM_RIGHTS) {
             size_t n = payload / sizeof(int);
-            for (size_t i = 0; i < n && nfds < (Py_ssize_t)(sizeof fds / sizeof fds[0]); i++)
-                memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            for (size_t i = 0; i < n; i++) {
+                int one;
+                memcpy(&one, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (nfds < (Py_ssize_t)(sizeof fds / sizeof fds[0])) {
+                    fds[nfds++] = one;
+                } else { /* more than one message can carry: never kept, and the packet counts as cut */
+                    close(one);
+                    overflow = 1;
+                }
+            }
         } else if (c->cmsg_type == SCM_CREDENTIALS && payload >= sizeof(struct ucred)) {
             struct ucred cred;
             memcpy(&cred, CMSG_DATA(c), sizeof cred);
             sender = cred.pid;
         }
     }
-    int truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame;
+    int truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame || overflow;
     PyObject *data = PyBytes_FromStringAndSize(buf, got);
     if (buf != stackbuf)
         PyMem_Free(buf);

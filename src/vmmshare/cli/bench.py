@@ -233,10 +233,12 @@ def machine_facts() -> dict[str, Any]:
             commit += f" @ {rev.stdout.strip()}"
     except (OSError, subprocess.SubprocessError):
         pass
+    from ..config import pure_python
     from ..sockets import packets
 
     return {"cpus": os.cpu_count(), "python": sys.version.split()[0], "cpu": " ".join(cpu.split()),
-            "load": list(os.getloadavg()), "packets": "compiled" if packets.FAST else "pure Python",
+            "load": list(os.getloadavg()),
+            "packets": "compiled" if packets.FAST_AVAILABLE and not pure_python() else "pure Python",
             "kernel": platform.release(), "when": datetime.datetime.now(datetime.timezone.utc).strftime(
                 "%Y-%m-%d %H:%M UTC"), "commit": commit}
 

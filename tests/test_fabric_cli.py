@@ -115,3 +115,23 @@ def test_bench_fabric_reports_every_ratio(tmp_path: Path) -> None:
         assert set(row) == {"vmmshare", "engine", "engine_to_broker", "tcp"} and all(v > 0 for v in row.values())
     assert res["ratios"]["latency_4k_vs_engine"] > 0 and res["import_map_us"]["median"] > 0
     assert "4 KiB read latency" in out.stdout and "import + reserve + map" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_fabric_servers_verifies_every_import_of_every_server_and_leaves_nothing(tmp_path: Path) -> None:
+    """All-to-all on 3 servers: each imports and byte-checks the other two's shares (6 imports), the figures of each
+    measure are there, and `cluster down` left no namespace, process or /dev/shm entry of the run."""
+    path = tmp_path / "scale.json"
+    out = vmmshare("bench", "--fabric", "--servers", "3", "--idle-seconds", "0.5", "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    (res,) = json.loads(path.read_text())
+    assert res["servers"] == 3 and res["imports"] == res["verified"] == 6, res
+    assert res["left_behind"] == [], res["left_behind"]
+    assert res["idle_brokers_cores"] >= 0 and set(res["idle_cores_by_part"]) >= {"broker loop", "metadata service"}
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("servers", ["1", "255", "4,x", ""])
+def test_bench_fabric_servers_refuses_a_count_out_of_range(servers: str) -> None:
+    out = vmmshare("bench", "--fabric", "--servers", servers)
+    assert out.returncode == 2 and "--servers" in out.stderr and "Traceback" not in out.stderr, out.stderr

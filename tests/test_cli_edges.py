@@ -143,6 +143,7 @@ def _catches_sigint(pid: int) -> bool:
     return bool(caught & (1 << (signal.SIGINT - 1)))
 
 
+@pytest.mark.alone  # it must catch the run's children between their start and their end: a loaded machine hides them
 @pytest.mark.parametrize(("args", "child", "count"), [
     (["stress", "load", "--clients", "4", "--cycles", "1000000", "--seconds", "600"], "--role worker", 4),
     (["bench", "--quick", "--no-torch"], "spawn_main", 1),

@@ -23,6 +23,7 @@ would deadlock on its first request.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ MAX_PUT_KEYS = 16  # keys an engine may create under its token by PUT (its own: 
 MAX_PUT_BYTES = 16 << 20  # bytes the engines of one user (the connecting socket's uid) may have PUT, all tokens
 REQUEST_TIMEOUT = 2.0  # seconds a connection has for each request (the engine's own HTTP timeout is 3 s)
 MAX_OUTBOX = 256 << 10  # bytes of answers waiting for a connection to read them: past this it is not read from
+PIPE_BYTES = 1 << 20  # the pipe to the service (the most an unprivileged process may ask for, by default)
 MAX_CONNECTIONS = 64  # connections open at once; one more closes the oldest of the user that holds the most
 
 
@@ -66,6 +68,8 @@ class MetadataService:
                                      stdout=subprocess.PIPE, close_fds=True, start_new_session=True, bufsize=0)
         assert self.proc.stdin is not None
         os.set_blocking(self.proc.stdin.fileno(), False)
+        with contextlib.suppress(OSError):  # room for a burst of registrations while the service is off the CPU
+            fcntl.fcntl(self.proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         try:
             self.port = int(self._line())
         except (IpcError, ValueError) as exc:

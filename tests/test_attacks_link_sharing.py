@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from test_fabric_agent import EP, EP_A, KEY, Cluster, Far, MiB2, export_on, fabric_agent, frames
+from test_fabric_agent import EP, EP_A, KEY, Cluster, Far, MiB2, export_on, fabric_agent, frames, requests
 from vmmshare.fabric import agent as agent_module
 from vmmshare.fabric.agent import Agent
 from vmmshare.fabric.link import MAX_UNSENT, Link, State
@@ -133,7 +133,7 @@ def test_a_server_behind_the_same_address_cannot_take_another_servers_endpoint(c
     got: list[P.Message] = []
     now = cluster.a.local(x, P.RemoteImport(handle), got.append)
     cluster.pump()
-    stolen = [(req, m) for req, m in far.reader.feed(_drain(far)) if isinstance(m, F.Import)]
+    stolen = [(req, m) for req, m in requests(far) if isinstance(m, F.Import)]
     for req, _ in stolen:  # the claimer answers as an exporter would
         far.send((F.Imported(777, MiB2, 0, 0, 0, 0, 1, 0, 0x10000000, f"{B_ADDRESS}:15000"), req))
     cluster.pump()
@@ -169,7 +169,7 @@ def test_a_server_behind_the_same_address_cannot_adopt_another_servers_holds(clu
     _, far = proved(cluster.a, 3, (B_ADDRESS, 40006))
     far.send((F.Listens(F.endpoint_bytes(*EP)), 1))
     cluster.pump()
-    adopts = [(req, m) for req, m in far.reader.feed(_drain(far)) if isinstance(m, F.Adopt)]
+    adopts = [(req, m) for req, m in requests(far) if isinstance(m, F.Adopt)]
     far.send(*[(F.Ok(), req) for req, _ in adopts])  # server 3 keeps whatever it is asked to keep
     cluster.pump()
     cluster.a.reconnect_at = {e: 0.0 for e in cluster.a.reconnect_at}  # any reconnection due now
@@ -199,19 +199,6 @@ def test_a_keyed_server_claiming_another_servers_id_cannot_release_its_holds(clu
     fake.send(*[(F.Release(h), i + 1) for i, h in enumerate(range(mine.hold - 4, mine.hold))])
     cluster.pump()
     assert victims in cluster.b.remote_holds, "server 3 released server 1's hold at server 2"
-
-
-def _drain(far: Far) -> bytes:
-    far.sock.setblocking(False)
-    data = b""
-    while True:
-        try:
-            chunk = far.sock.recv(1 << 16)
-        except BlockingIOError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
 
 
 # ---------------------------------------------------------------- both brokers dialing at once
@@ -370,11 +357,11 @@ def test_a_late_answer_goes_to_its_own_request_never_to_a_newer_one(then: str) -
         a.tick()
         assert len(gx) == 1 and isinstance(gx[0], P.Error) and gx[0].code == IPC_ERROR
         assert a.local(y, P.RemoteImport(handle), gy.append) is None
-        (rx, _), (ry, _) = far.reader.feed(_drain(far))
+        (rx, _), (ry, _) = requests(far)
         assert rx != ry
         far.send((_answer(77), rx))
         link.on_event(selectors.EVENT_READ)
-        assert not gy and [m for _, m in far.reader.feed(_drain(far))] == [F.Release(77)]
+        assert not gy and [m for _, m in requests(far)] == [F.Release(77)]
         sealed = far.sealer.seal(F.encode(_answer(78), ry))
         far.sock.sendall(sealed)
         link.on_event(selectors.EVENT_READ)

@@ -100,16 +100,7 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
 
 def frames(far: Far) -> list[F.PeerMessage]:
     """The frames waiting at the far end of a link (none: an empty list)."""
-    far.sock.setblocking(False)
-    got = list[F.PeerMessage]()
-    while True:
-        try:
-            data = far.sock.recv(1 << 16)
-        except BlockingIOError:
-            return got
-        if not data:
-            return got
-        got += [m for _, m in far.reader.feed(data)]
+    return [m for _, m in requests(far)]
 
 
 def release_of(node: Node, hold: int) -> Callable[[], None]:

@@ -254,6 +254,42 @@ def test_both_paths_read_every_packet_alike(pair: Any, case: tuple[bytes, int]) 
     assert seen[0] == seen[2] and seen[1] == seen[3]
 
 
+def _in_a_child(path: SimpleNamespace, code: str) -> str:
+    """Run `code` in a fresh interpreter with `send_packet` and `recv_packet` of `path` bound: a crash there (a
+    signal, not an exception) fails the test instead of ending the run. Its stdout, once it exited 0."""
+    pick = "fast_" if path.name == "compiled" else "pure_"
+    prelude = ("import os, socket, sys, threading\n"
+               "from vmmshare.sockets import packets\n"
+               f"send_packet, recv_packet = packets.{pick}send_packet, packets.{pick}recv_packet\n")
+    done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr}"
+    return done.stdout
+
+
+def test_fds_in_a_list_that_an_item_empties_while_it_is_read(path: SimpleNamespace) -> None:
+    """An fd whose __index__ empties the list it is in: the other items are still there to read (or the send is
+    refused), never read from freed memory."""
+    out = _in_a_child(path, (
+        "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "r, w = os.pipe()\n"
+        "fds = []\n"
+        "class Emptying:\n"
+        "    def __index__(self):\n"
+        "        fds.clear()\n"
+        "        [[object() for _ in range(8)] for _ in range(2000)]  # reuse what the list held\n"
+        "        return w\n"
+        "fds.extend([Emptying(), w, w, w])\n"
+        "try:\n"
+        "    send_packet(a, b'x', fds)\n"
+        "except (IndexError, TypeError) as exc:\n"
+        "    print('refused', type(exc).__name__)\n"
+        "else:\n"
+        "    data, got, cut = packets.pure_recv_packet(b)\n"
+        "    assert data == b'x' and not cut and all(os.path.sameopenfile(fd, w) for fd in got), got\n"
+        "    print('sent', len(got))\n"))
+    assert out.split()[0] in ("refused", "sent")
+
+
 # ---------------------------------------------------------------- real processes on each path
 
 

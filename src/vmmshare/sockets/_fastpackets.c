@@ -265,10 +265,11 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     if (nargs == 2 || (PyTuple_CheckExact(args[2]) && PyTuple_GET_SIZE(args[2]) == 0))
         return send_plain(fd, args[1]);
-    PyObject *seq = PySequence_Fast(args[2], "fds must be a sequence of ints");
+    /* A tuple of its own: an item's __index__ could empty a list while its items are read. */
+    PyObject *seq = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t nfds = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t nfds = PyTuple_GET_SIZE(seq);
     if (nfds > MAX_ANC_FDS) {
         Py_DECREF(seq);
         errno = EINVAL; /* what sendmsg says of more than SCM_MAX_FD */
@@ -289,7 +290,7 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
         for (Py_ssize_t i = 0; i < nfds; i++) {
-            int value = as_int(PySequence_Fast_GET_ITEM(seq, i));
+            int value = as_int(PyTuple_GET_ITEM(seq, i));
             if (value == -1 && PyErr_Occurred()) {
                 Py_DECREF(seq);
                 return NULL;

@@ -290,6 +290,23 @@ def test_fds_in_a_list_that_an_item_empties_while_it_is_read(path: SimpleNamespa
     assert out.split()[0] in ("refused", "sent")
 
 
+def test_a_receive_on_a_thread_with_the_least_stack(path: SimpleNamespace) -> None:
+    """threading.stack_size allows 32 KiB: a full-size packet is received there too (its buffer is not on the
+    stack)."""
+    out = _in_a_child(path, (
+        "threading.stack_size(32 * 1024)\n"
+        "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 18)\n"
+        f"send_packet(a, b'm' * {MAX_FRAME + 1})\n"
+        "got = []\n"
+        "reader = threading.Thread(target=lambda: got.append(recv_packet(b)))\n"
+        "reader.start()\n"
+        "reader.join()\n"
+        "data, fds, cut = got[0]\n"
+        "print(len(data), len(fds), cut)\n"))
+    assert out.split() == [str(MAX_FRAME + 1), "0", "True"]
+
+
 # ---------------------------------------------------------------- real processes on each path
 
 

@@ -114,8 +114,8 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
         return NULL;
     flags |= MSG_CMSG_CLOEXEC;
     size_t room = (size_t)max_frame + 1; /* one byte more: a longer packet shows as longer */
-    char stackbuf[64 * 1024 + 1];
-    char *buf = room <= sizeof stackbuf ? stackbuf : PyMem_Malloc(room);
+    /* On the heap, not the stack: a thread may have as little as 32 KiB of stack (threading.stack_size). */
+    char *buf = PyMem_RawMalloc(room);
     union {
         struct cmsghdr align;
         char bytes[CMSG_SPACE(sizeof(int) * MAX_ANC_FDS) + CMSG_SPACE(sizeof(struct ucred))];
@@ -142,8 +142,7 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
             break;
         int err = errno;
         if (err != EINTR || PyErr_CheckSignals() < 0) { /* EINTR: retry, as Python does (PEP 475) */
-            if (buf != stackbuf)
-                PyMem_Free(buf);
+            PyMem_RawFree(buf);
             errno = err;
             return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
         }
@@ -178,8 +177,7 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
     }
     int truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame || overflow;
     PyObject *data = PyBytes_FromStringAndSize(buf, got);
-    if (buf != stackbuf)
-        PyMem_Free(buf);
+    PyMem_RawFree(buf);
     PyObject *list = PyList_New(nfds);
     PyObject *pid = creds ? PyLong_FromLong(sender) : NULL;
     PyObject *result = PyTuple_New(creds ? 4 : 3);

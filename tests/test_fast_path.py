@@ -307,6 +307,29 @@ def test_a_receive_on_a_thread_with_the_least_stack(path: SimpleNamespace) -> No
     assert out.split() == [str(MAX_FRAME + 1), "0", "True"]
 
 
+def test_the_first_bad_argument_is_the_error_named() -> None:
+    """Each argument is checked as it is read: a later one's conversion (which may run Python code) never runs
+    with an earlier one's error pending, nor clears it."""
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here")
+    from vmmshare.sockets import _fastpackets
+
+    class Five:
+        def __index__(self) -> int:
+            return int("5")  # Python code, run by the conversion
+
+    with pytest.raises(TypeError):
+        _fastpackets.configure("64k", Five())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _fastpackets.floor_serve("3", Five())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _fastpackets.floor_trips("3", 1, 1)  # type: ignore[arg-type]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:  # the limits stand as they were
+        a.send(b"q" * (MAX_FRAME + 1))
+        assert packets.fast_recv_packet(b) == (b"q" * (MAX_FRAME + 1), [], True)
+
+
 # ---------------------------------------------------------------- real processes on each path
 
 

@@ -79,8 +79,10 @@ static PyObject *fast_configure(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     long frame = PyLong_AsLong(args[0]);
+    if (frame == -1 && PyErr_Occurred())
+        return NULL;
     int fds = as_int(args[1]);
-    if (PyErr_Occurred())
+    if (fds == -1 && PyErr_Occurred())
         return NULL;
     if (frame < 0 || frame >= MAX_DATA || fds < 0 || fds > MAX_ANC_FDS) {
         PyErr_SetString(PyExc_ValueError, "max_frame or anc_fds out of range");
@@ -335,8 +337,10 @@ static PyObject *fast_floor_serve(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     int fd = as_int(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
     int memfd = as_int(args[1]);
-    if (PyErr_Occurred())
+    if (memfd == -1 && PyErr_Occurred())
         return NULL;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -397,9 +401,13 @@ static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     int fd = as_int(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t reps = PyLong_AsSsize_t(args[1]);
+    if (reps == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t size = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred())
+    if (size == -1 && PyErr_Occurred())
         return NULL;
     if (reps < 0 || reps > 10000000 || size <= 0) {
         PyErr_SetString(PyExc_ValueError, "reps or size out of range");

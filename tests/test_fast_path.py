@@ -22,6 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import rawsock
+from conftest import require
 from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 from vmmshare.sockets import packets
 from vmmshare.wire import local as P
@@ -328,6 +329,34 @@ def test_the_first_bad_argument_is_the_error_named() -> None:
     with a, b:  # the limits stand as they were
         a.send(b"q" * (MAX_FRAME + 1))
         assert packets.fast_recv_packet(b) == (b"q" * (MAX_FRAME + 1), [], True)
+
+
+def test_peer_credentials_name_a_uid_past_two_to_the_31_as_the_os_does() -> None:
+    """A peer whose uid and gid are 2**31 or more (ids are unsigned): the same numbers os.getuid() gives, not
+    negative ones that match no user."""
+    require(os.geteuid() == 0, "needs root to run a peer with another uid")
+    uid, gid = 2**31 + 7, 2**31 + 9
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with listener:
+        listener.bind(f"\0vmmshare-peercred-{os.getpid()}")
+        listener.listen()
+        child = os.fork()
+        if child == 0:
+            try:
+                os.setgid(gid)
+                os.setuid(uid)
+                peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                peer.connect(listener.getsockname())
+                peer.recv(1)  # held open until the parent has looked
+            finally:
+                os._exit(0)
+        sock, _ = listener.accept()
+        with sock:
+            try:
+                assert packets.peer_credentials(sock) == (child, uid, gid)
+            finally:
+                sock.send(b"x")
+                assert os.waitpid(child, 0)[1] == 0
 
 
 # ---------------------------------------------------------------- real processes on each path

@@ -22,6 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import rawsock
+from conftest import require
 from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 from vmmshare.sockets import packets
 from vmmshare.wire import local as P
@@ -252,6 +253,110 @@ def test_both_paths_read_every_packet_alike(pair: Any, case: tuple[bytes, int]) 
         os.close(r)
         os.close(w)
     assert seen[0] == seen[2] and seen[1] == seen[3]
+
+
+def _in_a_child(path: SimpleNamespace, code: str) -> str:
+    """Run `code` in a fresh interpreter with `send_packet` and `recv_packet` of `path` bound: a crash there (a
+    signal, not an exception) fails the test instead of ending the run. Its stdout, once it exited 0."""
+    pick = "fast_" if path.name == "compiled" else "pure_"
+    prelude = ("import os, socket, sys, threading\n"
+               "from vmmshare.sockets import packets\n"
+               f"send_packet, recv_packet = packets.{pick}send_packet, packets.{pick}recv_packet\n")
+    done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr}"
+    return done.stdout
+
+
+def test_fds_in_a_list_that_an_item_empties_while_it_is_read(path: SimpleNamespace) -> None:
+    """An fd whose __index__ empties the list it is in: the other items are still there to read (or the send is
+    refused), never read from freed memory."""
+    out = _in_a_child(path, (
+        "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "r, w = os.pipe()\n"
+        "fds = []\n"
+        "class Emptying:\n"
+        "    def __index__(self):\n"
+        "        fds.clear()\n"
+        "        [[object() for _ in range(8)] for _ in range(2000)]  # reuse what the list held\n"
+        "        return w\n"
+        "fds.extend([Emptying(), w, w, w])\n"
+        "try:\n"
+        "    send_packet(a, b'x', fds)\n"
+        "except (IndexError, TypeError) as exc:\n"
+        "    print('refused', type(exc).__name__)\n"
+        "else:\n"
+        "    data, got, cut = packets.pure_recv_packet(b)\n"
+        "    assert data == b'x' and not cut and all(os.path.sameopenfile(fd, w) for fd in got), got\n"
+        "    print('sent', len(got))\n"))
+    assert out.split()[0] in ("refused", "sent")
+
+
+def test_a_receive_on_a_thread_with_the_least_stack(path: SimpleNamespace) -> None:
+    """threading.stack_size allows 32 KiB: a full-size packet is received there too (its buffer is not on the
+    stack)."""
+    out = _in_a_child(path, (
+        "threading.stack_size(32 * 1024)\n"
+        "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 18)\n"
+        f"send_packet(a, b'm' * {MAX_FRAME + 1})\n"
+        "got = []\n"
+        "reader = threading.Thread(target=lambda: got.append(recv_packet(b)))\n"
+        "reader.start()\n"
+        "reader.join()\n"
+        "data, fds, cut = got[0]\n"
+        "print(len(data), len(fds), cut)\n"))
+    assert out.split() == [str(MAX_FRAME + 1), "0", "True"]
+
+
+def test_the_first_bad_argument_is_the_error_named() -> None:
+    """Each argument is checked as it is read: a later one's conversion (which may run Python code) never runs
+    with an earlier one's error pending, nor clears it."""
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here")
+    from vmmshare.sockets import _fastpackets
+
+    class Five:
+        def __index__(self) -> int:
+            return int("5")  # Python code, run by the conversion
+
+    with pytest.raises(TypeError):
+        _fastpackets.configure("64k", Five())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _fastpackets.floor_serve("3", Five())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _fastpackets.floor_trips("3", 1, 1)  # type: ignore[arg-type]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:  # the limits stand as they were
+        a.send(b"q" * (MAX_FRAME + 1))
+        assert packets.fast_recv_packet(b) == (b"q" * (MAX_FRAME + 1), [], True)
+
+
+def test_peer_credentials_name_a_uid_past_two_to_the_31_as_the_os_does() -> None:
+    """A peer whose uid and gid are 2**31 or more (ids are unsigned): the same numbers os.getuid() gives, not
+    negative ones that match no user."""
+    require(os.geteuid() == 0, "needs root to run a peer with another uid")
+    uid, gid = 2**31 + 7, 2**31 + 9
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with listener:
+        listener.bind(f"\0vmmshare-peercred-{os.getpid()}")
+        listener.listen()
+        child = os.fork()
+        if child == 0:
+            try:
+                os.setgid(gid)
+                os.setuid(uid)
+                peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                peer.connect(listener.getsockname())
+                peer.recv(1)  # held open until the parent has looked
+            finally:
+                os._exit(0)
+        sock, _ = listener.accept()
+        with sock:
+            try:
+                assert packets.peer_credentials(sock) == (child, uid, gid)
+            finally:
+                sock.send(b"x")
+                assert os.waitpid(child, 0)[1] == 0
 
 
 # ---------------------------------------------------------------- real processes on each path

@@ -79,8 +79,10 @@ static PyObject *fast_configure(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     long frame = PyLong_AsLong(args[0]);
+    if (frame == -1 && PyErr_Occurred())
+        return NULL;
     int fds = as_int(args[1]);
-    if (PyErr_Occurred())
+    if (fds == -1 && PyErr_Occurred())
         return NULL;
     if (frame < 0 || frame >= MAX_DATA || fds < 0 || fds > MAX_ANC_FDS) {
         PyErr_SetString(PyExc_ValueError, "max_frame or anc_fds out of range");
@@ -114,8 +116,8 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
         return NULL;
     flags |= MSG_CMSG_CLOEXEC;
     size_t room = (size_t)max_frame + 1; /* one byte more: a longer packet shows as longer */
-    char stackbuf[64 * 1024 + 1];
-    char *buf = room <= sizeof stackbuf ? stackbuf : PyMem_Malloc(room);
+    /* On the heap, not the stack: a thread may have as little as 32 KiB of stack (threading.stack_size). */
+    char *buf = PyMem_RawMalloc(room);
     union {
         struct cmsghdr align;
         char bytes[CMSG_SPACE(sizeof(int) * MAX_ANC_FDS) + CMSG_SPACE(sizeof(struct ucred))];
@@ -142,8 +144,7 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
             break;
         int err = errno;
         if (err != EINTR || PyErr_CheckSignals() < 0) { /* EINTR: retry, as Python does (PEP 475) */
-            if (buf != stackbuf)
-                PyMem_Free(buf);
+            PyMem_RawFree(buf);
             errno = err;
             return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
         }
@@ -178,8 +179,7 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
     }
     int truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame || overflow;
     PyObject *data = PyBytes_FromStringAndSize(buf, got);
-    if (buf != stackbuf)
-        PyMem_Free(buf);
+    PyMem_RawFree(buf);
     PyObject *list = PyList_New(nfds);
     PyObject *pid = creds ? PyLong_FromLong(sender) : NULL;
     PyObject *result = PyTuple_New(creds ? 4 : 3);
@@ -265,10 +265,11 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     if (nargs == 2 || (PyTuple_CheckExact(args[2]) && PyTuple_GET_SIZE(args[2]) == 0))
         return send_plain(fd, args[1]);
-    PyObject *seq = PySequence_Fast(args[2], "fds must be a sequence of ints");
+    /* A tuple of its own: an item's __index__ could empty a list while its items are read. */
+    PyObject *seq = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t nfds = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t nfds = PyTuple_GET_SIZE(seq);
     if (nfds > MAX_ANC_FDS) {
         Py_DECREF(seq);
         errno = EINVAL; /* what sendmsg says of more than SCM_MAX_FD */
@@ -289,7 +290,7 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
         for (Py_ssize_t i = 0; i < nfds; i++) {
-            int value = as_int(PySequence_Fast_GET_ITEM(seq, i));
+            int value = as_int(PyTuple_GET_ITEM(seq, i));
             if (value == -1 && PyErr_Occurred()) {
                 Py_DECREF(seq);
                 return NULL;
@@ -336,8 +337,10 @@ static PyObject *fast_floor_serve(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     int fd = as_int(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
     int memfd = as_int(args[1]);
-    if (PyErr_Occurred())
+    if (memfd == -1 && PyErr_Occurred())
         return NULL;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -398,9 +401,13 @@ static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     int fd = as_int(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t reps = PyLong_AsSsize_t(args[1]);
+    if (reps == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t size = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred())
+    if (size == -1 && PyErr_Occurred())
         return NULL;
     if (reps < 0 || reps > 10000000 || size <= 0) {
         PyErr_SetString(PyExc_ValueError, "reps or size out of range");

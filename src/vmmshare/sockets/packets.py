@@ -153,10 +153,11 @@ def close_fds(fds: list[int]) -> None:
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the peer as the kernel recorded them at connect time (SO_PEERCRED)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    pid, uid, gid = array.array("i", raw)
-    return pid, uid, gid
+    """(pid, uid, gid) of the peer as the kernel recorded them at connect time (SO_PEERCRED); uid and gid unsigned,
+    as os.getuid() gives them, so an id of 2**31 or more compares equal to it."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    pid, uid, gid = _CREDS.unpack(raw)
+    return int(pid), int(uid), int(gid)
 
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)

@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,9 @@ def test_doctor_says_to_set_a_variable_that_is_missing(tmp_path: Path) -> None:
 
 
 def _session(sid: int) -> dict[int, str]:
-    """The processes of session `sid`: pid -> command line."""
-    out = {}
+    """The run `sid` (a session leader) and its descendants: pid -> command line. Descendants, not every process of
+    the session: a process left by an earlier test whose session id is a pid reused for this run is none of its."""
+    parent, cmdlines = {}, {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -128,9 +130,18 @@ def _session(sid: int) -> dict[int, str]:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if int(stat[stat.rfind(b")") + 2 :].split()[3]) == sid:  # state, ppid, pgrp, session
-            out[int(name)] = cmdline
-    return out
+        fields = stat[stat.rfind(b")") + 2 :].split()  # state, ppid, pgrp, session
+        if int(fields[3]) == sid:
+            parent[int(name)], cmdlines[int(name)] = int(fields[1]), cmdline
+
+    def of_the_run(pid: int) -> bool:
+        while pid != sid:
+            if pid not in parent:
+                return False
+            pid = parent[pid]
+        return True
+
+    return {pid: cmd for pid, cmd in cmdlines.items() if of_the_run(pid)}
 
 
 def _catches_sigint(pid: int) -> bool:
@@ -152,8 +163,18 @@ def test_ctrl_c_ends_the_run_with_130_and_no_traceback(tmp_path: Path, args: lis
                                                        count: int) -> None:
     """Ctrl-C reaches the whole foreground process group: once the run's child processes are up, SIGINT to the
     group ends it with 130, and neither the run nor any child prints a traceback."""
-    proc = subprocess.Popen([*VMMSHARE, *args], env=env_for(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A terminal's Ctrl-C reaches a run that does not ignore it: an ignored SIGINT (as a test runner's worker may
+    # have it) would pass to the run through exec, and Python then installs no handler of its own.
+    ignored = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*VMMSHARE, *args], env=env_for(tmp_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rfd = os.pidfd_open(proc.pid)
         try:
@@ -163,8 +184,9 @@ def test_ctrl_c_ends_the_run_with_130_and_no_traceback(tmp_path: Path, args: lis
                 started = [pid for pid, cmd in session.items() if "resource_tracker" not in cmd]
                 if sum(child in cmd for cmd in session.values()) >= count and all(map(_catches_sigint, started)):
                     break
-                assert waited < HANG_GUARD, "the run's child processes never started"
-                assert not select.select([rfd], [], [], POLL)[0], proc.communicate()
+                seen = {pid: (cmd, _catches_sigint(pid)) for pid, cmd in session.items()}
+                assert waited < HANG_GUARD, ("the run's child processes never started", seen)
+                assert not select.select([rfd], [], [], POLL)[0], (proc.communicate(), seen)
                 waited += POLL
         finally:
             os.close(rfd)

@@ -5,6 +5,7 @@ client processes share memory with every mix of the two; VMMSHARE_PURE_PYTHON pi
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import shutil
 import signal
@@ -57,6 +58,9 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 def open_fds() -> set[int]:
+    """This process's open fds, once the garbage of earlier tests is collected (its finalizers close fds of their
+    own, which must not show up as this test's)."""
+    gc.collect()
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 

@@ -492,3 +492,29 @@ def test_without_the_extension_the_pure_path_serves(tmp_path: Path) -> None:
     finally:
         exporter.close()
         broker.kill()
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_the_floors_round_trips_close_every_fd_a_reply_brings(extra: int) -> None:
+    """The benchmark's floor maps the first fd of each reply; any more it brings are closed, and a reply with none
+    is refused (EPROTO) with nothing kept."""
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here")
+    from vmmshare.sockets import _fastpackets
+
+    memfd = os.memfd_create("floor")
+    try:
+        os.ftruncate(memfd, 4096)
+        before = open_fds()
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with a, b:
+            for _ in range(2):  # the replies wait in the socket: the memfd and `extra` more copies of it
+                socket.send_fds(b, [b"r"], [memfd] * (1 + extra))
+            assert len(_fastpackets.floor_trips(a.fileno(), 2, 4096)[0]) == 2
+            b.send(b"r")  # a reply with no fd
+            with pytest.raises(OSError) as refused:
+                _fastpackets.floor_trips(a.fileno(), 1, 4096)
+            assert refused.value.errno == 71  # EPROTO
+        assert open_fds() == before
+    finally:
+        os.close(memfd)

@@ -369,7 +369,11 @@ static PyObject *fast_floor_serve(PyObject *self, PyObject *const *args, Py_ssiz
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(c), &memfd, sizeof(int));
-        if (sendmsg(fd, &msg, MSG_NOSIGNAL) < 0 && errno != EINTR) {
+        ssize_t sent;
+        do
+            sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        while (sent < 0 && errno == EINTR);  /* a reply is never dropped: the peer would wait for it forever */
+        if (sent < 0) {
             err = errno == EPIPE || errno == ECONNRESET ? 0 : errno;
             break;
         }
@@ -380,6 +384,31 @@ static PyObject *fast_floor_serve(PyObject *self, PyObject *const *args, Py_ssiz
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
+}
+
+/* The first fd of a packet's SCM_RIGHTS data, every other fd it brought closed; -1 (all closed) if it brought none
+   or its control data was cut. */
+static int first_right_closing_the_rest(struct msghdr *msg)
+{
+    int first = -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0))
+            continue;
+        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < n; i++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+            if (first < 0)
+                first = fd;
+            else
+                close(fd);
+        }
+    }
+    if (first >= 0 && (msg->msg_flags & MSG_CTRUNC)) {
+        close(first);
+        return -1;
+    }
+    return first;
 }
 
 static long long now_ns(void)
@@ -426,7 +455,11 @@ static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssiz
     } control;
     for (; done < reps; done++) {
         long long t0 = now_ns();
-        if (send(fd, request, sizeof request, MSG_NOSIGNAL) < 0) {
+        ssize_t sent;
+        do
+            sent = send(fd, request, sizeof request, MSG_NOSIGNAL);
+        while (sent < 0 && errno == EINTR);
+        if (sent < 0) {
             err = errno;
             break;
         }
@@ -437,18 +470,19 @@ static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssiz
         msg.msg_iovlen = 1;
         msg.msg_control = control.bytes;
         msg.msg_controllen = sizeof control.bytes;
-        ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+        ssize_t got;
+        do
+            got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+        while (got < 0 && errno == EINTR);
         if (got <= 0) {
             err = got < 0 ? errno : ECONNRESET;
             break;
         }
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        if (c == NULL || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(sizeof(int))) {
+        int memfd = first_right_closing_the_rest(&msg);
+        if (memfd < 0) {
             err = EPROTO;
             break;
         }
-        int memfd;
-        memcpy(&memfd, CMSG_DATA(c), sizeof memfd);
         long long t1 = now_ns();
         void *at = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
         long long t2 = now_ns();

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import secrets
@@ -43,6 +44,7 @@ for _var in ("VMMSHARE_DEVICE_MEMORY", "VMMSHARE_PREPOPULATE", "VMMSHARE_BACKEND
     os.environ.pop(_var, None)
 
 import vmmshare.acl as _acl  # noqa: E402
+from procs import start_zygote, stop_zygote, zygote_for  # noqa: E402
 from vmmshare._process import runtime  # noqa: E402
 from vmmshare.errors import set_recent_error  # noqa: E402
 
@@ -113,14 +115,21 @@ _RUN_LOCK: RunLock | None = None
 def pytest_configure(config: pytest.Config) -> None:
     """In an xdist worker (and only there: not in a pytest that a test runs), open the run's lock. Every worker opens
     it before any test runs (tests are handed out once all have collected), so whichever worker ends first may
-    remove the folder: the others keep locking the same files through the fds they hold."""
+    remove the folder: the others keep locking the same files through the fds they hold. In each process that runs
+    tests, start the zygote that forks the tests' actors and `run_child` children (stress/zygote.py)."""
     global _RUN_LOCK
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         _RUN_LOCK = RunLock(os.path.join(tempfile.gettempdir(), f"vmmshare-tests-run-{workerinput['testrunuid']}"))
+    if workerinput is not None or not config.pluginmanager.hasplugin("xdist") or not config.getoption("numprocesses"):
+        import importlib.util
+
+        start_zygote({k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"},
+                     torch=importlib.util.find_spec("torch") is not None)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    stop_zygote()
     if _RUN_LOCK is not None:
         shutil.rmtree(_RUN_LOCK.folder, ignore_errors=True)
 
@@ -138,6 +147,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 0 if item.get_closest_marker("slow") is not None else 1
 
     items.sort(key=rank)  # stable: the order within each rank is kept
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection built (modules, items, parameters) out of the collector's reach: many tests call
+    gc.collect() to count only their own objects, and each call would otherwise walk the whole heap again."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -321,9 +337,13 @@ def run_child(code: str, env: dict[str, str] | None = None) -> subprocess.Comple
             full.pop(k, None)
         else:
             full[k] = v
-    # a hang guard only: no assertion depends on timing
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full, timeout=300)
+    code = textwrap.dedent(code)
+    zygote = zygote_for(full, code)
+    if zygote is None:  # a hang guard only: no assertion depends on timing
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+    child = zygote.spawn({"kind": "code", "code": code}, full, stderr_pipe=True)
+    out, err = child.communicate(timeout=300)
+    return subprocess.CompletedProcess([sys.executable, "-c", code], child.wait(), out, err)
 
 
 CHILD_PRELUDE = """
@@ -356,6 +376,7 @@ def acl():
     """`vmmshare.acl` with device 0 set in this thread; teardown asserts the runtime tables are back where they were."""
     rt = runtime()
     assert _acl.rt.set_device(0) == 0
+    gc.collect()  # an earlier test's garbage, collected during this one, would read as this test's doing
     before = rt.counts()
     yield _acl
     after = rt.counts()

@@ -8,6 +8,7 @@ Real processes throughout: brokers started by the unit's own command line, `Acto
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shlex
@@ -165,6 +166,32 @@ def test_broker_serves_a_socket_passed_by_the_service_manager(manager: Manager, 
     finally:
         second.send_signal(signal.SIGTERM)
         assert _finish(second)[0] == 0
+
+
+def test_a_client_queued_before_the_first_broker_starts_is_served_with_its_credentials(
+        manager: Manager, tmp_path: Path) -> None:
+    """Socket activation: a client connects to the manager's socket before any broker has set SO_PASSCRED on it
+    (the kernel attaches no credentials to what such a connection carries unless the accepting end asks). Once the
+    broker starts, its requests are still known to come from the process that opened it: served, not refused as
+    sent by another process."""
+    env = env_for(tmp_path, VMMSHARE_SOCKET=str(manager.path))
+    a = Actor(env)
+    broker = None
+    try:
+        assert a.proc.stdin is not None and a.proc.stdout is not None
+        call = json.dumps({"call": "rt.malloc_physical", "args": [MiB2, PROP, 0]})
+        a.proc.stdin.write(call + "\n")  # its first request: it connects, sends its hello and waits
+        a.proc.stdin.flush()
+        assert select.select([manager.sock], [], [], HANG_GUARD)[0], "the actor never connected"
+        broker = manager.start(_exec_start(manager.path), env)  # the connection is queued: no broker accepted it
+        h, ret = json.loads(a.proc.stdout.readline())["ok"]
+        assert ret == 0, a.call("get_recent_err_msg")
+        assert a.call("rt.free_physical", h) == 0, a.last_err
+    finally:
+        a.close()
+        if broker is not None:
+            broker.send_signal(signal.SIGTERM)
+            assert _finish(broker)[0] == 0
 
 
 @pytest.mark.parametrize("wrong", ["stream", "other path"])

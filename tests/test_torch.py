@@ -27,7 +27,7 @@ import torch_children  # noqa: E402
 import vmmshare  # noqa: E402
 import vmmshare.torch as vt  # noqa: E402
 from conftest import require  # noqa: E402
-from procs import host_children, refusal  # noqa: E402
+from procs import host_children, python_c, refusal  # noqa: E402
 from vmmshare._process import runtime  # noqa: E402
 
 MiB = 1 << 20
@@ -59,8 +59,9 @@ class Peer:
     """A second Python process that rebuilds tensors sent to it and runs code on them (`keep[name]`)."""
 
     def __init__(self, prefix: list[str] | None = None, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-c", PEER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+        self.proc: Any = (python_c(PEER, env) if not prefix else  # forked from the zygote where it can be
+                          subprocess.Popen([*prefix, sys.executable, "-c", PEER], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True, bufsize=1, env=env))
         assert self.proc.stdout is not None
         hello = json.loads(self.proc.stdout.readline())
         self.pid: int = hello["pid"]  # the host pid, as the broker sees it

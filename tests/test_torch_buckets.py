@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 import vmmshare  # noqa: E402
 import vmmshare.torch as vt  # noqa: E402
+from procs import python_c  # noqa: E402
 from vmmshare._process import runtime  # noqa: E402
 
 MiB = 1 << 20
@@ -52,8 +53,7 @@ class Reader:
     """A subscriber in another process; `run(code)` executes code with `sub` bound and returns its `result`."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
+        self.proc = python_c(READER)
         assert self.proc.stdout is not None
         self.pid = json.loads(self.proc.stdout.readline())
 
@@ -240,7 +240,7 @@ def test_rule_14_publisher_death_leaves_the_last_version_with_the_subscriber(rea
         import os
         os.kill(os.getpid(), 9)
     """)
-    producer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    producer = python_c(code)
     try:
         assert producer.stdout is not None and producer.stdin is not None
         ticket = producer.stdout.readline()

@@ -4,7 +4,6 @@ started here (so a test can kill, freeze or restart it) and actors running `vmms
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -81,13 +80,19 @@ class ClusterBroker:
             return sum(1 for line in f if "/memfd:" in line)
 
     def listing(self) -> dict[str, Any]:
-        """What `vmmshare ls --json` shows on this server."""
-        cmd = [sys.executable, "-m", "vmmshare.cli", "ls", "--json"]
-        out = subprocess.run(self.cluster.cluster.server(self.n).command(cmd), env=self.env, capture_output=True,
-                             text=True, timeout=HANG_GUARD)
-        assert out.returncode == 0, out.stderr
-        result: dict[str, Any] = json.loads(out.stdout)
-        return result
+        """What `vmmshare ls --json` shows on this server: the same query, made from this process (the broker's
+        socket is a file, reachable from any network namespace), not from a `vmmshare ls` of its own."""
+        from dataclasses import replace
+
+        from vmmshare.client.connection import BrokerClient
+        from vmmshare.config import Config
+
+        client = BrokerClient(replace(Config.from_env(), socket_path=Path(self.env["VMMSHARE_SOCKET"])),
+                              autostart=False)
+        try:
+            return client.listing()
+        finally:
+            client.close()
 
 
 class TestCluster:

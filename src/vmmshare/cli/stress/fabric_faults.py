@@ -143,6 +143,9 @@ ENGINE_FDS = {"unix": 2, "other": 10}  # what the transfer engine opens when a b
 # set with its first cross-server export, which is after the run's baseline (the "18 fds after the run, 9 before")
 
 
+SETTLE_S = 10.0  # how long the broker may take to serve the hang-up of the last connection closed
+
+
 def fd_kinds(pid: int) -> dict[str, int]:
     """The broker's fds by kind: those vmmshare itself holds for what it serves (memfds, pidfds, Unix sockets:
     the listener, its clients, its socket pairs) and the rest (its log, /dev/null, the event loop, the fabric's
@@ -205,7 +208,13 @@ def run(trials: int, seed: int, seconds: float | None = None) -> dict[str, Any]:
             result["reads"] += trial.reads
             result["failed_reads"] += trial.failed_reads
             result["violations"] += trial.violations
-        after = fd_kinds(c.brokers[1].pid)  # the broker now serving (a restarted one starts as the first did)
+        # the broker now serving (a restarted one starts as the first did), once it has hung up on the last
+        # connection closed (the last check's listing): a hang-up is served after the close returns; a leak stays
+        deadline = time.monotonic() + SETTLE_S
+        after = fd_kinds(c.brokers[1].pid)
+        while fd_violations(base, after) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            after = fd_kinds(c.brokers[1].pid)
         result["broker_fds"] = {"baseline": base, "after": after}
         result["violations"] += fd_violations(base, after)
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from actor import decode, encode
+from zygote import Zygote, ZygoteChild
 
 HERE = Path(__file__).resolve().parent
 ACTOR = HERE / "actor.py"
@@ -70,6 +71,40 @@ class BrokerProc:
         self.kill(signal.SIGTERM)
 
 
+_ZYGOTES: dict[bool, Zygote] = {}  # without torch, with torch
+
+
+def start_zygote(env: dict[str, str], torch: bool = False) -> None:
+    """From now on, actors without a prefix and `python_c` children are forked by a zygote that has imported
+    vmmshare (and, for code that imports torch, torch) already, instead of each starting an interpreter of its own
+    (see zygote.py)."""
+    if False not in _ZYGOTES:
+        _ZYGOTES[False] = Zygote(env)
+    if torch and True not in _ZYGOTES:
+        _ZYGOTES[True] = Zygote(env, ("torch",))
+
+
+def stop_zygote() -> None:
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].close()
+
+
+def zygote_for(env: dict[str, str], code: str = "") -> Zygote | None:
+    """The zygote a child with `env` (running `code`) can come from, if any."""
+    zygote = _ZYGOTES.get("import torch" in code or "torch," in code) or _ZYGOTES.get(False)
+    return zygote if zygote is not None and zygote.fits(env) else None
+
+
+def python_c(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[str] | ZygoteChild:
+    """`python -c code` with pipes to its stdin (line-buffered) and stdout, text; stderr is this process's."""
+    full = dict(os.environ if env is None else env)
+    zygote = zygote_for(full, code)
+    if zygote is not None:
+        return zygote.spawn({"kind": "code", "code": code}, full)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            bufsize=1, env=full)
+
+
 class ActorDied(RuntimeError):
     """The actor process exited instead of answering (`returncode` says how)."""
 
@@ -85,10 +120,13 @@ class Actor:
     """
 
     def __init__(self, env: dict[str, str], prefix: list[str] | None = None, device: int | None = 0) -> None:
-        self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, str(ACTOR)],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        )
+        zygote = None if prefix else zygote_for(env)
+        self.proc: subprocess.Popen[str] | ZygoteChild
+        if zygote is not None:
+            self.proc = zygote.spawn({"kind": "actor"}, env)
+        else:
+            self.proc = subprocess.Popen([*(prefix or []), sys.executable, str(ACTOR)], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.pid = self.proc.pid
         self.last_err = ""
         try:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from test_fabric_agent import EP, EP_A, KEY, Cluster, Far, MiB2, export_on, fabric_agent, frames, requests
+from test_fabric_agent import EP, EP_A, Cluster, Far, MiB2, export_on, fabric_agent, frames, requests
 from vmmshare.fabric import agent as agent_module
 from vmmshare.fabric.agent import Agent
 from vmmshare.fabric.link import MAX_UNSENT, Link, State
@@ -42,11 +42,7 @@ def proved(agent: Agent, peer_id: int, source: tuple[str, int]) -> tuple[Link, F
     `peer_id`: what a broker holding the cluster key gets by connecting."""
     near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     near.setblocking(False)
-    link = Link(near, agent.sel, KEY, agent.server_id, agent.timeout, False, source, on_ready=agent._inbound_ready,
-                on_request=agent._request, on_closed=agent._closed,
-                listening=(agent.config.fabric_addr, agent.config.fabric_port))
-    link.on_deadline = agent.wake
-    agent.accepted.add(link)
+    link = agent.accepted_link(near, source)
     mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
     link.state, link.peer_id, link.sealer, link.session = State.READY, peer_id, F.Sealer(mine), secrets.token_bytes(32)
     link.reader.authenticate(theirs)
@@ -92,9 +88,7 @@ def test_a_claim_before_the_handshake_closes_the_connection_unanswered(cluster: 
     near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     near.setblocking(False)
     a = cluster.a
-    link = Link(near, a.sel, KEY, a.server_id, a.timeout, False, (B_ADDRESS, 40002), on_ready=a._inbound_ready,
-                on_request=a._request, on_closed=a._closed, listening=EP_A)
-    a.accepted.add(link)
+    link = a.accepted_link(near, (B_ADDRESS, 40002))
     far.sendall(F.encode(F.Listens(F.endpoint_bytes(*EP)), 1))
     cluster.pump()
     assert link.state is State.CLOSED and EP not in a.links
@@ -219,11 +213,7 @@ class BothWays:
         near.setblocking(False)
         far.setblocking(False)
         there, came_from = (self.b, EP_A[0]) if (address, port) == EP else (self.a, EP[0])
-        link = Link(far, there.sel, KEY, there.server_id, there.timeout, False, (came_from, next(self.ports)),
-                    on_ready=there._inbound_ready, on_request=there._request, on_closed=there._closed,
-                    listening=(there.config.fabric_addr, there.config.fabric_port))
-        link.on_deadline = there.wake
-        there.accepted.add(link)
+        there.accepted_link(far, (came_from, next(self.ports)))
         return near
 
     def pump(self) -> None:
@@ -324,10 +314,7 @@ def _outbound_to_far(agent: Agent) -> tuple[Link, Far]:
     """A proved link `agent` dialed to EP, whose far end (server 2) the test plays."""
     near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     near.setblocking(False)
-    link = Link(near, agent.sel, KEY, agent.server_id, agent.timeout, True, EP, on_ready=agent._outbound_ready,
-                on_request=agent._request, on_closed=agent._closed)
-    link.on_deadline = agent.wake
-    agent.links[EP] = link
+    link = agent.dialed_link(near, EP, 2)
     mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
     link.state, link.peer_id, link.sealer, link.session = State.READY, 2, F.Sealer(mine), secrets.token_bytes(32)
     link.reader.authenticate(theirs)

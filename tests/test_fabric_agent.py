@@ -64,14 +64,7 @@ class Node:
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         near.setblocking(False)
         a = self.agent
-        if outbound:
-            link = Link(near, self.sel, KEY, 1, a.timeout, True, EP, on_ready=lambda _: None,
-                        on_request=lambda *_: None, on_closed=a._closed)
-            a.links[EP] = link
-        else:
-            link = Link(near, self.sel, KEY, 1, a.timeout, False, EP, on_ready=lambda _: None,
-                        on_request=a._request, on_closed=a._closed, listening=EP_A)
-            a.accepted.add(link)
+        link = a.dialed_link(near, EP) if outbound else a.accepted_link(near, EP)
         mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)  # the keys a handshake would have given
         link.state, link.peer_id, link.sealer, link.session = State.READY, 2, F.Sealer(mine), secrets.token_bytes(32)
         link.reader.authenticate(theirs)
@@ -87,7 +80,8 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
     ledger = Ledger(1, 1 << 30, identify=lambda pid: (None, None), close_fd=closed.append,
                     memfd_info=lambda fd: (MiB2, 0), quotas=quotas)
     sel = selectors.DefaultSelector()
-    n = Node(Agent(dataclasses.replace(Config.from_env(), fabric="tcp"), ledger, sel), ledger, sel, closed)
+    config = dataclasses.replace(Config.from_env(), fabric="tcp", fabric_addr=EP_A[0], fabric_port=EP_A[1])
+    n = Node(Agent(config, ledger, sel), ledger, sel, closed)
     n.agent.meta.start()  # the node's metadata service, where each import is described to its process's engine
     yield n
     n.agent.meta.close()
@@ -188,10 +182,7 @@ def test_an_idle_link_with_holds_wakes_the_loop_never_and_the_kernel_watches_it(
     server.close()
     near.setblocking(False)
     a = node.agent
-    link = Link(near, node.sel, KEY, 1, a.timeout, True, EP, on_ready=lambda _: None, on_request=lambda *_: None,
-                on_closed=a._closed)
-    link.on_deadline = a.wake
-    a.links[EP] = link
+    link = a.dialed_link(near, EP)
     link.state, link.peer_id = State.READY, 2
     a.held[EP] = {5}
     a._took(EP, 5, link)
@@ -283,8 +274,7 @@ class Cluster:
         near.setblocking(False)
         far.setblocking(False)
         b = self.b
-        b.accepted.add(Link(far, b.sel, KEY, b.server_id, b.timeout, False, EP_A, on_ready=b._inbound_ready,
-                            on_request=b._request, on_closed=b._closed, listening=EP))
+        b.accepted_link(far, EP_A)
         return near
 
     def pump(self) -> None:
@@ -469,9 +459,7 @@ def accepted_link(agent: Agent, peer_id: int) -> tuple[Link, Far]:
     """A link `agent` accepted and that proved the key as server `peer_id` (keys as a handshake gives them)."""
     near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     near.setblocking(False)
-    link = Link(near, agent.sel, KEY, agent.server_id, agent.timeout, False, EP_A, on_ready=agent._inbound_ready,
-                on_request=agent._request, on_closed=agent._closed, listening=EP)
-    agent.accepted.add(link)
+    link = agent.accepted_link(near, EP_A)
     mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
     link.state, link.peer_id, link.sealer, link.session = State.READY, peer_id, F.Sealer(mine), secrets.token_bytes(32)
     link.reader.authenticate(theirs)

@@ -479,6 +479,11 @@ class Agent(Serving):
             if quiet:
                 self._retry_later(endpoint)
             raise
+        return self.dialed_link(sock, endpoint, server)
+
+    def dialed_link(self, sock: socket.socket, endpoint: Endpoint_, server: int | None = None) -> Link:
+        """The link over `sock`, a connection this broker made to the broker at `endpoint`: once both proved the
+        key, this node's requests for `server` there go on it."""
         claim = (self.config.fabric_addr, self.config.fabric_port) if self.config.fabric_addr else None
         link = Link(sock, self.sel, self.key, self.server_id, self.timeout, True, endpoint,
                     on_ready=self._outbound_ready, on_request=self._request, on_closed=self._closed, claim=claim)

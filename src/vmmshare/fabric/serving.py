@@ -130,14 +130,20 @@ class Serving:
                 log.warning("fabric: refused a connection from %s: too many links", peer[0])
                 sock.close()
                 continue
-            sock.setblocking(False)
-            sock.set_inheritable(False)
-            link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, (peer[0], peer[1]),
-                        on_ready=self._inbound_ready, on_request=self._request, on_closed=self._closed,
-                        listening=(self.config.fabric_addr, self.config.fabric_port))
-            link.on_deadline = self.wake
-            self.accepted.add(link)
-            self.wake(link)  # its handshake's deadline
+            self.accepted_link(sock, (peer[0], peer[1]))
+
+    def accepted_link(self, sock: socket.socket, peer: tuple[str, int]) -> Link:
+        """The link over `sock`, a connection another broker (at `peer`) made to this one: it must prove the key
+        within the timeout, then serves that broker's requests."""
+        sock.setblocking(False)
+        sock.set_inheritable(False)
+        link = Link(sock, self.sel, self.key, self.server_id, self.timeout, False, peer, on_ready=self._inbound_ready,
+                    on_request=self._request, on_closed=self._closed,
+                    listening=(self.config.fabric_addr, self.config.fabric_port))
+        link.on_deadline = self.wake
+        self.accepted.add(link)
+        self.wake(link)  # its handshake's deadline
+        return link
 
     def _inbound_ready(self, link: Link) -> None:
         """A broker that connected proved the key; an older link it made is stale now (it reconnected)."""

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,31 +106,80 @@ def _worker(n: int, count: int) -> None:
 
 
 def _lone(handle: str) -> None:
-    """A process alone on a quiet cluster: its first import (a fresh process's), then LONE_REPS import + map
-    cycles of the same handle (each freed again); it prints the CPU its thread spent on those cycles too, and
-    waits for a line on stdin before it leaves (the run reads the brokers' CPU meanwhile)."""
+    """A process importing alone: for each line `cycles K` on stdin, K import + map cycles of the same handle (each
+    freed again), timed, with the CPU its thread spent on them; the run sends one batch before the paced phase (this
+    fresh process's first import) and one between each two waves, so its figures are of the same minutes."""
     import vmmshare.acl as acl
 
     acl.rt.set_device(0)
     raw = bytes.fromhex(handle)
-    times: list[float] = []
-    cpu = 0.0
-    for _ in range(LONE_REPS + 1):
-        if len(times) == 1:
-            print(json.dumps({"ready": True}), flush=True)  # the first one done: the run samples the CPU from here
-            sys.stdin.readline()
-            cpu = time.thread_time()
-        t0 = time.perf_counter()
-        ih, ret = acl.rt.mem_import_from_shareable_handle_v2(raw, 2, 0)
-        rp, _ = acl.rt.reserve_mem_address(SHARE, 0, 0, 0)
-        if ret or acl.rt.map_mem(rp, SHARE, 0, ih, 0):
-            raise SystemExit(f"the lone import failed: {acl.get_recent_err_msg()}")
-        times.append(time.perf_counter() - t0)
-        acl.rt.unmap_mem(rp)
-        acl.rt.release_mem_address(rp)
-        acl.rt.free_physical(ih)
-    print(json.dumps({"first": times[0], "later": times[1:], "cpu": time.thread_time() - cpu}), flush=True)
-    sys.stdin.readline()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if len(words) != 2 or words[0] != "cycles":
+            raise SystemExit(f"unknown command {line.strip()!r}")
+        times: list[float] = []
+        cpu0 = time.thread_time()
+        for _ in range(int(words[1])):
+            t0 = time.perf_counter()
+            ih, ret = acl.rt.mem_import_from_shareable_handle_v2(raw, 2, 0)
+            rp, _ = acl.rt.reserve_mem_address(SHARE, 0, 0, 0)
+            if ret or acl.rt.map_mem(rp, SHARE, 0, ih, 0):
+                raise SystemExit(f"the lone import failed: {acl.get_recent_err_msg()}")
+            times.append(time.perf_counter() - t0)
+            acl.rt.unmap_mem(rp)
+            acl.rt.release_mem_address(rp)
+            acl.rt.free_physical(ih)
+        print(json.dumps({"times": times, "cpu": time.thread_time() - cpu0}), flush=True)
+
+
+class _Lone:
+    """The run's side of the lone importer, on server 1, of server 2's handle: its first import, then a batch of
+    cycles between each two waves of the paced phase, and the CPU of each hop per import + map + free cycle (its own
+    thread, its broker's loop and metadata service, the exporting broker's loop and service)."""
+
+    def __init__(self, cluster: Any, me: list[str], env: dict[str, str], handle: str,
+                 brokers: dict[int, list[int]]) -> None:
+        cmd = cluster.server(1).command([*me, "--role", "lone", "--info", handle])
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.brokers = {n: brokers[n] for n in (1, 2)}
+        self.first = 0.0
+        self.later: list[float] = []
+        self.cpu = {"client": 0.0, **{f"{side} {k}": 0.0 for side in ("importing", "exporting")
+                                      for k in ("broker loop", "metadata service")}}
+        _reply(1, self.proc, "starting the lone importer")
+        self.first = self._cycles(1, count=False)[0]
+
+    def _cycles(self, k: int, count: bool = True) -> list[float]:
+        before = {n: _hops({n: pids}) for n, pids in self.brokers.items()}
+        _send(self.proc, f"cycles {k}")
+        got = _reply(1, self.proc, "importing alone")
+        if count:
+            after = {n: _hops({n: pids}) for n, pids in self.brokers.items()}
+            self.cpu["client"] += got["cpu"]
+            for n, side in ((1, "importing"), (2, "exporting")):
+                for key in after[n]:
+                    self.cpu[f"{side} {key}"] += after[n][key] - before[n][key]
+        times: list[float] = got["times"]
+        return times
+
+    def between_waves(self, waves: int) -> None:
+        """One gap between waves (of `waves` in all): its share of LONE_REPS cycles, at least two."""
+        self.later += self._cycles(max(2, -(-LONE_REPS // waves)))
+
+    def close(self) -> dict[str, Any]:
+        """Stop the process; its figures: first, later (seconds) and CPU per cycle by hop (ms)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
+        cycles = max(len(self.later), 1)
+        return {"first": self.first, "later": self.later, "cpu_ms": {k: v / cycles * 1e3 for k, v in self.cpu.items()}}
 
 
 def _cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -232,11 +282,11 @@ def _reply(number: int, proc: subprocess.Popen[str], doing: str) -> dict[str, An
     return reply
 
 
-def _phase(procs: dict[int, subprocess.Popen[str]], waves: list[list[int]],
-           brokers: dict[int, list[int]]) -> dict[str, Any]:
+def _phase(procs: dict[int, subprocess.Popen[str]], waves: list[list[int]], brokers: dict[int, list[int]],
+           between: Callable[[int], None] | None = None) -> dict[str, Any]:
     """One import phase: for each wave (server numbers), its servers import all their peers at once, then read and
-    byte-check them, before the next wave starts. The CPU per import by hop is summed over the waves' import
-    parts alone (the copies of the checks are not in it)."""
+    byte-check them, before the next wave starts (`between` runs after each wave). The CPU per import by hop is
+    summed over the waves' import parts alone (the copies of the checks are not in it)."""
     reports: dict[int, dict[str, Any]] = {}
     hops = {"broker loop": 0.0, "metadata service": 0.0}
     client = 0.0
@@ -254,6 +304,8 @@ def _phase(procs: dict[int, subprocess.Popen[str]], waves: list[list[int]],
         for n in wave:
             reports[n].update(_reply(n, procs[n], "reading"))
             client += reports[n]["cpu"]
+        if between is not None:
+            between(len(waves))
     imports = sum(len(r["later"]) + (r["first"] is not None) for r in reports.values())
     later = [t for r in reports.values() for t in r["later"]]
     firsts = [r["first"] for r in reports.values() if r["first"] is not None]
@@ -314,9 +366,14 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) ->
             _send(proc, "free")
         for n, proc in procs.items():
             _reply(n, proc, "freeing")
-        t0 = time.perf_counter()
-        res["paced"] = _phase(procs, [numbers[i:i + pace] for i in range(0, count, pace)], brokers)
-        res["paced"]["seconds"] = time.perf_counter() - t0
+        lone = _Lone(cluster, me, env, handles["2"], brokers)  # its first import, before the paced phase's
+        try:
+            t0 = time.perf_counter()
+            res["paced"] = _phase(procs, [numbers[i:i + pace] for i in range(0, count, pace)], brokers,
+                                  lone.between_waves)
+            res["paced"]["seconds"] = time.perf_counter() - t0
+        finally:
+            alone = lone.close()
         every = [p for pids in brokers.values() for p in pids]
         before = sum(_cpu_seconds(p) for p in every)
         parts_before = _parts(brokers, workers)
@@ -327,7 +384,6 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) ->
         parts_after = _parts(brokers, workers)
         res["idle_cores_by_part"] = {k: (parts_after[k] - parts_before[k]) / window for k in PARTS}
         per_server = [sum(_rss(p) for p in [*brokers[n], procs[n].pid]) for n in numbers]
-        lone = _run_lone(cluster, me, env, handles["2"], brokers)
         for proc in procs.values():
             assert proc.stdin is not None
             proc.stdin.close()
@@ -345,8 +401,9 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) ->
         shutil.rmtree(root, ignore_errors=True)
     ms = 1e3
     res.update({
-        "lone_ms": {"first": lone["first"] * ms, "median": statistics.median(lone["later"]) * ms},
-        "lone_cpu_per_cycle_ms": lone["cpu_ms"],
+        "lone_ms": {"first": alone["first"] * ms, "median": statistics.median(alone["later"]) * ms,
+                    "cycles": len(alone["later"])},
+        "lone_cpu_per_cycle_ms": alone["cpu_ms"],
         "memory_per_server_mib": statistics.mean(per_server) / MiB,
         "idle_brokers_cores": idle,
         "left_behind": _left_behind(cluster, ran, shm_before),
@@ -376,39 +433,6 @@ def targets(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for v in t.values():
         v["met"] = v["value"] <= float(v["target"].split()[1])
     return t
-
-
-def _run_lone(cluster: Any, me: list[str], env: dict[str, str], handle: str,
-              brokers: dict[int, list[int]]) -> dict[str, Any]:
-    """The lone importer on server 1, of server 2's handle: its times, and the CPU of each hop per import + map +
-    free cycle (its own thread, its broker's loop and metadata service, the exporting broker's loop and service)."""
-    cmd = cluster.server(1).command([*me, "--role", "lone", "--info", handle])
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        if not proc.stdout.readline():
-            raise RuntimeError("the lone importer failed (its error is above)")
-        before = {n: _hops({n: brokers[n]}) for n in (1, 2)}
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the lone importer failed (its error is above)")
-        after = {n: _hops({n: brokers[n]}) for n in (1, 2)}
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    lone: dict[str, Any] = json.loads(line)
-    cpu = {"client": lone["cpu"] / LONE_REPS * 1e3}
-    for n, side in ((1, "importing"), (2, "exporting")):
-        for k in after[n]:
-            cpu[f"{side} {k}"] = (after[n][k] - before[n][k]) / LONE_REPS * 1e3
-    lone["cpu_ms"] = cpu
-    return lone
 
 
 def _started(pid: int) -> tuple[int, int]:
@@ -453,7 +477,9 @@ def _left_behind(cluster: Any, ran: set[tuple[int, int]], shm_before: set[str]) 
     left = sorted(f"namespace {ns}" for ns in _namespaces() if ns.startswith(f"vmms-{cluster.name}-"))
     left += sorted(f"process {pid}" for pid, start in ran if start >= 0 and _started(pid) == (pid, start))
     fresh = {f"/dev/shm/{name}" for name in _shm() - shm_before}
-    left += sorted(f"file {path}" for path in fresh - _in_use(fresh))
+    unused = fresh - _in_use(fresh)
+    # a second look after the scan of every process: another program's entry made and removed meanwhile is gone
+    left += sorted(f"file {path}" for path in unused if os.path.lexists(path))
     return left
 
 

@@ -140,7 +140,7 @@ def test_bench_fabric_servers_verifies_every_import_of_both_phases_and_leaves_no
     assert set(res["targets"]) == {"later_median_paced_vs_lone", "later_p99_paced_ms", "first_import_ms",
                                    "idle_brokers_cores"}, res["targets"]
     text = out.stdout
-    assert "all at once (3 import)" in text and "paced (2 at a time)" in text, text
+    assert "all at once (3 importing)" in text and "paced (2 at a time)" in text, text
     for line in ("later import median, paced / lone importer's", "later import p99, paced, ms",
                  "first import of a fresh process (the lone one), ms", "idle CPU of all brokers, cores"):
         shown = [row for row in text.splitlines() if line in row]

@@ -493,7 +493,7 @@ def print_scale(results: list[dict[str, Any]]) -> None:
         for key in PHASES:
             ph = r[key]
             la, fi = ph["later_ms"], ph["first_ms"]
-            label = (f"all at once ({r['servers']} import)" if key == "all_at_once"
+            label = (f"all at once ({r['servers']} importing)" if key == "all_at_once"
                      else f"paced ({ph['at_once']} at a time)")
             first = f"{fi['median']:9.2f} {fi['max']:7.2f}" if fi else f"{'-':>9s} {'-':>7s}"
             print(f"  {r['servers'] if key == PHASES[0] else '':>3} {label:27s} "

@@ -106,9 +106,10 @@ def _worker(n: int, count: int) -> None:
 
 
 def _lone(handle: str) -> None:
-    """A process importing alone: for each line `cycles K` on stdin, K import + map cycles of the same handle (each
-    freed again), timed, with the CPU its thread spent on them; the run sends one batch before the paced phase (this
-    fresh process's first import) and one between each two waves, so its figures are of the same minutes."""
+    """A process importing alone: for each line `cycles K` on stdin, K imports + maps of the same handle back to back
+    (each timed, as the paced importers' are: no free between them), then K frees, with the CPU its thread spent on
+    them all; the run sends one batch before the paced phase (this fresh process's first import) and one between
+    each two waves, so its figures are of the same minutes."""
     import vmmshare.acl as acl
 
     acl.rt.set_device(0)
@@ -119,6 +120,7 @@ def _lone(handle: str) -> None:
         if len(words) != 2 or words[0] != "cycles":
             raise SystemExit(f"unknown command {line.strip()!r}")
         times: list[float] = []
+        held: list[tuple[int, int]] = []
         cpu0 = time.thread_time()
         for _ in range(int(words[1])):
             t0 = time.perf_counter()
@@ -127,15 +129,16 @@ def _lone(handle: str) -> None:
             if ret or acl.rt.map_mem(rp, SHARE, 0, ih, 0):
                 raise SystemExit(f"the lone import failed: {acl.get_recent_err_msg()}")
             times.append(time.perf_counter() - t0)
-            acl.rt.unmap_mem(rp)
-            acl.rt.release_mem_address(rp)
-            acl.rt.free_physical(ih)
+            held.append((rp, ih))
+        for rp, ih in held:
+            if acl.rt.unmap_mem(rp) or acl.rt.release_mem_address(rp) or acl.rt.free_physical(ih):
+                raise SystemExit(f"the lone importer's free failed: {acl.get_recent_err_msg()}")
         print(json.dumps({"times": times, "cpu": time.thread_time() - cpu0}), flush=True)
 
 
 class _Lone:
     """The run's side of the lone importer, on server 1, of server 2's handle: its first import, then a batch of
-    cycles between each two waves of the paced phase, and the CPU of each hop per import + map + free cycle (its own
+    imports between each two waves of the paced phase, and the CPU of each hop per import + map + free (its own
     thread, its broker's loop and metadata service, the exporting broker's loop and service)."""
 
     def __init__(self, cluster: Any, me: list[str], env: dict[str, str], handle: str,

@@ -512,7 +512,7 @@ def print_scale(results: list[dict[str, Any]]) -> None:
             total = sum(cpu.values())
             print(f"      CPU per import, {key.replace('_', ' ')}, ms: {total:.3f} ("
                   + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
-                  + f"): {ph['at_once']} importers at once need {ph['at_once'] * total:.1f} ms of CPU a round, "
+                  + f"): {ph['at_once']} importing at once need {ph['at_once'] * total:.1f} ms of CPU a round, "
                   f"{ph['at_once'] * total / cores:.1f} ms on {cores} cores")
         lone_cpu = r.get("lone_cpu_per_cycle_ms", {})
         if lone_cpu:

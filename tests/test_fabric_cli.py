@@ -118,20 +118,45 @@ def test_bench_fabric_reports_every_ratio(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_fabric_servers_verifies_every_import_of_every_server_and_leaves_nothing(tmp_path: Path) -> None:
-    """All-to-all on 3 servers: each imports and byte-checks the other two's shares (6 imports), the figures of each
-    measure are there, and `cluster down` left no namespace, process or /dev/shm entry of the run."""
+def test_bench_fabric_servers_verifies_every_import_of_both_phases_and_leaves_nothing(tmp_path: Path) -> None:
+    """All-to-all on 3 servers: all at once, then paced two at a time (two waves), each server imports and
+    byte-checks the other two's shares (6 imports a phase); the figures of each measure and the target lines are
+    there, and `cluster down` left no namespace, process or /dev/shm entry of the run."""
     path = tmp_path / "scale.json"
-    out = vmmshare("bench", "--fabric", "--servers", "3", "--idle-seconds", "0.5", "--json", str(path))
+    out = vmmshare("bench", "--fabric", "--servers", "3", "--at-once", "2", "--idle-seconds", "0.5",
+                   "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     (res,) = json.loads(path.read_text())
-    assert res["servers"] == 3 and res["imports"] == res["verified"] == 6, res
+    assert res["servers"] == 3 and res["imports"] == 6, res
+    for phase, waves in (("all_at_once", 1), ("paced", 2)):
+        ph = res[phase]
+        assert ph["verified"] == 6 and ph["failed"] == [] and ph["waves"] == waves, (phase, ph)
+        assert 0 < ph["later_ms"]["median"] <= ph["later_ms"]["p99"] <= ph["later_ms"]["max"], (phase, ph)
+        assert set(ph["cpu_per_import_ms"]) == {"client", "broker loop", "metadata service"}, ph
+    assert res["all_at_once"]["first_ms"]["median"] > 0 and res["paced"]["first_ms"] is None, res
+    assert res["paced"]["at_once"] == 2 and res["lone_ms"]["median"] > 0
     assert res["left_behind"] == [], res["left_behind"]
     assert res["idle_brokers_cores"] >= 0 and set(res["idle_cores_by_part"]) >= {"broker loop", "metadata service"}
-    assert "Traceback" not in out.stderr
+    assert set(res["targets"]) == {"later_median_paced_vs_lone", "later_p99_paced_ms", "first_import_ms",
+                                   "idle_brokers_cores"}, res["targets"]
+    text = out.stdout
+    assert "all at once (3 importing)" in text and "paced (2 at a time)" in text, text
+    for line in ("later import median, paced / lone importer's", "later import p99, paced, ms",
+                 "first import of a fresh process (the lone one), ms", "idle CPU of all brokers, cores"):
+        shown = [row for row in text.splitlines() if line in row]
+        assert len(shown) == 1 and shown[0].split()[-1] in ("met", "MISSED"), (line, text)
+    assert "cluster down left nothing" in text and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("servers", ["1", "255", "4,x", ""])
 def test_bench_fabric_servers_refuses_a_count_out_of_range(servers: str) -> None:
     out = vmmshare("bench", "--fabric", "--servers", servers)
     assert out.returncode == 2 and "--servers" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("at_once", ["0", "-1", "x", "2.5", ""])
+def test_bench_fabric_servers_refuses_a_pace_that_is_not_a_count(at_once: str) -> None:
+    out = vmmshare("bench", "--fabric", "--servers", "3", "--at-once", at_once)
+    assert out.returncode == 2 and "argument --at-once" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "at least 1" in out.stderr or "not a whole number" in out.stderr, out.stderr
+    assert out.stdout == "", out.stdout

@@ -269,7 +269,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     from .bench_scale import counts_option, run_counts
-    from .console import FAILED, OK, USAGE, Parser, say_error, seconds_option, sizes_option
+    from .console import FAILED, OK, USAGE, Parser, count_option, say_error, seconds_option, sizes_option
 
     ap = Parser(prog="vmmshare bench --fabric", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--role", choices=("export", "measure"), help=argparse.SUPPRESS)
@@ -279,6 +279,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plot", help="with --servers: write a plot of import latency against N here (matplotlib)")
     ap.add_argument("--idle-seconds", type=seconds_option, default=10.0, help=(
         "with --servers: how long the brokers' idle CPU is sampled, every import held (default 10)"))
+    ap.add_argument("--at-once", type=count_option, help=(
+        "with --servers: how many servers import at a time in the paced phase (default: this machine's cores)"))
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
     ap.add_argument("--latency-reps", type=int, default=200, help="4 KiB reads per path (default 200)")
@@ -302,7 +304,7 @@ def main(argv: list[str]) -> int:
         say_error("vmmshare bench --fabric", missing())
         return USAGE
     if args.servers:
-        return run_counts(args.servers, args.json, args.plot, args.idle_seconds)
+        return run_counts(args.servers, args.json, args.plot, args.idle_seconds, args.at_once)
     try:
         res = run(args.sizes, args.reps, args.latency_reps)
     except (ClusterError, RuntimeError) as exc:

@@ -1,9 +1,11 @@
 """vmmshare bench --fabric --servers N: every server of an N-server test cluster imports every other's FABRIC share.
 
 Each server (a network namespace of this machine, `vmmshare cluster`) exports one 4 MiB FABRIC handle; then every
-server's process, all at once, imports and maps every other's, reads it back and checks its bytes. Per N it reports
-the import latency (median, p99, max; a process's first import apart), a lone importer's, the CPU per import by hop,
-the memory per server, the brokers' idle CPU by part, and whether `cluster down` left anything behind.
+server's process imports and maps every other's, reads it back and checks its bytes, twice: all at once (N importers
+on this machine's few cores: its throughput under oversubscription, and every link made), then, after freeing, paced
+(at most K servers import at a time, every link and earlier hold live: what an import costs at scale N). Per N it
+reports both phases' import latency, a lone importer's, the CPU per import by hop, the memory per server, the
+brokers' idle CPU by part, whether `cluster down` left anything behind, and the targets met or missed.
 Needs root (network namespaces) and the engine (pip install 'vmmshare[fabric]').
 """
 
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +34,15 @@ KiB, MiB = 1 << 10, 1 << 20
 SHARE = 4 * MiB  # each server's one FABRIC export
 IDLE_S = 10.0  # seconds the brokers' CPU is sampled for, every import held
 LONE_REPS = 30  # import + map cycles of the lone importer
+PHASES = ("all_at_once", "paced")  # in the order they run: the first makes every link the paced one finds live
 
 
 def _worker(n: int, count: int) -> None:
-    """One server's process: export SHARE bytes filled with its number, print the handle; then import and map every
-    other server's (each import timed, the first one of this process apart, and the CPU this thread spent on them),
-    and only then read and byte-check each: a job's start-up imports its peers' memory before it moves bytes, and
-    the import figures are then the imports' own, not the copies' of the other servers running alongside."""
+    """One server's process: export SHARE bytes filled with its number, print the handle; then do what each line of
+    stdin says. `import`: import and map every other server's (each import timed, the process's first one apart,
+    and the CPU this thread spent on them); `check`: read and byte-check each one held; `free`: unmap and free them
+    all. Copies wait for `check`: a job's start-up imports its peers' memory before it moves bytes, and the import
+    figures are then the imports' own, not the copies' of the other servers running alongside."""
     import hashlib
 
     import vmmshare.acl as acl
@@ -53,61 +58,131 @@ def _worker(n: int, count: int) -> None:
     print(json.dumps({"handle": shareable.hex()}), flush=True)
     handles: dict[str, str] = json.loads(sys.stdin.readline())
     buf, _ = acl.rt.malloc_host(SHARE)
-    times, verified, failed = [], 0, []
-    mapped: list[tuple[int, int]] = []
     others = [m for m in range(n + 1, count + 1)] + [m for m in range(1, n)]  # each server starts at its next one
-    cpu0 = time.thread_time()
-    for m in others:
-        t0 = time.perf_counter()
-        ih, ret = acl.rt.mem_import_from_shareable_handle_v2(bytes.fromhex(handles[str(m)]), 2, 0)
-        rp, ret2 = acl.rt.reserve_mem_address(SHARE, 0, 0, 0) if ret == 0 else (0, ret)
-        ret3 = acl.rt.map_mem(rp, SHARE, 0, ih, 0) if ret2 == 0 else ret2
-        times.append(time.perf_counter() - t0)
-        if ret3 != 0:
-            failed.append(f"server {m}: {acl.get_recent_err_msg()}")
-            continue
-        mapped.append((m, rp))
-    cpu = time.thread_time() - cpu0
-    print(json.dumps({"first": times[0] if times else None, "later": times[1:], "cpu": cpu}), flush=True)
-    for m, rp in mapped:
-        if acl.rt.memcpy(buf, SHARE, rp, SHARE, 2) != 0:
-            failed.append(f"server {m}: copy: {acl.get_recent_err_msg()}")
-            continue
-        got = hashlib.sha256(ctypes.string_at(buf, SHARE)).digest()
-        if got == hashlib.sha256(bytes([m & 0xFF]) * SHARE).digest():
-            verified += 1
+    held: list[tuple[int, int, int]] = []  # (server, reserved address, imported handle)
+    failed: list[str] = []
+    imported = False
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "import":
+            times = []
+            cpu0 = time.thread_time()
+            for m in others:
+                t0 = time.perf_counter()
+                ih, ret = acl.rt.mem_import_from_shareable_handle_v2(bytes.fromhex(handles[str(m)]), 2, 0)
+                rp, ret2 = acl.rt.reserve_mem_address(SHARE, 0, 0, 0) if ret == 0 else (0, ret)
+                ret3 = acl.rt.map_mem(rp, SHARE, 0, ih, 0) if ret2 == 0 else ret2
+                times.append(time.perf_counter() - t0)
+                if ret3 != 0:
+                    failed.append(f"server {m}: {acl.get_recent_err_msg()}")
+                    continue
+                held.append((m, rp, ih))
+            cpu = time.thread_time() - cpu0
+            first = None if imported or not times else times.pop(0)
+            imported = True
+            print(json.dumps({"first": first, "later": times, "cpu": cpu}), flush=True)
+        elif command == "check":
+            verified = 0
+            for m, rp, _ in held:
+                if acl.rt.memcpy(buf, SHARE, rp, SHARE, 2) != 0:
+                    failed.append(f"server {m}: copy: {acl.get_recent_err_msg()}")
+                    continue
+                got = hashlib.sha256(ctypes.string_at(buf, SHARE)).digest()
+                if got == hashlib.sha256(bytes([m & 0xFF]) * SHARE).digest():
+                    verified += 1
+                else:
+                    failed.append(f"server {m}: the bytes read are not what it wrote")
+            print(json.dumps({"verified": verified, "failed": failed}), flush=True)
+            failed = []
+        elif command == "free":
+            for m, rp, ih in held:
+                if acl.rt.unmap_mem(rp) or acl.rt.release_mem_address(rp) or acl.rt.free_physical(ih):
+                    failed.append(f"server {m}: free: {acl.get_recent_err_msg()}")
+            print(json.dumps({"freed": len(held)}), flush=True)
+            held = []
         else:
-            failed.append(f"server {m}: the bytes read are not what it wrote")
-    print(json.dumps({"verified": verified, "failed": failed}), flush=True)
-    sys.stdin.readline()  # every import held until the run is done with the idle brokers
+            raise SystemExit(f"unknown command {command!r}")
+    # stdin closed: the run is done with the idle brokers; everything still held goes with the process
 
 
 def _lone(handle: str) -> None:
-    """A process alone on a quiet cluster: its first import (a fresh process's), then LONE_REPS import + map
-    cycles of the same handle (each freed again); it prints the CPU its thread spent on those cycles too, and
-    waits for a line on stdin before it leaves (the run reads the brokers' CPU meanwhile)."""
+    """A process importing alone: for each line `cycles K` on stdin, K imports + maps of the same handle back to back
+    (each timed, as the paced importers' are: no free between them), then K frees, with the CPU its thread spent on
+    them all; the run sends one batch before the paced phase (this fresh process's first import) and one between
+    each two waves, so its figures are of the same minutes."""
     import vmmshare.acl as acl
 
     acl.rt.set_device(0)
     raw = bytes.fromhex(handle)
-    times: list[float] = []
-    cpu = 0.0
-    for _ in range(LONE_REPS + 1):
-        if len(times) == 1:
-            print(json.dumps({"ready": True}), flush=True)  # the first one done: the run samples the CPU from here
-            sys.stdin.readline()
-            cpu = time.thread_time()
-        t0 = time.perf_counter()
-        ih, ret = acl.rt.mem_import_from_shareable_handle_v2(raw, 2, 0)
-        rp, _ = acl.rt.reserve_mem_address(SHARE, 0, 0, 0)
-        if ret or acl.rt.map_mem(rp, SHARE, 0, ih, 0):
-            raise SystemExit(f"the lone import failed: {acl.get_recent_err_msg()}")
-        times.append(time.perf_counter() - t0)
-        acl.rt.unmap_mem(rp)
-        acl.rt.release_mem_address(rp)
-        acl.rt.free_physical(ih)
-    print(json.dumps({"first": times[0], "later": times[1:], "cpu": time.thread_time() - cpu}), flush=True)
-    sys.stdin.readline()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if len(words) != 2 or words[0] != "cycles":
+            raise SystemExit(f"unknown command {line.strip()!r}")
+        times: list[float] = []
+        held: list[tuple[int, int]] = []
+        cpu0 = time.thread_time()
+        for _ in range(int(words[1])):
+            t0 = time.perf_counter()
+            ih, ret = acl.rt.mem_import_from_shareable_handle_v2(raw, 2, 0)
+            rp, _ = acl.rt.reserve_mem_address(SHARE, 0, 0, 0)
+            if ret or acl.rt.map_mem(rp, SHARE, 0, ih, 0):
+                raise SystemExit(f"the lone import failed: {acl.get_recent_err_msg()}")
+            times.append(time.perf_counter() - t0)
+            held.append((rp, ih))
+        for rp, ih in held:
+            if acl.rt.unmap_mem(rp) or acl.rt.release_mem_address(rp) or acl.rt.free_physical(ih):
+                raise SystemExit(f"the lone importer's free failed: {acl.get_recent_err_msg()}")
+        print(json.dumps({"times": times, "cpu": time.thread_time() - cpu0}), flush=True)
+
+
+class _Lone:
+    """The run's side of the lone importer, on server 1, of server 2's handle: its first import, then a batch of
+    imports between each two waves of the paced phase, and the CPU of each hop per import + map + free (its own
+    thread, its broker's loop and metadata service, the exporting broker's loop and service)."""
+
+    def __init__(self, cluster: Any, me: list[str], env: dict[str, str], handle: str,
+                 brokers: dict[int, list[int]]) -> None:
+        cmd = cluster.server(1).command([*me, "--role", "lone", "--info", handle])
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.brokers = {n: brokers[n] for n in (1, 2)}
+        self.first = 0.0
+        self.later: list[float] = []
+        self.cpu = {"client": 0.0, **{f"{side} {k}": 0.0 for side in ("importing", "exporting")
+                                      for k in ("broker loop", "metadata service")}}
+        _reply(1, self.proc, "starting the lone importer")
+        self.first = self._cycles(1, count=False)[0]
+
+    def _cycles(self, k: int, count: bool = True) -> list[float]:
+        before = {n: _hops({n: pids}) for n, pids in self.brokers.items()}
+        _send(self.proc, f"cycles {k}")
+        got = _reply(1, self.proc, "importing alone")
+        if count:
+            after = {n: _hops({n: pids}) for n, pids in self.brokers.items()}
+            self.cpu["client"] += got["cpu"]
+            for n, side in ((1, "importing"), (2, "exporting")):
+                for key in after[n]:
+                    self.cpu[f"{side} {key}"] += after[n][key] - before[n][key]
+        times: list[float] = got["times"]
+        return times
+
+    def between_waves(self, waves: int) -> None:
+        """One gap between waves (of `waves` in all): its share of LONE_REPS cycles, at least two."""
+        self.later += self._cycles(max(2, -(-LONE_REPS // waves)))
+
+    def close(self) -> dict[str, Any]:
+        """Stop the process; its figures: first, later (seconds) and CPU per cycle by hop (ms)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
+        cycles = max(len(self.later), 1)
+        return {"first": self.first, "later": self.later, "cpu_ms": {k: v / cycles * 1e3 for k, v in self.cpu.items()}}
 
 
 def _cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -130,11 +205,12 @@ def _on_cpu(pid: int, tid: int) -> float:
         return 0.0
 
 
-def _hops(cluster: Any, servers: list[int], workers: set[int]) -> dict[str, float]:
-    """Seconds run so far, on servers `servers`, by the brokers' loop threads and by their metadata services."""
+def _hops(brokers: dict[int, list[int]]) -> dict[str, float]:
+    """Seconds run so far by the brokers' loop threads and by their metadata services, of the servers in
+    `brokers` (server -> its broker's processes)."""
     out = {"broker loop": 0.0, "metadata service": 0.0}
-    for n in servers:
-        for pid in _brokers(cluster, n, workers):
+    for pids in brokers.values():
+        for pid in pids:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     meta = b"metadata_service" in f.read()
@@ -193,16 +269,80 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def run_scale(count: int, idle_s: float = IDLE_S) -> dict[str, Any]:
-    """All-to-all FABRIC imports on `count` servers: import latency, a lone importer's, memory, idle CPU."""
+def _send(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _reply(number: int, proc: subprocess.Popen[str], doing: str) -> dict[str, Any]:
+    """The next line a server's process printed, as JSON; RuntimeError if it died instead."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the process of server {number} died while {doing} (its error is above)")
+    reply: dict[str, Any] = json.loads(line)
+    return reply
+
+
+def _phase(procs: dict[int, subprocess.Popen[str]], waves: list[list[int]], brokers: dict[int, list[int]],
+           between: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """One import phase: for each wave (server numbers), its servers import all their peers at once, then read and
+    byte-check them, before the next wave starts (`between` runs after each wave). The CPU per import by hop is
+    summed over the waves' import parts alone (the copies of the checks are not in it)."""
+    reports: dict[int, dict[str, Any]] = {}
+    hops = {"broker loop": 0.0, "metadata service": 0.0}
+    client = 0.0
+    for wave in waves:
+        before = _hops(brokers)
+        for n in wave:
+            _send(procs[n], "import")
+        for n in wave:
+            reports[n] = _reply(n, procs[n], "importing")
+        after = _hops(brokers)
+        for k in hops:
+            hops[k] += after[k] - before[k]
+        for n in wave:
+            _send(procs[n], "check")
+        for n in wave:
+            reports[n].update(_reply(n, procs[n], "reading"))
+            client += reports[n]["cpu"]
+        if between is not None:
+            between(len(waves))
+    imports = sum(len(r["later"]) + (r["first"] is not None) for r in reports.values())
+    later = [t for r in reports.values() for t in r["later"]]
+    firsts = [r["first"] for r in reports.values() if r["first"] is not None]
+    ms = 1e3
+    return {
+        "waves": len(waves), "at_once": max(len(w) for w in waves),
+        "verified": sum(r["verified"] for r in reports.values()),
+        "failed": [f for r in reports.values() for f in r["failed"]],
+        "later_ms": _spread(later),
+        "first_ms": _spread(firsts) if firsts else None,
+        "cpu_per_import_ms": {"client": client / max(imports, 1) * ms,
+                              **{k: v / max(imports, 1) * ms for k, v in hops.items()}},
+    }
+
+
+def _spread(seconds: list[float]) -> dict[str, float]:
+    """Median, p99 and max of `seconds`, in ms."""
+    ms = 1e3
+    return {"median": statistics.median(seconds) * ms if seconds else 0.0,
+            "p99": _percentile(seconds, 0.99) * ms, "max": max(seconds, default=0.0) * ms}
+
+
+def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) -> dict[str, Any]:
+    """All-to-all FABRIC imports on `count` servers, all at once and then paced (`at_once` servers importing at a
+    time, this machine's cores by default): import latency, a lone importer's, memory, idle CPU, targets."""
     from .cluster import Cluster
 
+    pace = min(count, at_once or os.cpu_count() or 1)
     root = Path(tempfile.mkdtemp(prefix="vmmshare-bench-"))
     cluster = Cluster(f"s{os.getpid() % 10000}", count, root=root, timeout=5.0)
     me = [sys.executable, "-m", "vmmshare.cli.bench_scale"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env["VMMSHARE_BROKER_IDLE"] = "600"
-    procs: list[subprocess.Popen[str]] = []
+    procs: dict[int, subprocess.Popen[str]] = {}
     shm_before = _shm()
     ran: set[tuple[int, int]] = set()  # (pid, start time) of every process seen on the cluster's servers
     t_up = time.perf_counter()
@@ -213,58 +353,48 @@ def run_scale(count: int, idle_s: float = IDLE_S) -> dict[str, Any]:
         handles = {}
         for s in cluster.servers:
             cmd = s.command([*me, "--role", "worker", "--server", str(s.number), "--count", str(count)])
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        for s, proc in zip(cluster.servers, procs, strict=True):
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the process of server {s.number} failed (its error is above)")
-            handles[str(s.number)] = json.loads(line)["handle"]
-        for proc in procs:  # all at once: every server imports every other's
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(handles) + "\n")
-            proc.stdin.flush()
-        workers = {p.pid for p in procs}
-        numbers = [s.number for s in cluster.servers]
-        hops_before = _hops(cluster, numbers, workers)
-        reports = []
-        for s, proc in zip(cluster.servers, procs, strict=True):
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the process of server {s.number} died while importing")
-            reports.append(json.loads(line))
-        hops_after = _hops(cluster, numbers, workers)  # the imports are done, the copies begin
-        imports = count * (count - 1)
-        res["cpu_per_import_ms"] = {
-            "client": sum(r["cpu"] for r in reports) / imports * 1e3,
-            **{k: (hops_after[k] - hops_before[k]) / imports * 1e3 for k in hops_after}}
-        for r, (s, proc) in zip(reports, zip(cluster.servers, procs, strict=True), strict=True):
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the process of server {s.number} died while reading")
-            r.update(json.loads(line))
-        brokers = {s.number: _brokers(cluster, s.number, workers) for s in cluster.servers}
+            procs[s.number] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               text=True)
+        for n, proc in procs.items():
+            handles[str(n)] = _reply(n, proc, "exporting")["handle"]
+        for proc in procs.values():
+            _send(proc, json.dumps(handles))
+        workers = {p.pid for p in procs.values()}
+        numbers = sorted(procs)
+        brokers = {n: _brokers(cluster, n, workers) for n in numbers}
+        t0 = time.perf_counter()
+        res["all_at_once"] = _phase(procs, [numbers], brokers)
+        res["all_at_once"]["seconds"] = time.perf_counter() - t0
+        for proc in procs.values():  # every link is made; the paced phase starts from no import held
+            _send(proc, "free")
+        for n, proc in procs.items():
+            _reply(n, proc, "freeing")
+        lone = _Lone(cluster, me, env, handles["2"], brokers)  # its first import, before the paced phase's
+        try:
+            t0 = time.perf_counter()
+            res["paced"] = _phase(procs, [numbers[i:i + pace] for i in range(0, count, pace)], brokers,
+                                  lone.between_waves)
+            res["paced"]["seconds"] = time.perf_counter() - t0
+        finally:
+            alone = lone.close()
         every = [p for pids in brokers.values() for p in pids]
         before = sum(_cpu_seconds(p) for p in every)
         parts_before = _parts(brokers, workers)
         t0 = time.monotonic()
-        time.sleep(idle_s)  # a measurement window, not synchronisation: every import is held meanwhile
+        time.sleep(idle_s)  # a measurement window, not synchronisation: every paced import is held meanwhile
         window = time.monotonic() - t0
         idle = (sum(_cpu_seconds(p) for p in every) - before) / window
         parts_after = _parts(brokers, workers)
         res["idle_cores_by_part"] = {k: (parts_after[k] - parts_before[k]) / window for k in PARTS}
-        per_server = [sum(_rss(p) for p in [*brokers[s.number], procs[s.number - 1].pid]) for s in cluster.servers]
-        lone = _run_lone(cluster, me, env, handles["2"], workers)
-        for proc in procs:
+        per_server = [sum(_rss(p) for p in [*brokers[n], procs[n].pid]) for n in numbers]
+        for proc in procs.values():
             assert proc.stdin is not None
             proc.stdin.close()
             proc.wait(60)
     finally:
         for s in cluster.servers:
             ran.update(_started(p) for p in cluster.pids(s.number))
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
@@ -272,55 +402,40 @@ def run_scale(count: int, idle_s: float = IDLE_S) -> dict[str, Any]:
         cluster.down()
         res["cluster_down_s"] = time.perf_counter() - t_down
         shutil.rmtree(root, ignore_errors=True)
-    later = [t for r in reports for t in r["later"]]
-    firsts = [r["first"] for r in reports if r["first"] is not None]
     ms = 1e3
     res.update({
-        "verified": sum(r["verified"] for r in reports),
-        "failed": [f for r in reports for f in r["failed"]],
-        "later_ms": {"median": statistics.median(later) * ms if later else 0.0,
-                     "p99": _percentile(later, 0.99) * ms, "max": max(later, default=0.0) * ms},
-        "first_ms": {"median": statistics.median(firsts) * ms if firsts else 0.0,
-                     "p99": _percentile(firsts, 0.99) * ms, "max": max(firsts, default=0.0) * ms},
-        "lone_ms": {"first": lone["first"] * ms, "median": statistics.median(lone["later"]) * ms},
-        "lone_cpu_per_cycle_ms": lone["cpu_ms"],
+        "lone_ms": {"first": alone["first"] * ms, "median": statistics.median(alone["later"]) * ms,
+                    "cycles": len(alone["later"])},
+        "lone_cpu_per_cycle_ms": alone["cpu_ms"],
         "memory_per_server_mib": statistics.mean(per_server) / MiB,
         "idle_brokers_cores": idle,
         "left_behind": _left_behind(cluster, ran, shm_before),
     })
+    res["targets"] = targets(res)
     return res
 
 
-def _run_lone(cluster: Any, me: list[str], env: dict[str, str], handle: str, workers: set[int]) -> dict[str, Any]:
-    """The lone importer on server 1, of server 2's handle: its times, and the CPU of each hop per import + map +
-    free cycle (its own thread, its broker's loop and metadata service, the exporting broker's loop and service)."""
-    cmd = cluster.server(1).command([*me, "--role", "lone", "--info", handle])
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        if not proc.stdout.readline():
-            raise RuntimeError("the lone importer failed (its error is above)")
-        before = {n: _hops(cluster, [n], workers | {proc.pid}) for n in (1, 2)}
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the lone importer failed (its error is above)")
-        after = {n: _hops(cluster, [n], workers | {proc.pid}) for n in (1, 2)}
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    lone: dict[str, Any] = json.loads(line)
-    cpu = {"client": lone["cpu"] / LONE_REPS * 1e3}
-    for n, side in ((1, "importing"), (2, "exporting")):
-        for k in after[n]:
-            cpu[f"{side} {k}"] = (after[n][k] - before[n][k]) / LONE_REPS * 1e3
-    lone["cpu_ms"] = cpu
-    return lone
+TARGET_NAMES = {
+    "later_median_paced_vs_lone": "later import median, paced / lone importer's",
+    "later_p99_paced_ms": "later import p99, paced, ms",
+    "first_import_ms": "first import of a fresh process (the lone one), ms",
+    "idle_brokers_cores": "idle CPU of all brokers, cores",
+}
+
+
+def targets(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The issue's targets at scale, each {value, target, met}: what flat in N means, measured by the paced phase
+    against the lone importer of the same run, and what an idle supernode costs."""
+    paced, lone = res["paced"]["later_ms"], res["lone_ms"]
+    t: dict[str, dict[str, Any]] = {
+        "later_median_paced_vs_lone": {"value": paced["median"] / lone["median"], "target": "<= 2"},
+        "later_p99_paced_ms": {"value": paced["p99"], "target": "<= 20"},
+        "first_import_ms": {"value": lone["first"], "target": "<= 5"},
+        "idle_brokers_cores": {"value": res["idle_brokers_cores"], "target": "<= 0.05"},
+    }
+    for v in t.values():
+        v["met"] = v["value"] <= float(v["target"].split()[1])
+    return t
 
 
 def _started(pid: int) -> tuple[int, int]:
@@ -365,26 +480,40 @@ def _left_behind(cluster: Any, ran: set[tuple[int, int]], shm_before: set[str]) 
     left = sorted(f"namespace {ns}" for ns in _namespaces() if ns.startswith(f"vmms-{cluster.name}-"))
     left += sorted(f"process {pid}" for pid, start in ran if start >= 0 and _started(pid) == (pid, start))
     fresh = {f"/dev/shm/{name}" for name in _shm() - shm_before}
-    left += sorted(f"file {path}" for path in fresh - _in_use(fresh))
+    unused = fresh - _in_use(fresh)
+    # a second look after the scan of every process: another program's entry made and removed meanwhile is gone
+    left += sorted(f"file {path}" for path in unused if os.path.lexists(path))
     return left
 
 
 def print_scale(results: list[dict[str, Any]]) -> None:
+    cores = os.cpu_count() or 1
     print("all-to-all FABRIC imports of 4 MiB (every server imports, maps and byte-checks every other's), servers "
-          "as network namespaces of this machine: import + reserve + map, ms")
-    print(f"  {'N':>3s} {'imports':>8s} {'verified':>8s}  {'later med':>9s} {'p99':>7s} {'max':>7s}  "
-          f"{'first med':>9s} {'max':>7s}  {'lone':>6s} {'lone 1st':>8s}  {'MiB/server':>10s} {'idle cores':>10s}")
+          f"as network namespaces of this machine ({cores} cores): import + reserve + map, ms")
+    print(f"  {'N':>3s} {'phase':27s} {'verified':>11s}  {'later med':>9s} {'p99':>7s} {'max':>7s}  "
+          f"{'first med':>9s} {'max':>7s}  {'CPU/import':>10s}")
     for r in results:
-        la, fi, lo = r["later_ms"], r["first_ms"], r["lone_ms"]
-        print(f"  {r['servers']:3d} {r['imports']:8d} {r['verified']:8d}  {la['median']:9.2f} {la['p99']:7.2f} "
-              f"{la['max']:7.2f}  {fi['median']:9.2f} {fi['max']:7.2f}  {lo['median']:6.2f} {lo['first']:8.2f}  "
-              f"{r['memory_per_server_mib']:10.1f} {r['idle_brokers_cores']:10.4f}")
-        cpu = r.get("cpu_per_import_ms", {})
-        if cpu:
+        for key in PHASES:
+            ph = r[key]
+            la, fi = ph["later_ms"], ph["first_ms"]
+            label = (f"all at once ({r['servers']} importing)" if key == "all_at_once"
+                     else f"paced ({ph['at_once']} at a time)")
+            first = f"{fi['median']:9.2f} {fi['max']:7.2f}" if fi else f"{'-':>9s} {'-':>7s}"
+            print(f"  {r['servers'] if key == PHASES[0] else '':>3} {label:27s} "
+                  f"{ph['verified']:>5d}/{r['imports']:<5d}  {la['median']:9.2f} {la['p99']:7.2f} {la['max']:7.2f}  "
+                  f"{first}  {sum(ph['cpu_per_import_ms'].values()):10.3f}")
+        lo = r["lone_ms"]
+        print(f"      lone importer: median {lo['median']:.2f}, a fresh process's first {lo['first']:.2f}; "
+              f"{r['memory_per_server_mib']:.1f} MiB per server; idle, all brokers: "
+              f"{r['idle_brokers_cores']:.4f} cores")
+        for key in PHASES:
+            ph = r[key]
+            cpu = ph["cpu_per_import_ms"]
             total = sum(cpu.values())
-            print(f"      CPU per import, ms: {total:.3f} (" + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
-                  + f"): {r['servers']} importers at once need {r['servers'] * total:.1f} ms of CPU a round, "
-                  f"{r['servers'] * total / (os.cpu_count() or 1):.1f} ms on this machine's {os.cpu_count()} cores")
+            print(f"      CPU per import, {key.replace('_', ' ')}, ms: {total:.3f} ("
+                  + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+                  + f"): {ph['at_once']} importing at once need {ph['at_once'] * total:.1f} ms of CPU a round, "
+                  f"{ph['at_once'] * total / cores:.1f} ms on {cores} cores")
         lone_cpu = r.get("lone_cpu_per_cycle_ms", {})
         if lone_cpu:
             print("      lone importer, CPU per import + map + free, ms: "
@@ -392,12 +521,16 @@ def print_scale(results: list[dict[str, Any]]) -> None:
         parts = r.get("idle_cores_by_part", {})
         if parts:
             print("      idle, cores: " + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()))
-        for f in r["failed"][:5]:
+        for f in [f for key in PHASES for f in r[key]["failed"]][:5]:
             print(f"      failed: {f}")
         if r["left_behind"]:
             print(f"      left behind by cluster down: {', '.join(r['left_behind'][:20])}")
         else:
             print("      cluster down left nothing: no namespace, process or /dev/shm entry of the run")
+        print(f"      targets at {r['servers']} servers:")
+        for name, v in r["targets"].items():
+            print(f"        {TARGET_NAMES.get(name, name):52} {v['value']:9.3f}  {v['target']:7}  "
+                  f"{'met' if v['met'] else 'MISSED'}")
 
 
 def plot_scale(results: list[dict[str, Any]], path: str) -> str:
@@ -410,15 +543,19 @@ def plot_scale(results: list[dict[str, Any]], path: str) -> str:
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     ns = [r["servers"] for r in results]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("median", "later import, median"), ("p99", "later import, p99")):
-        ax.plot(ns, [r["later_ms"][key] for r in results], marker="o", label=label)
-    ax.plot(ns, [r["first_ms"]["median"] for r in results], marker="s", label="first import of a process, median")
-    ax.plot(ns, [r["lone_ms"]["median"] for r in results], marker="^", label="lone importer, median")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pace = results[0]["paced"]["at_once"] if results else 0
+    for key, label, style in (("paced", f"paced ({pace} at a time)", "-"), ("all_at_once", "all at once", "--")):
+        for stat, marker in (("median", "o"), ("p99", "v")):
+            ax.plot(ns, [r[key]["later_ms"][stat] for r in results], marker=marker, linestyle=style,
+                    label=f"{label}, later import {stat}")
+    ax.plot(ns, [r["lone_ms"]["median"] for r in results], marker="^", color="black",
+            label="lone importer, median")
     ax.set_xlabel("servers (all-to-all)")
     ax.set_ylabel("import + reserve + map, ms")
     ax.set_xscale("log", base=2)
-    ax.legend()
+    ax.set_yscale("log")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -435,14 +572,15 @@ def counts_option(text: str) -> list[int]:
     return counts
 
 
-def run_counts(counts: list[int], json_path: str | None, plot: str | None, idle_s: float = IDLE_S) -> int:
+def run_counts(counts: list[int], json_path: str | None, plot: str | None, idle_s: float = IDLE_S,
+               at_once: int | None = None) -> int:
     from .cluster import ClusterError
     from .console import FAILED, OK, say_error
 
     results = []
     for count in counts:
         try:
-            results.append(run_scale(count, idle_s))
+            results.append(run_scale(count, idle_s, at_once))
         except (ClusterError, RuntimeError, OSError, ValueError) as exc:
             say_error("vmmshare bench --fabric --servers", f"at {count} servers: {exc}")
             return FAILED
@@ -452,7 +590,8 @@ def run_counts(counts: list[int], json_path: str | None, plot: str | None, idle_
     if plot:
         why = plot_scale(results, plot)
         print(f"  plot: {why or plot}")
-    complete = all(r["verified"] == r["imports"] and not r["left_behind"] for r in results)
+    complete = all(r[key]["verified"] == r["imports"] for r in results for key in PHASES)
+    complete = complete and not any(r["left_behind"] for r in results)
     return OK if complete else FAILED
 
 

@@ -1,7 +1,9 @@
 """Per-process runtime state, split by concern behind one façade.
 
-`Runtime` owns the configuration, the node (the broker client) and the lock over the memory tables; its parts
-hold the state: `devices` (devices, contexts, streams), `memory` (allocations, reservations, mappings), `blocks`
+`Runtime` is the composition root: it owns the configuration, the node (the broker client) and the backends, and
+hands its parts what they share (`Shared`: those, the lock over the memory tables and the devices) and the peers
+each calls, by name, so that what depends on what is read from `_fresh`. The parts hold the state: `devices`
+(devices, contexts, streams), `memory` (allocations, reservations, mappings), `blocks`
 (aclrtMalloc memory and IPC imports, behind plain pointers), `copies` (host blocks, memcpy, memset, now or on a
 stream), `sharing` (exports and imports of handles) and `ipc` (IPC memory keys, on the same exports). The parts
 take typed, already parsed values (the surfaces parse once) and raise `AclError` subclasses for what the runtime
@@ -10,11 +12,8 @@ itself refuses.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 from collections.abc import Callable
-from typing import Any
 
 from ..backends.base import Backend
 from ..backends.cuda import CudaBackend
@@ -27,6 +26,7 @@ from .copies import Copies
 from .devices import Devices
 from .ipc import Ipc
 from .node import Node
+from .shared import Shared
 from .sharing import Sharing
 from .tables import Allocation, MappingEntry, Reservation
 from .vmm import Vmm
@@ -47,18 +47,20 @@ class Runtime:
         self._fresh()
 
     def _fresh(self) -> None:
-        """Empty tables and a fresh lock: at start, and in a forked child, which must not use the parent's."""
-        self.lock = threading.RLock()
-        self.remote = RemoteBackend(lambda: self.node.transfers())  # other servers' memory (its engine: on first use)
-        self.devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu,
-                               self.config.visible_devices, self.config.server_id)
-        self.memory = Vmm(self)
-        self.blocks = Blocks(self)
-        self.copies = Copies(self)
-        self.sharing = Sharing(self)
-        self.ipc = Ipc(self)
+        """Empty tables and a fresh lock: at start, and in a forked child, which must not use the parent's. Each
+        part gets what every part works with (`Shared`) and, by name, the peers it calls; the two that call back
+        into a later part (a freed allocation's exports, a freed block's IPC key) get a function for it."""
+        remote = RemoteBackend(lambda: self.node.transfers())  # other servers' memory (its engine: on first use)
+        devices = Devices(self.gpu.count if self.gpu is not None else self.config.devices, self.gpu,
+                          self.config.visible_devices, self.config.server_id)
+        self.shared = shared = Shared(self.config, self.node, devices, self.host, self.device_backend, remote)
+        self.lock, self.remote, self.devices = shared.lock, remote, devices
+        self.memory = Vmm(shared, forget_exports=lambda alloc: self.sharing.forget(alloc))
+        self.sharing = Sharing(shared, self.memory)
+        self.blocks = Blocks(shared, self.memory, forget_ipc=lambda alloc: self.ipc.forget_block(alloc))
+        self.copies = Copies(shared, self.memory)
+        self.ipc = Ipc(shared, self.memory, self.sharing, self.blocks)
         self.initialized = False
-        self._deferred: list[Callable[[], None]] = []  # finalizers that came while the node was busy
 
     def device_id(self, device: int) -> int:
         """`device` if this process has it (107001 otherwise)."""
@@ -70,27 +72,11 @@ class Runtime:
         got = self.device_backend.mem_info(d)
         return got if got is not None else self.node.mem_info(d)
 
-    # ------------------------------------------------------------ finalizers and node calls
+    # ------------------------------------------------------------ finalizers
 
     def when_safe(self, fn: Callable[[], None]) -> None:
-        """Run a finalizer's clean-up now, or, if the garbage collector called it in the middle of a broker
-        request in this thread, right after (a nested request would read the outer one's reply)."""
-        if self.node.busy_in_this_thread():
-            self._deferred.append(fn)
-        else:
-            fn()
-
-    def run_deferred(self) -> None:
-        while self._deferred and not self.node.busy_in_this_thread():
-            fn = self._deferred.pop()
-            with contextlib.suppress(Exception):
-                fn()
-
-    def safe_node_call(self, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except AclError as exc:  # the broker reclaims what a lost connection held
-            log.warning("node call %s failed: %s", getattr(fn, "__name__", fn), exc)
+        """Run a finalizer's clean-up now, or right after the broker request this thread is in (see `Shared`)."""
+        self.shared.when_safe(fn)
 
     # ------------------------------------------------------------ process life
 

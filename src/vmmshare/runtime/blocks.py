@@ -7,6 +7,7 @@ keeps them out of the VMM calls (no handle to free, no range to unmap or release
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,8 @@ from ..wire.props import Location, PhysicalProp
 from .tables import Allocation
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from .shared import Shared
+    from .vmm import Vmm
 
 MALLOC = "malloc"
 IPC = "ipc"
@@ -51,8 +53,9 @@ class Block:
 class Blocks:
     """This process's aclrtMalloc blocks and IPC imports, by pointer; callers hold the runtime's lock for the table."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, s: Shared, memory: Vmm, forget_ipc: Callable[[Allocation], None]) -> None:
+        self.s, self.memory = s, memory
+        self._forget_ipc = forget_ipc  # the IPC key of a block's allocation, once the block is freed
         self.by_ptr: dict[int, Block] = {}
 
     def malloc(self, size: int, policy: int, device: int) -> int:
@@ -61,7 +64,7 @@ class Blocks:
             raise InvalidParamError(f"size={size} is out of range [1, {MAX_MALLOC}]")
         prop = PhysicalProp(C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_ALLOCATION_TYPE_PINNED, policy_attr(policy),
                             Location(C.ACL_MEM_LOCATION_TYPE_DEVICE, device))
-        vmm = self.rt.memory
+        vmm = self.memory
         g = vmm.granularity(prop)
         alloc = vmm.create(-(-size // g) * g, prop, MALLOC)
         vmm.register(alloc)
@@ -70,13 +73,13 @@ class Blocks:
     def map_new(self, alloc: Allocation, size: int) -> int:
         """Map a fresh (registered, owned) allocation at the start of a reservation of its own; on failure the
         allocation is dropped."""
-        vmm = self.rt.memory
+        vmm = self.memory
         try:
             ptr = vmm.map_new(alloc, C.ACL_RT_MEM_ACCESS_FLAGS_READWRITE, owner=alloc.owner)
         except BaseException:
             vmm.drop(alloc)
             raise
-        with self.rt.lock:
+        with self.s.lock:
             self.by_ptr[ptr] = Block(ptr, size, alloc)
         return ptr
 
@@ -90,12 +93,12 @@ class Blocks:
 
     def free(self, ptr: int, owner: str = MALLOC) -> None:
         """Unmap and release a block and drop its allocation: an export of it is revoked, importers keep theirs."""
-        with self.rt.lock:
+        with self.s.lock:
             block = self.at(ptr, owner)
             del self.by_ptr[ptr]
             if owner == MALLOC:
-                self.rt.ipc.forget_block(block.alloc)
-            vmm = self.rt.memory
+                self._forget_ipc(block.alloc)
+            vmm = self.memory
             try:
                 vmm.unmap_release(ptr, owner)
             finally:

@@ -13,7 +13,8 @@ from ..intervals import Intervals
 from .tables import MappingEntry
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from .shared import Shared
+    from .vmm import Vmm
 
 _KIND_SIDES = {  # memcpy kind -> (dst is device memory, src is device memory)
     C.ACL_MEMCPY_HOST_TO_HOST: (False, False),
@@ -30,8 +31,8 @@ Chunk = tuple[int, int, int, "MappingEntry | None", "MappingEntry | None"]  # (d
 class Copies:
     """malloc_host blocks, memcpy and memset; classifies every pointer against this process's tables."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, s: Shared, memory: Vmm) -> None:
+        self.s, self.memory = s, memory
         self.host_blocks: Intervals[int] = Intervals()
 
     def malloc_host(self, size: int) -> int:
@@ -41,12 +42,12 @@ class Copies:
             ptr = mman.map_anonymous(size)
         except OSError as exc:
             raise MemoryAllocationError(f"cannot allocate {size} bytes of host memory: {exc.strerror}") from None
-        with self.rt.lock:
+        with self.s.lock:
             self.host_blocks.add(ptr, size, size)
         return ptr
 
     def free_host(self, ptr: int) -> None:
-        with self.rt.lock:
+        with self.s.lock:
             size = self.host_blocks.exact(ptr)
             if size is None:
                 raise InvalidParamError(f"{ptr:#x} is not memory from malloc_host (or it was freed already)")
@@ -58,7 +59,7 @@ class Copies:
         part of the range it holds (rule 7), or one piece without a mapping for other memory of this process."""
         if ptr == 0:
             raise InvalidParamError(f"{what} is NULL")
-        vmm = self.rt.memory
+        vmm = self.memory
         hit = vmm.mappings.at(ptr)
         if hit is None:
             self._check_other(ptr, size, write, what)
@@ -83,7 +84,7 @@ class Copies:
 
     def _check_other(self, ptr: int, size: int, write: bool, what: str) -> None:
         """Memory outside the mappings: a malloc_host block, or memory the process has mapped itself."""
-        vmm = self.rt.memory
+        vmm = self.memory
         if vmm.reservations.at(ptr) is not None:
             raise InvalidParamError(f"{what} {ptr:#x} is reserved but not mapped: map_mem it first")
         block = self.host_blocks.at(ptr)
@@ -101,7 +102,7 @@ class Copies:
             raise InvalidParamError(f"{'dst' if dst == 0 else 'src'} is NULL")
         if count == 0:
             return
-        with self.rt.lock:
+        with self.s.lock:
             plan = self._plan(dst, src, count, kind)
             if len(plan) == 1 and _local(plan[0]):  # one mapping (or none) on each side: the common case
                 _, _, _, to, of = plan[0]
@@ -152,27 +153,27 @@ class Copies:
             if not _local(chunk):
                 self._remote_copy(to, of, d, s, n)
                 continue
-            with self.rt.lock:
+            with self.s.lock:
                 self._still_mapped(d, n, to)
                 self._still_mapped(s, n, of)
                 self._local_copy(to, of, d, s, n)
 
     def _still_mapped(self, ptr: int, size: int, m: MappingEntry | None) -> None:
-        if m is not None and (self.rt.memory.mappings.at(ptr) or (0, 0, None))[2] is not m:
+        if m is not None and (self.memory.mappings.at(ptr) or (0, 0, None))[2] is not m:
             raise InvalidParamError(f"{ptr:#x}+{size} was unmapped while the copy ran")
 
     def _local_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
         """A copy between memory of this server (under the lock): the GPU's backend copies if a side is GPU memory."""
         mover = _mover(to, of)
         if mover is None:
-            self.rt.host.copy(dst, src, count, 0)
+            self.s.host.copy(dst, src, count, 0)
         else:
-            mover.alloc.backend.copy(dst, src, count, self.rt.devices.logical(mover.alloc.device))
+            mover.alloc.backend.copy(dst, src, count, self.s.devices.logical(mover.alloc.device))
 
     def _remote_copy(self, to: MappingEntry | None, of: MappingEntry | None, dst: int, src: int, count: int) -> None:
         """A copy with memory of another server on one side or both: the engine moves the bytes to and from memory
         the CPU can address; memory it cannot (a GPU's) on the other side goes through a host bounce buffer."""
-        remote = self.rt.remote
+        remote = self.s.remote
         if _remote(to):
             if _remote(of):
                 remote.between(to.alloc.mem, dst - to.ptr, of.alloc.mem, src - of.ptr, count)
@@ -187,13 +188,13 @@ class Copies:
             else:
                 remote.read(far.alloc.mem, src - far.ptr, dst, count)
             return
-        with self.rt.lock:  # memory the CPU cannot address is copied under the lock, as any GPU copy is
+        with self.s.lock:  # memory the CPU cannot address is copied under the lock, as any GPU copy is
             self._bounce(near, far, not to_far, dst, src, count)
 
     def _bounce(self, near: MappingEntry, far: MappingEntry, to_near: bool, dst: int, src: int, count: int) -> None:
         """Copy between memory of another server (`far`) and local memory the CPU cannot address (`near`), through
         host memory: its backend copies one way, the engine the other."""
-        remote, backend, device = self.rt.remote, near.alloc.backend, self.rt.devices.logical(near.alloc.device)
+        remote, backend, device = self.s.remote, near.alloc.backend, self.s.devices.logical(near.alloc.device)
         bounce = mman.map_anonymous(min(count, BOUNCE))
         try:
             for done in range(0, count, BOUNCE):
@@ -214,32 +215,32 @@ class Copies:
             raise InvalidParamError("devPtr is NULL")
         if count == 0:
             return
-        with self.rt.lock:
+        with self.s.lock:
             pieces = self._pieces(ptr, count, True, "devPtr")
             if len(pieces) == 1 and not _remote(pieces[0][2]):
                 self._local_fill(pieces[0][2], ptr, value, count)
                 return
         for p, n, m in pieces:
             if _remote(m):
-                self.rt.remote.set(m.alloc.mem, p - m.ptr, value, n)
+                self.s.remote.set(m.alloc.mem, p - m.ptr, value, n)
                 continue
-            with self.rt.lock:
+            with self.s.lock:
                 self._still_mapped(p, n, m)
                 self._local_fill(m, p, value, n)
 
     def _local_fill(self, m: MappingEntry | None, ptr: int, value: int, count: int) -> None:
         if m is None:
-            self.rt.host.fill(ptr, value, count, 0)
+            self.s.host.fill(ptr, value, count, 0)
         else:
-            m.alloc.backend.fill(ptr, value, count, self.rt.devices.logical(m.alloc.device))
+            m.alloc.backend.fill(ptr, value, count, self.s.devices.logical(m.alloc.device))
 
     def memcpy_async(self, dst: int, dest_max: int, src: int, count: int, kind: int, stream: int) -> None:
         """Queue a copy on `stream`: checked now (a bad range fails here), checked again and done when its turn
         comes (memory unmapped meanwhile fails then, reported by synchronize_stream)."""
         if count > dest_max:
             raise InvalidParamError(f"count {count} is larger than destMax {dest_max}")
-        s = self.rt.devices.stream_here(stream)
-        with self.rt.lock:
+        s = self.s.devices.stream_here(stream)
+        with self.s.lock:
             self._plan(dst, src, count, kind)
         s.submit("memcpy_async", lambda: self.memcpy(dst, dest_max, src, count, kind))
 
@@ -247,14 +248,14 @@ class Copies:
         """Queue a fill on `stream` (checked now and when it runs, as `memcpy_async`)."""
         if count > max_count:
             raise InvalidParamError(f"count {count} is larger than maxCount {max_count}")
-        s = self.rt.devices.stream_here(stream)
-        with self.rt.lock:
+        s = self.s.devices.stream_here(stream)
+        with self.s.lock:
             self._pieces(ptr, count, True, "devPtr")
         s.submit("memset_async", lambda: self.memset(ptr, max_count, value, count))
 
     def check_readable(self, ptr: int, size: int) -> None:
         """Raise unless the CPU can read `[ptr, ptr+size)` (GPU memory it cannot, nor another server's)."""
-        with self.rt.lock:
+        with self.s.lock:
             for p, _, m in self._pieces(ptr, size, False, "ptr"):
                 if _remote(m):
                     raise FeatureNotSupportedError(f"{p:#x} cannot be viewed by the CPU: {NO_CPU_ACCESS}")

@@ -20,7 +20,10 @@ from .blocks import IPC, MALLOC
 from .tables import Allocation
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from .blocks import Blocks
+    from .shared import Shared
+    from .sharing import Sharing
+    from .vmm import Vmm
 
 KEY_BUFFER = 65  # the runtime's key buffer: `len` must be at least this (the driver's name size)
 MAX_PIDS_PER_CALL = 31  # the driver takes at most this many pids in one aclrtIpcMemSetImportPid
@@ -66,8 +69,8 @@ class Imported:
 class Ipc:
     """This process's IPC exports and imports by key value, and the attributes set on keys."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, s: Shared, memory: Vmm, sharing: Sharing, blocks: Blocks) -> None:
+        self.s, self.memory, self.sharing, self.blocks = s, memory, sharing, blocks
         self.exports: dict[int, Exported] = {}
         self.imports: dict[int, Imported] = {}
         self.attrs: dict[str, int] = {}  # key text -> ACL_RT_IPC_MEM_ATTR_ACCESS_LINK value
@@ -75,9 +78,9 @@ class Ipc:
 
     def export(self, ptr: int, size: int, pid_validation: bool) -> str:
         """The key of the aclrtMalloc block at `ptr` (`size` bytes of it); exporting it again gives the same key."""
-        rt = self.rt
-        with rt.lock:
-            block = rt.blocks.at(ptr, MALLOC)
+        s = self.s
+        with s.lock:
+            block = self.blocks.at(ptr, MALLOC)
             if not 0 < size <= block.size:
                 raise InvalidParamError(f"size {size} must be in [1, {block.size}], the size acl.rt.malloc gave "
                                         f"{ptr:#x}")
@@ -92,8 +95,8 @@ class Ipc:
                                             f"{'on' if done.pid_validation else 'off'}: its key is {done.key.text}")
                 done.refs += 1
                 return done.key.text
-            shareable = rt.sharing.export_alloc(alloc, ShareType.DEFAULT, pid_validation)
-            key = Key(shareable.value, rt.config.server_id)
+            shareable = self.sharing.export_alloc(alloc, ShareType.DEFAULT, pid_validation)
+            key = Key(shareable.value, s.config.server_id)
             self.exports[key.value] = Exported(key, alloc, pid_validation)
             return key.text
 
@@ -106,7 +109,7 @@ class Ipc:
         if done is not None and not done.pid_validation:
             raise NoPermissionError(f"key {text} was exported with ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION: "
                                     "it has no trustlist to set")
-        self.rt.sharing.set_pids(ShareableHandle.default(key.value), pids)
+        self.sharing.set_pids(ShareableHandle.default(key.value), pids)
 
     def set_pids_on_servers(self, text: str, entries: list[tuple[int, list[int]]]) -> None:
         """Trust pids per server (aclrtIpcMemImportPidInterServer): this server's as `set_pids`, others' through
@@ -115,11 +118,11 @@ class Ipc:
         for i, (_, pids) in enumerate(entries):
             if len(pids) > MAX_PIDS_PER_CALL:
                 raise InvalidParamError(f"server_pids[{i}] has {len(pids)} pids: at most {MAX_PIDS_PER_CALL} per entry")
-        remote = [(sdid, pids) for sdid, pids in entries if sdid != self.rt.config.server_id]
+        remote = [(sdid, pids) for sdid, pids in entries if sdid != self.s.config.server_id]
         if remote:
             self.trust_remote(key, remote)
         for sdid, pids in entries:
-            if sdid == self.rt.config.server_id:  # an entry admits its server's pids only
+            if sdid == self.s.config.server_id:  # an entry admits its server's pids only
                 self.set_pids(text, pids)
 
     def trust_remote(self, key: Key, entries: list[tuple[int, list[int]]]) -> None:
@@ -132,11 +135,10 @@ class Ipc:
             raise NoPermissionError(f"key {key.text} was exported with ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_"
                                     "VALIDATION: it has no trustlist to set")
         for sdid, pids in entries:
-            self.rt.sharing.set_remote_pids(ShareableHandle.default(key.value), sdid, pids)
+            self.sharing.set_remote_pids(ShareableHandle.default(key.value), sdid, pids)
 
     def import_key(self, text: str, device: int) -> int:
         """Map the memory a key names into this process (on `device`); importing it again gives the same pointer."""
-        rt = self.rt
         key = self._local(parse_key(text))
         with self._lock:
             done = self.imports.get(key.value)
@@ -144,19 +146,19 @@ class Ipc:
                 self._still_admitted(key)
                 done.count += 1
                 return done.ptr
-            alloc = rt.sharing.import_alloc(ShareableHandle.default(key.value), device, IPC)
-            rt.memory.register(alloc)
-            ptr = rt.blocks.map_new(alloc, alloc.size)
+            alloc = self.sharing.import_alloc(ShareableHandle.default(key.value), device, IPC)
+            self.memory.register(alloc)
+            ptr = self.blocks.map_new(alloc, alloc.size)
             self.imports[key.value] = Imported(ptr)
             return ptr
 
     def _still_admitted(self, key: Key) -> None:
         """Ask the broker again, as the runtime opens the key again on each import: a key its exporter closed or
         freed fails with 107017, a trustlist that no longer admits this process with 207006."""
-        node = self.rt.node
+        node = self.s.node
         got = node.import_handle(key.value, C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, b"")
         os.close(got.fd)
-        self.rt.safe_node_call(node.release, got.node_ref)
+        self.s.safe_node_call(node.release, got.node_ref)
 
     def set_attr(self, text: str, attr: int) -> None:
         self.attrs[parse_key(text).text] = attr
@@ -165,21 +167,21 @@ class Ipc:
         """An importer's close drops one import (unmapped at the last); the exporter's close revokes the key once
         every get_export_key of it is closed; a key with only an attribute set forgets it."""
         key = parse_key(text)
-        rt = self.rt
-        with self._lock, rt.lock:
+        s = self.s
+        with self._lock, s.lock:
             had_attr = self.attrs.pop(key.text, None) is not None
             done = self.imports.get(key.value)
             if done is not None:
                 done.count -= 1
                 if done.count == 0:
                     del self.imports[key.value]
-                    rt.blocks.free(done.ptr, IPC)
+                    self.blocks.free(done.ptr, IPC)
                 return
             mine = self.exports.get(key.value)
             if mine is not None and mine.refs > 0:
                 mine.refs -= 1
                 if mine.refs == 0:
-                    rt.sharing.revoke(mine.alloc)
+                    self.sharing.revoke(mine.alloc)
                 return
             if not had_attr:
                 raise InvalidHandleError(f"key {text} is not one this process exported or imported (or it was "
@@ -191,9 +193,9 @@ class Ipc:
             self.exports.pop(alloc.exported.value, None)
 
     def _local(self, key: Key) -> Key:
-        if key.server != self.rt.config.server_id:
+        if key.server != self.s.config.server_id:
             raise FeatureNotSupportedError(
-                f"this key comes from server {key.server:#x}, not this one ({self.rt.config.server_id:#x}): an IPC key "
+                f"this key comes from server {key.server:#x}, not this one ({self.s.config.server_id:#x}): an IPC key "
                 "names memory on the server that made it, and carries neither that server's address nor a secret "
                 "for the cross-server transport; to share memory across servers, export it as a FABRIC handle"
             )

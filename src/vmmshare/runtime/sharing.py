@@ -16,7 +16,8 @@ from .node import Imported
 from .tables import Allocation
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from .shared import Shared
+    from .vmm import Vmm
 
 log = logging.getLogger("vmmshare.runtime")
 _PENDING: Any = object()  # an import under way: a second import of the same handle waits for it
@@ -26,23 +27,23 @@ class Sharing:
     """What this process exported and imported, keyed by the node's handle value (not the handle's bytes: the
     bytes a FABRIC handle carries besides the value must not make one handle look like another, rule 13)."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, s: Shared, memory: Vmm) -> None:
+        self.s, self.memory = s, memory
         self.imports: dict[int, Allocation] = {}  # handle value imported here -> allocation
         self.exported: set[int] = set()  # handle values this process exported and has not freed
-        self._settled = threading.Condition(rt.lock)  # an import under way has finished (or failed)
+        self._settled = threading.Condition(s.lock)  # an import under way has finished (or failed)
         self._told_fabric = threading.Event()  # the FABRIC-on-GPU log line is written once
 
     def export(self, handle: int, share_type: ShareType, pid_validation: bool = True,
                pids: list[int] | None = None) -> ShareableHandle:
         """Export an allocation made here, once; `pids` go on the trustlist in the same round trip."""
-        with self.rt.lock:
-            return self.export_alloc(self.rt.memory.allocation(handle), share_type, pid_validation, pids)
+        with self.s.lock:
+            return self.export_alloc(self.memory.allocation(handle), share_type, pid_validation, pids)
 
     def export_alloc(self, alloc: Allocation, share_type: ShareType, pid_validation: bool = True,
                      pids: list[int] | None = None) -> ShareableHandle:
-        rt = self.rt
-        with rt.lock:
+        s = self.s
+        with s.lock:
             if alloc.imported_from:
                 raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
             if alloc.exported is not None:
@@ -55,32 +56,32 @@ class Sharing:
                             "need an IMEX channel)")
             fd = alloc.backend.export_fd(alloc.mem)
             flags = 0 if pid_validation else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
-            raw = rt.node.export(alloc.node_ref, fd, alloc.prop, alloc.size, flags, share_type, pids or [], on_gpu)
+            raw = s.node.export(alloc.node_ref, fd, alloc.prop, alloc.size, flags, share_type, pids or [], on_gpu)
             alloc.exported = ShareableHandle.of(share_type, raw)
             self.exported.add(alloc.exported.value)
             return alloc.exported
 
     def set_pids(self, shareable: ShareableHandle, pids: list[int]) -> None:
         fabric = shareable.fabric
-        if fabric is not None and fabric.server_id != self.rt.config.server_id:
+        if fabric is not None and fabric.server_id != self.s.config.server_id:
             raise NoPermissionError(f"this FABRIC handle was exported on server {fabric.server_id:#x}: only its "
                                     "exporting process, there, may set its trustlist")
-        self.rt.node.set_pids(shareable.value, shareable.share_type, pids)
+        self.s.node.set_pids(shareable.value, shareable.share_type, pids)
 
     def set_remote_pids(self, shareable: ShareableHandle, server: int, pids: list[int]) -> None:
         """Trust processes of another server (server id, pid): those pids, as that server's broker reports them,
         may import this export through the cross-server transport (pids of this server: `set_pids`)."""
-        if server == self.rt.config.server_id:
+        if server == self.s.config.server_id:
             self.set_pids(shareable, pids)
         else:
-            self.rt.node.set_remote_pids(shareable.value, shareable.share_type, server, pids)
+            self.s.node.set_remote_pids(shareable.value, shareable.share_type, server, pids)
 
     def import_handle(self, shareable: ShareableHandle, device: int) -> int:
         """Import a shareable handle as memory of `device`; returns its handle (rule 13). An import in the exporting
         process gives a second handle to the same memory; importing a handle this process holds an import of
         already returns that handle with a reference added, which needs its own free_physical."""
-        rt = self.rt
-        rt.devices.device_id(device)
+        s = self.s
+        s.devices.device_id(device)
         value = shareable.value
         with self._settled:
             while self.imports.get(value) is _PENDING:  # another thread's import of it: wait for its outcome
@@ -95,12 +96,12 @@ class Sharing:
             try:
                 self._still_admitted(shareable)  # as the driver checks the handle on each import (not under the lock)
             except BaseException:
-                rt.memory.drop(done)
+                self.memory.drop(done)
                 raise
             return done.handle
         try:
             alloc = self._import_any(shareable, device, "")
-            handle = rt.memory.register(alloc)
+            handle = self.memory.register(alloc)
         except BaseException:
             with self._settled:
                 self.imports.pop(value, None)
@@ -114,76 +115,76 @@ class Sharing:
     def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:
         """A new import of a shareable handle as memory of `device` (not yet registered), for memory behind a
         pointer of its own (an IPC import); the exporting process may import its own export too (rule 13)."""
-        self.rt.devices.device_id(device)
+        self.s.devices.device_id(device)
         return self._import_any(shareable, device, owner)
 
     def _still_admitted(self, shareable: ShareableHandle) -> None:
         """Raise as a new import would (107017 revoked, 207006 not trusted any more); the hold it took goes again."""
-        rt = self.rt
+        s = self.s
         fabric = shareable.fabric
-        if fabric is not None and fabric.server_id != rt.config.server_id:
-            ref = rt.node.import_remote(shareable.raw).node_ref
+        if fabric is not None and fabric.server_id != s.config.server_id:
+            ref = s.node.import_remote(shareable.raw).node_ref
         else:
-            got = rt.node.import_handle(shareable.value, shareable.share_type, fabric.secret if fabric else b"")
+            got = s.node.import_handle(shareable.value, shareable.share_type, fabric.secret if fabric else b"")
             os.close(got.fd)
             ref = got.node_ref
             if fabric is not None and fabric.size != got.size:  # as a first import refuses it (rule 16)
-                rt.safe_node_call(rt.node.release, ref)
+                s.safe_node_call(s.node.release, ref)
                 raise _altered(fabric.size, got.size)
-        rt.safe_node_call(rt.node.release, ref)
+        s.safe_node_call(s.node.release, ref)
 
     def _import_any(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
         """Of this node through its broker, or of another server through the cross-server transport (SPEC §8)."""
         fabric = shareable.fabric
-        if fabric is not None and fabric.server_id != self.rt.config.server_id:
+        if fabric is not None and fabric.server_id != self.s.config.server_id:
             return self._import_remote(shareable, device, owner)
         return self._import_here(shareable, device, owner)
 
     def _import_here(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
-        rt = self.rt
+        s = self.s
         secret = shareable.fabric.secret if shareable.fabric is not None else b""
-        got = rt.node.import_handle(shareable.value, shareable.share_type, secret)
+        got = s.node.import_handle(shareable.value, shareable.share_type, secret)
         if shareable.fabric is not None and shareable.fabric.size != got.size:
             os.close(got.fd)  # not adopted: nothing else holds it
-            rt.safe_node_call(rt.node.release, got.node_ref)
+            s.safe_node_call(s.node.release, got.node_ref)
             raise _altered(shareable.fabric.size, got.size)
         prop = _on_device(got.prop, device)
-        backend = rt.device_backend if got.gpu else rt.host
+        backend = s.device_backend if got.gpu else s.host
         try:
             mem = self._adopt(got, device)
         except BaseException:
-            rt.safe_node_call(rt.node.release, got.node_ref)
+            s.safe_node_call(s.node.release, got.node_ref)
             raise
         return Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=shareable.value, owner=owner)
 
     def _import_remote(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
         """Another server's memory: its broker serves it to this process's transfer engine, one-sided."""
-        rt = self.rt
-        got = rt.node.import_remote(shareable.raw)  # the importing broker checks the size the exporter answers
+        s = self.s
+        got = s.node.import_remote(shareable.raw)  # the importing broker checks the size the exporter answers
         try:  # no engine made here: a process that only imports and maps needs none (its first copy makes it)
-            mem = rt.remote.adopt_remote(got.segment, got.address, got.size)
+            mem = s.remote.adopt_remote(got.segment, got.address, got.size)
         except BaseException:
-            rt.safe_node_call(rt.node.release, got.node_ref)
+            s.safe_node_call(s.node.release, got.node_ref)
             raise
-        return Allocation(0, mem, rt.remote, _on_device(got.prop, device), got.size, got.node_ref,
+        return Allocation(0, mem, s.remote, _on_device(got.prop, device), got.size, got.node_ref,
                           imported_from=shareable.value, owner=owner)
 
     def _adopt(self, got: Imported, device: int) -> Memory:
-        device = self.rt.devices.logical(device)  # the backends address the node's devices
+        device = self.s.devices.logical(device)  # the backends address the node's devices
         if not got.gpu:
-            return self.rt.host.adopt(got.fd, got.size, device)
-        if not self.rt.device_backend.on_gpu:
-            self.rt.host.adopt(got.fd, got.size, device).close()
+            return self.s.host.adopt(got.fd, got.size, device)
+        if not self.s.device_backend.on_gpu:
+            self.s.host.adopt(got.fd, got.size, device).close()
             raise FeatureNotSupportedError(
                 "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda"
             )
-        return self.rt.device_backend.adopt(got.fd, got.size, device)
+        return self.s.device_backend.adopt(got.fd, got.size, device)
 
     def revoke(self, alloc: Allocation) -> None:
         """Stop new imports of `alloc`'s export (those made keep their memory); the allocation stays exported."""
         if alloc.exported is not None and alloc.exported.value in self.exported:
             self.exported.discard(alloc.exported.value)
-            self.rt.node.revoke(alloc.node_ref)
+            self.s.node.revoke(alloc.node_ref)
 
     def forget(self, alloc: Allocation) -> None:
         """The last handle to `alloc` was freed: an export of it is revoked, an import of it may come again."""
@@ -192,10 +193,10 @@ class Sharing:
         elif alloc.exported is not None:
             self.exported.discard(alloc.exported.value)
             if alloc.maps:  # still mapped here: revoke now (unmapped, the node's release revokes it too)
-                self.rt.safe_node_call(self.rt.node.revoke, alloc.node_ref)
+                self.s.safe_node_call(self.s.node.revoke, alloc.node_ref)
 
     def bare_tgid(self) -> int:
-        return self.rt.node.bare_tgid()
+        return self.s.node.bare_tgid()
 
 
 def _altered(claimed: int, exported: int) -> InvalidHandleError:

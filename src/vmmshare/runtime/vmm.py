@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import constants as C
@@ -22,7 +23,7 @@ from ..wire.props import HOST_LOCATIONS, LOCATION_TYPES, MEMORY_LOCATIONS, Locat
 from .tables import Allocation, MappingEntry, Reservation
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from .shared import Shared
 
 ARENA_SIZE = mman.ARENA_END - mman.ARENA_START
 
@@ -30,8 +31,9 @@ ARENA_SIZE = mman.ARENA_END - mman.ARENA_START
 class Vmm:
     """This process's allocations, reservations and mappings; callers hold the runtime's lock for the tables."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, s: Shared, forget_exports: Callable[[Allocation], None]) -> None:
+        self.s = s
+        self._forget_exports = forget_exports  # what sharing knows of an allocation, once it is freed
         self.handles: dict[int, Allocation] = {}
         self.allocs: set[Allocation] = set()  # live, with or without a handle (a freed one stays while mapped)
         self.reservations: Intervals[Reservation] = Intervals()
@@ -42,11 +44,11 @@ class Vmm:
 
     def backend_for(self, location: Location) -> Backend:
         """Device memory lives on the device backend (the GPUs under CUDA); host memory on the host."""
-        return self.rt.device_backend if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else self.rt.host
+        return self.s.device_backend if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else self.s.host
 
     def check_location(self, location: Location) -> None:
         if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
-            self.rt.devices.device_id(location.id)
+            self.s.devices.device_id(location.id)
 
     def check_prop(self, prop: PhysicalProp) -> None:
         """What the runtime and the driver check of a property, after the acl layer's own checks (`props.check_prop`):
@@ -66,7 +68,7 @@ class Vmm:
         if prop.reserve:
             raise InvalidParamError(f"prop.reserve={prop.reserve}: it is reserved and must be 0")
         if loc.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
-            self.rt.devices.device_id(loc.id)
+            self.s.devices.device_id(loc.id)
         elif loc.type == C.ACL_MEM_LOCATION_TYPE_HOST and loc.id != 0:
             raise FeatureNotSupportedError(f"a HOST location's id is 0, not {loc.id}: to place host memory on a NUMA "
                                            "node, use ACL_MEM_LOCATION_TYPE_HOST_NUMA (4) with the node's id")
@@ -88,7 +90,7 @@ class Vmm:
     def _node_device(self, location: Location) -> int:
         """The node's number for a DEVICE location (its id is a user id, ASCEND_RT_VISIBLE_DEVICES applied)."""
         if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
-            return self.rt.devices.logical(location.id)
+            return self.s.devices.logical(location.id)
         return location.id
 
     def malloc_physical(self, size: int, prop: PhysicalProp) -> int:
@@ -96,7 +98,7 @@ class Vmm:
 
     def create(self, size: int, prop: PhysicalProp, owner: str = "") -> Allocation:
         """A physical allocation of `size` bytes, charged to its device on the node (not yet registered)."""
-        self.rt.run_deferred()
+        self.s.run_deferred()
         self.check_prop(prop)
         backend = self.backend_for(prop.location)
         g = max(prop.granularity, backend.granularity(self._node_device(prop.location)))
@@ -104,7 +106,7 @@ class Vmm:
             raise InvalidParamError(f"size {size} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
         device = self._node_device(prop.location) if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
         numa = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
-        config = self.rt.config
+        config = self.s.config
         if device >= 0 and not backend.on_gpu and size > config.device_memory:  # device memory the node counts
             raise MemoryAllocationError(
                 f"device {device} has {config.device_memory} of {config.device_memory} bytes free; "
@@ -120,13 +122,13 @@ class Vmm:
                 failed.append(exc)
 
         try:
-            node_ref = self.rt.node.charge(device, size, make, gpu=backend.on_gpu)
+            node_ref = self.s.node.charge(device, size, make, gpu=backend.on_gpu)
         except BaseException:
             for mem in made:
                 mem.close()
             raise
         if failed:
-            self.rt.safe_node_call(self.rt.node.release, node_ref)  # the allocation's own error is the one to report
+            self.s.safe_node_call(self.s.node.release, node_ref)  # the allocation's own error is the one to report
             exc = failed[0]
             if isinstance(exc, (OSError, OverflowError)):  # e.g. ENOMEM, EFBIG, or beyond off_t
                 why = exc.strerror if isinstance(exc, OSError) else "too large for a file"
@@ -136,7 +138,7 @@ class Vmm:
 
     def register(self, alloc: Allocation) -> int:
         """Record an allocation; one without an owner gets a handle the caller can name (aclrtDrvMemHandle)."""
-        with self.rt.lock:
+        with self.s.lock:
             alloc.handle = 0x7A00_0000_0000 + (next(self._ids) << 6)
             if not alloc.owner:
                 self.handles[alloc.handle] = alloc
@@ -150,18 +152,18 @@ class Vmm:
         return alloc
 
     def free_physical(self, handle: int) -> None:
-        self.rt.run_deferred()
-        with self.rt.lock:
+        self.s.run_deferred()
+        with self.s.lock:
             self.drop(self.allocation(handle))
 
     def drop(self, alloc: Allocation) -> None:
         """One handle reference fewer; at the last, its export is revoked and, once unmapped, the memory goes."""
-        with self.rt.lock:
+        with self.s.lock:
             alloc.refs -= 1
             if alloc.refs:
                 return
             self.handles.pop(alloc.handle, None)
-            self.rt.sharing.forget(alloc)
+            self._forget_exports(alloc)
             self.maybe_destroy(alloc)
 
     def maybe_destroy(self, alloc: Allocation) -> None:
@@ -171,10 +173,10 @@ class Vmm:
         try:
             alloc.mem.close()
         finally:  # the node's hold goes even if the memory would not close (a driver error): it is not ours any more
-            self.rt.safe_node_call(self.rt.node.release, alloc.node_ref)
+            self.s.safe_node_call(self.s.node.release, alloc.node_ref)
 
     def retain(self, ptr: int) -> int:
-        with self.rt.lock:
+        with self.s.lock:
             alloc = self.vmm_mapping_at(ptr).alloc
             if alloc.refs == 0:
                 self.handles[alloc.handle] = alloc
@@ -182,7 +184,7 @@ class Vmm:
             return alloc.handle
 
     def properties(self, handle: int) -> dict[str, Any]:
-        with self.rt.lock:
+        with self.s.lock:
             return self.allocation(handle).prop.reported()
 
     # ------------------------------------------------------------ reservations and mappings
@@ -198,7 +200,7 @@ class Vmm:
         if expect_ptr % g:
             raise InvalidParamError(f"expectPtr {expect_ptr:#x} must be aligned to {g} ({g >> 20} MiB)")
         align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else g
-        backend = self.rt.device_backend if on_device is None or on_device else self.rt.host
+        backend = self.s.device_backend if on_device is None or on_device else self.s.host
         try:
             base = backend.reserve(size, align, expect_ptr)
         except OSError as exc:
@@ -207,12 +209,12 @@ class Vmm:
                     f"cannot reserve at expectPtr {expect_ptr:#x}: {exc.strerror}; pass 0 to let the runtime choose"
                 ) from None
             raise MemoryAllocationError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None
-        with self.rt.lock:
+        with self.s.lock:
             self.reservations.add(base, size, Reservation(base, size, backend, owner))
         return base
 
     def release(self, ptr: int, owner: str = "") -> None:
-        with self.rt.lock:
+        with self.s.lock:
             r = self.reservations.exact(ptr)
             if r is None or r.owner != owner:
                 raise InvalidParamError(f"{ptr:#x} is not the start of a reservation of this process"
@@ -226,11 +228,11 @@ class Vmm:
         """Map an allocation over a reserved range; `prepopulate` (default: VMMSHARE_PREPOPULATE) faults it in."""
         if offset != 0:
             raise InvalidParamError(f"offset={offset} is out of range [0, 0]")
-        with self.rt.lock:
+        with self.s.lock:
             self.map_alloc(ptr, size, self.allocation(handle), access, prepopulate)
 
     def map_alloc(self, ptr: int, size: int, alloc: Allocation, access: int, prepopulate: bool | None = None) -> None:
-        with self.rt.lock:
+        with self.s.lock:
             if size != alloc.size:
                 raise InvalidParamError(f"size {size} must equal the physical allocation's size {alloc.size}")
             hit = self.reservations.at(ptr)
@@ -255,7 +257,7 @@ class Vmm:
                 )
             try:
                 alloc.backend.map(ptr, size, alloc.mem, access,
-                                  self.rt.config.prepopulate if prepopulate is None else prepopulate)
+                                  self.s.config.prepopulate if prepopulate is None else prepopulate)
             except OSError as exc:
                 raise MemoryAllocationError(f"cannot map {size} bytes at {ptr:#x}: {exc.strerror}") from None
             self.mappings.add(ptr, size, MappingEntry(ptr, size, alloc, {}, access))
@@ -275,8 +277,8 @@ class Vmm:
             return ptr
         _check_range_size(size)
         align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else C.MIN_GRANULARITY
-        populate = self.rt.config.prepopulate if prepopulate is None else prepopulate
-        with self.rt.lock:
+        populate = self.s.config.prepopulate if prepopulate is None else prepopulate
+        with self.s.lock:
             if alloc.refs == 0 and alloc.maps == 0:
                 raise InvalidParamError("this allocation was freed")
             try:
@@ -290,7 +292,7 @@ class Vmm:
 
     def unmap_release(self, ptr: int, owner: str = "") -> None:
         """Unmap a mapping that fills its own reservation and release the range (`map_new`'s undoing)."""
-        with self.rt.lock:
+        with self.s.lock:
             m, r = self.mappings.exact(ptr), self.reservations.exact(ptr)
             if m is None or r is None or m.size != r.size or m.alloc.backend is not r.backend or r.owner != owner:
                 if m is not None:  # not one of map_new's: the two steps say what is wrong
@@ -323,7 +325,7 @@ class Vmm:
         return m
 
     def unmap(self, ptr: int, owner: str = "") -> None:
-        with self.rt.lock:
+        with self.s.lock:
             m = self.mappings.exact(ptr)
             if m is None or m.alloc.owner != owner:
                 raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)"
@@ -339,7 +341,7 @@ class Vmm:
     def set_access(self, ptr: int, size: int, entries: list[tuple[Location, int]]) -> None:
         for loc, _ in entries:
             self.check_location(loc)
-        with self.rt.lock:
+        with self.s.lock:
             m = self.mappings.exact(ptr)
             if m is None or m.size != size or m.alloc.owner:
                 raise InvalidParamError(f"({ptr:#x}, {size}) is not exactly a mapping: pass map_mem's ptr and size"
@@ -348,19 +350,19 @@ class Vmm:
             access.update(entries)
             effective = access.get(m.alloc.prop.location, entries[-1][1])
             try:
-                m.alloc.backend.protect(ptr, size, effective, self.rt.devices.logical(m.alloc.device))
+                m.alloc.backend.protect(ptr, size, effective, self.s.devices.logical(m.alloc.device))
             except OSError as exc:
                 raise InternalError(f"mprotect failed: {exc.strerror}") from None
             m.access, m.effective = access, effective
 
     def get_access(self, ptr: int, location: Location) -> int:
         self.check_location(location)
-        with self.rt.lock:
+        with self.s.lock:
             m = self.vmm_mapping_at(ptr)
             return m.access.get(location, m.effective)
 
     def address_range(self, ptr: int) -> tuple[int, int]:
-        with self.rt.lock:
+        with self.s.lock:
             m = self.mapping_at(ptr)
             return m.ptr, m.size
 

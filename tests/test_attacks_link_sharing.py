@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from test_fabric_agent import EP, EP_A, Cluster, Far, MiB2, export_on, fabric_agent, frames, requests
+from test_fabric_agent import EP, EP_A, Cluster, Far, MiB2, accepted_link, export_on, fabric_agent, frames, requests
 from vmmshare.fabric import agent as agent_module
 from vmmshare.fabric.agent import Agent
 from vmmshare.fabric.link import MAX_UNSENT, Link, State
@@ -37,18 +37,6 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     c.close()
 
 
-def proved(agent: Agent, peer_id: int, source: tuple[str, int]) -> tuple[Link, Far]:
-    """A link `agent` accepted from `source` (the connection's address and port) and that proved the key as server
-    `peer_id`: what a broker holding the cluster key gets by connecting."""
-    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    near.setblocking(False)
-    link = agent.accepted_link(near, source)
-    mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
-    link.state, link.peer_id, link.sealer, link.session = State.READY, peer_id, F.Sealer(mine), secrets.token_bytes(32)
-    link.reader.authenticate(theirs)
-    return link, Far(far, theirs, mine)
-
-
 def claim(cluster: Cluster, link: Link, far: Far, endpoint: tuple[str, int], req: int = 1) -> F.PeerMessage:
     """`far` names `endpoint` as its own on `link` (of agent a); a's answer."""
     far.send((F.Listens(F.endpoint_bytes(*endpoint)), req))
@@ -62,7 +50,7 @@ def claim(cluster: Cluster, link: Link, far: Far, endpoint: tuple[str, int], req
 
 
 def test_a_claim_is_taken_once_per_link(cluster: Cluster) -> None:
-    link, far = proved(cluster.a, 7, ("10.0.0.7", 40001))
+    link, far = accepted_link(cluster.a, 7, ("10.0.0.7", 40001))
     assert isinstance(claim(cluster, link, far, ("10.0.0.7", 17017)), F.Ok)
     second = claim(cluster, link, far, ("10.0.0.7", 17018), req=2)
     assert isinstance(second, F.Error) and "once" in second.message
@@ -99,7 +87,7 @@ def test_a_claim_before_the_handshake_closes_the_connection_unanswered(cluster: 
 
 def test_a_claim_for_another_address_moves_no_request(cluster: Cluster) -> None:
     """A keyed peer on 10.0.0.7 names b's endpoint (10.0.0.2): refused; a's import from b still goes to b."""
-    link, far = proved(cluster.a, 7, ("10.0.0.7", 40003))
+    link, far = accepted_link(cluster.a, 7, ("10.0.0.7", 40003))
     refused = claim(cluster, link, far, EP)
     assert isinstance(refused, F.Error) and refused.code == NO_PERMISSION
     x = cluster.a.ledger.connect(1111, 1000, (1, 1))
@@ -110,7 +98,7 @@ def test_a_claim_for_another_address_moves_no_request(cluster: Cluster) -> None:
 def test_a_claim_for_an_ipv4_mapped_address_is_not_taken_for_the_plain_one(cluster: Cluster) -> None:
     """A connection from ::ffff:10.0.0.2 (a dual-stack listener) naming 10.0.0.2: the claim is for another address
     as the link compares them, and nothing of b's moves to it."""
-    link, far = proved(cluster.a, 7, ("::ffff:10.0.0.7", 40004))
+    link, far = accepted_link(cluster.a, 7, ("::ffff:10.0.0.7", 40004))
     refused = claim(cluster, link, far, ("10.0.0.7", 17017))
     assert isinstance(refused, F.Error) and ("10.0.0.7", 17017) not in cluster.a.links
 
@@ -121,7 +109,7 @@ def test_a_server_behind_the_same_address_cannot_take_another_servers_endpoint(c
     importer's pid, uid and tag and the handle's value): a claimed link carries requests only for the server that
     proved itself on it, so a dials b and the import works."""
     handle = cluster.export()
-    link, far = proved(cluster.a, 3, (B_ADDRESS, 40005))
+    link, far = accepted_link(cluster.a, 3, (B_ADDRESS, 40005))
     claim(cluster, link, far, EP)
     x = cluster.a.ledger.connect(1111, 1000, (1, 1))
     got: list[P.Message] = []
@@ -145,7 +133,7 @@ def test_a_claim_while_this_broker_dials_that_endpoint_for_another_server_takes_
     got: list[P.Message] = []
     assert cluster.a.local(x, P.RemoteImport(handle), got.append) is None
     assert cluster.a.links[EP].state is not State.READY
-    link, far = proved(cluster.a, 3, (B_ADDRESS, 40007))
+    link, far = accepted_link(cluster.a, 3, (B_ADDRESS, 40007))
     far.send((F.Listens(F.endpoint_bytes(*EP)), 1))
     cluster.a.sel.get_key(link.sock).data(selectors.EVENT_READ)  # a reads the claim before its handshake with b ends
     cluster.pump()
@@ -160,7 +148,7 @@ def test_a_server_behind_the_same_address_cannot_adopt_another_servers_holds(clu
     cluster.a.links[EP].close("a blip on the network")  # b keeps the hold on its lease; a will reconnect
     cluster.pump()
     assert EP in cluster.a.reconnect_at and cluster.b.remote_holds[hold].link is None
-    _, far = proved(cluster.a, 3, (B_ADDRESS, 40006))
+    _, far = accepted_link(cluster.a, 3, (B_ADDRESS, 40006))
     far.send((F.Listens(F.endpoint_bytes(*EP)), 1))
     cluster.pump()
     adopts = [(req, m) for req, m in requests(far) if isinstance(m, F.Adopt)]
@@ -183,12 +171,12 @@ def test_a_keyed_server_claiming_another_servers_id_cannot_release_its_holds(clu
     x = cluster.a.ledger.connect(1111, 1000, (1, 1))
     assert isinstance(cluster.import_(x, handle), P.RemoteImported)
     (victims,) = cluster.b.remote_holds
-    link, far = proved(cluster.b, 3, ("10.0.0.3", 40007))  # server 3 imports once: its hold id is next to a's
+    link, far = accepted_link(cluster.b, 3, ("10.0.0.3", 40007))  # server 3 imports once: its hold id is next to a's
     value, secret = int.from_bytes(handle[16:24], "little"), handle[64:96]
     far.send((F.Import(value, 2, F.secret_proof(secret, link.session), 3, 3333, 1000, 3), 1))
     cluster.pump()
     (mine,) = [m for m in frames(far) if isinstance(m, F.Imported)]
-    impostor, fake = proved(cluster.b, 1, ("10.0.0.3", 40008))  # then says it is server 1
+    impostor, fake = accepted_link(cluster.b, 1, ("10.0.0.3", 40008))  # then says it is server 1
     cluster.b._inbound_ready(impostor)  # as a proved handshake of server 1 would
     fake.send(*[(F.Release(h), i + 1) for i, h in enumerate(range(mine.hold - 4, mine.hold))])
     cluster.pump()
@@ -373,7 +361,7 @@ def test_a_heartbeat_flood_from_a_peer_that_does_not_read_closes_its_link_alone(
     it and closes that link; a's link and hold at b are untouched, and a's release still goes through."""
     x = cluster.a.ledger.connect(1111, 1000, (1, 1))
     assert isinstance(cluster.import_(x, cluster.export()), P.RemoteImported)
-    flooder, far = proved(cluster.b, 3, ("10.0.0.3", 40009))
+    flooder, far = accepted_link(cluster.b, 3, ("10.0.0.3", 40009))
     far.sock.setblocking(False)
     caplog.set_level(logging.INFO, "vmmshare.fabric")
     unsent, sent, req = b"", 0, 0

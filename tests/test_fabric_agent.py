@@ -455,11 +455,12 @@ def test_one_user_filling_the_links_with_silent_listeners_does_not_keep_another_
 # ---------------------------------------------------------------- attackers between and beside the brokers (SPEC §8)
 
 
-def accepted_link(agent: Agent, peer_id: int) -> tuple[Link, Far]:
-    """A link `agent` accepted and that proved the key as server `peer_id` (keys as a handshake gives them)."""
+def accepted_link(agent: Agent, peer_id: int, source: tuple[str, int] = EP_A) -> tuple[Link, Far]:
+    """A link `agent` accepted from `source` (the connection's address and port) and that proved the key as server
+    `peer_id` (keys as a handshake gives them): what a broker holding the cluster key gets by connecting."""
     near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     near.setblocking(False)
-    link = agent.accepted_link(near, EP_A)
+    link = agent.accepted_link(near, source)
     mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
     link.state, link.peer_id, link.sealer, link.session = State.READY, peer_id, F.Sealer(mine), secrets.token_bytes(32)
     link.reader.authenticate(theirs)

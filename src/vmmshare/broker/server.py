@@ -16,6 +16,7 @@ import os
 import resource
 import selectors
 import socket
+import struct
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from ..sockets import packets
 from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
+from ..wire.local import HOT_IMPORT as IMPORT
+from ..wire.local import HOT_IMPORTED as IMPORTED
+from ..wire.local import HOT_OK as OK
+from ..wire.local import HOT_RELEASE as RELEASE
 from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system
 from .closer import Closer
@@ -330,7 +335,7 @@ class Broker:
     def _readable(self, conn: Conn) -> None:
         """Serve one packet of a readable connection (the selector reports it again if more are queued, so
         every client gets its turn)."""
-        if self._wait_for_pins(conn):
+        if self.jobs.pinned and self._wait_for_pins(conn):
             return
         try:
             data, fds, truncated, sender = packets.recv_request(conn.sock, packets.DONTWAIT)
@@ -339,9 +344,56 @@ class Broker:
         except OSError:
             self._drop(conn)
             return
-        if not data and not fds:
-            self._drop(conn)
-            return
+        if not fds:
+            size = len(data)
+            if not size:
+                self._drop(conn)
+                return
+            if (size == IMPORT.size or size == RELEASE.size) and sender == conn.client.pid and not truncated:
+                hot = self._hot(conn, data)  # the owner's IMPORT or RELEASE, most likely
+                if hot is not None:
+                    self._send(conn, *hot)
+                    return
+        self._serve(conn, data, fds, truncated, sender)
+
+    def _hot(self, conn: Conn, data: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+        """The reply to an IMPORT or a RELEASE of the connection's own process that has no fd (the requests every
+        import and free makes), read and written straight from and into the frames' fields (wire/local.py's
+        HotFrame); None for any other frame, which `_serve` decodes in full. The replies are the bytes `_serve`
+        sends for the same request, refusals included; the ledger's checks are the same calls."""
+        try:
+            if len(data) == IMPORT.size:
+                start, req, length, shareable, share_type, secret = IMPORT.struct.unpack(data)
+                if start != IMPORT.start or length != IMPORT.length:
+                    return None
+                try:
+                    hold, share = self.ledger.admit(conn.client, shareable, share_type, secret)
+                except LedgerError as exc:
+                    return encode(P.Error(exc.code, exc.message), req), ()
+                memory = share.memory
+                try:
+                    reply = IMPORTED.struct.pack(IMPORTED.start, req, IMPORTED.length, hold, memory.size,
+                                                 memory.kind, *share.prop)
+                except struct.error:  # values that do not fit: the full encoder says so (a protocol error)
+                    reply = encode(P.Imported(hold, memory.size, memory.kind, *share.prop), req)
+                return reply, (share.fd,) if share.fd >= 0 else ()
+            start, req, length, hold = RELEASE.struct.unpack(data)
+            if start != RELEASE.start or length != RELEASE.length:
+                return None
+            try:
+                self.ledger.release(conn.client, hold)
+            except LedgerError as exc:
+                return encode(P.Error(exc.code, exc.message), req), ()
+            return OK.struct.pack(OK.start, req, OK.length), ()
+        except ProtocolError as exc:
+            self.warn.log(logging.INFO, "protocol", "protocol error from pid %d: %s", conn.client.pid, exc)
+            return encode(P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"protocol error: {exc}"), peek_request_id(data)), ()
+        except Exception as exc:  # a bug must not take the node's broker down
+            log.exception("internal error serving pid %d", conn.client.pid)
+            return encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data)), ()
+
+    def _serve(self, conn: Conn, data: bytes, fds: list[int], truncated: bool, sender: int) -> None:
+        """Serve any request: decode it whole, and hand it to the fabric agent or the ledger."""
         pid = conn.client.pid
         try:
             if truncated:

@@ -9,6 +9,7 @@ import itertools
 import os
 import random
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import pytest
 from vmmshare import constants as C
 from vmmshare.broker.identity import identity_of_pid
 from vmmshare.broker.server import Broker, Conn
+from vmmshare.client.connection import BrokerClient
 from vmmshare.config import Config
+from vmmshare.errors import AclError
 from vmmshare.sockets import packets
 from vmmshare.wire import local as P
 
@@ -167,3 +170,89 @@ def test_the_trustlist_and_the_sender_are_checked_on_the_hot_path(twins: Callabl
     refusal = P.decode(got[0]).message
     assert isinstance(refusal, P.Error) and refusal.code == C.ACL_ERROR_RT_NO_PERMISSION
     assert not hot.broker.ledger.holds.keys() ^ full.broker.ledger.holds.keys()
+
+
+# ---------------------------------------------------------------- the client's side
+
+
+@pytest.fixture
+def wired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[BrokerClient, socket.socket]]:
+    """A BrokerClient whose connection is one end of a SEQPACKET pair (no broker: the test answers), and the other
+    end; nothing at the socket path, so a reconnection fails at once."""
+    monkeypatch.setenv("VMMSHARE_SOCKET", str(tmp_path / "none.sock"))
+    client = BrokerClient(Config.from_env(), autostart=False)
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client._sock = mine
+    yield client, theirs
+    client.close()
+    theirs.close()
+
+
+def answering(theirs: socket.socket, reply: Callable[[P.Frame], tuple[bytes, tuple[int, ...]]]) -> threading.Thread:
+    """A thread that reads one request on `theirs` and answers it with what `reply` makes of it."""
+
+    def serve() -> None:
+        data, fds, _ = packets.recv_packet(theirs)
+        packets.close_fds(fds)
+        frame, attached = reply(P.decode(data))
+        packets.send_packet(theirs, frame, attached)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_the_client_reads_an_imported_reply_from_its_fields(wired: tuple[BrokerClient, socket.socket]) -> None:
+    client, theirs = wired
+    fd = os.memfd_create("hot", os.MFD_CLOEXEC)
+    asked: list[P.Frame] = []
+
+    def reply(request: P.Frame) -> tuple[bytes, tuple[int, ...]]:
+        asked.append(request)
+        return P.encode(P.Imported(77, MiB2, 0, 0, 0, 5, 1, 3), request.req), (fd,)
+
+    thread = answering(theirs, reply)
+    got = client.import_handle(0xABCDEF, 1, b"")
+    thread.join()
+    os.close(fd)
+    assert asked[0].message == P.Import(0xABCDEF, 1, bytes(32))
+    prop = got.prop
+    assert (got.size, got.gpu, prop.mem_attr, prop.location.type, prop.location.id) == (MiB2, False, 5, 1, 3)
+    assert os.fstat(got.fd).st_size == 0 and got.fd != fd
+    os.close(got.fd)
+    assert client._holds[got.node_ref] == 77
+    # and its release: RELEASE of hold 77, answered OK
+    thread = answering(theirs, lambda request: (asked.append(request) or P.encode(P.Ok(), request.req), ()))
+    client.release(got.node_ref)
+    thread.join()
+    assert asked[1].message == P.Release(77) and got.node_ref not in client._holds
+
+
+@pytest.mark.parametrize(("answer", "error", "kept"), [
+    (lambda req: (P.encode(P.Error(207006, "not trusted"), req), ()), "not trusted", True),
+    (lambda req: (P.encode(P.Ok(), req), ()), "OK in reply to IMPORT", False),
+    (lambda req: (P.encode(P.Imported(1, MiB2, 0, 0, 0, 5, 1, 0), req ^ 1), (0,)), "reply to request", False),
+    (lambda req: (P.encode(P.Imported(1, MiB2, 0, 0, 0, 5, 1, 0), req), ()), "file descriptor", False),
+    (lambda req: (P.encode(P.Imported(1, MiB2, 0, 0, 0, 5, 1, 0), req)[:-1], (0,)), "its header says", False),
+], ids=["refused", "wrong-type", "wrong-request", "no-fd", "short"])
+def test_a_reply_that_is_not_the_hot_frame_gets_the_full_checks(
+    wired: tuple[BrokerClient, socket.socket], answer: Callable[[int], tuple[bytes, tuple[int, ...]]], error: str,
+    kept: bool,
+) -> None:
+    client, theirs = wired
+    before = set(os.listdir("/proc/self/fd"))
+    thread = answering(theirs, lambda request: answer(request.req))
+    with pytest.raises(AclError, match=error):
+        client.import_handle(5, 1, b"")
+    thread.join()
+    assert (client._sock is not None) == kept  # a refusal keeps the connection; a broken reply drops it
+    assert not client._holds
+    assert set(os.listdir("/proc/self/fd")) <= before  # every fd a reply brought is closed (and a dropped socket)
+
+
+def test_values_that_do_not_fit_an_import_frame_are_the_codecs_error(wired: tuple[BrokerClient, socket.socket]) -> None:
+    client, _ = wired
+    for shareable, share_type, secret in ((1 << 64, 1, b""), (-1, 1, b""), (1, 256, b""), (1, 1, bytes(33))):
+        with pytest.raises(P.ProtocolError):
+            client.import_handle(shareable, share_type, secret)
+    assert client._sock is not None and not client._holds

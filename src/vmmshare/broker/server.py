@@ -140,44 +140,58 @@ class Broker:
         paid back over the next turns. Among one user's processes, the one that has been served least (fair
         queuing on the time their requests took) goes first, so a process of the user gets its share of the
         user's time whatever its neighbour floods the broker with."""
-        ready: dict[int, list[tuple[Conn, selectors.SelectorKey, int]]] = {}
+        ready: dict[int, list[Conn]] = {}
         arrivals: list[tuple[selectors.SelectorKey, int]] = []  # accepted last: a connection closed first is gone
         for key, mask in events:
-            if isinstance(key.data, Conn):
-                ready.setdefault(key.data.client.uid, []).append((key.data, key, mask))
-            elif key.data is None:
+            data = key.data
+            if type(data) is Conn:
+                waiting = ready.get(data.client.uid)
+                if waiting is None:
+                    ready[data.client.uid] = [data]
+                else:
+                    waiting.append(data)
+            elif data is None:
                 arrivals.append((key, mask))
             else:
                 self._dispatch(key, mask)
-        for uid in [u for u in self.debt if u not in ready]:
-            self.debt[uid] -= QUANTUM
-            if self.debt[uid] <= 0:
-                del self.debt[uid]
-        for uid, waiting in ready.items():
-            credit = QUANTUM - self.debt.pop(uid, 0.0)
+        debt = self.debt
+        if debt:
+            for uid in [u for u in debt if u not in ready]:
+                debt[uid] -= QUANTUM
+                if debt[uid] <= 0:
+                    del debt[uid]
+        conns, clock = self.conns, time.perf_counter
+        for uid, queue in ready.items():
+            credit = QUANTUM - debt.pop(uid, 0.0) if debt else QUANTUM
             if credit > 0:
                 now = self.vclock.get(uid, 0.0)
-                finish = self.finish.setdefault(uid, {})
-                waiting.sort(key=lambda event: max(finish.get(event[0].client.pid, 0.0), now))
-                for conn, key, mask in waiting:
-                    if self.conns.get(conn.sock.fileno()) is not conn:
+                finish = self.finish.get(uid)
+                if finish is None:
+                    finish = self.finish[uid] = {}
+                if len(queue) > 1:
+                    queue.sort(key=lambda conn: max(finish.get(conn.client.pid, 0.0), now))
+                for conn in queue:
+                    if conns.get(conn.sock.fileno()) is not conn:
                         continue  # it left during this turn
-                    start = time.perf_counter()
-                    self._dispatch(key, mask)
-                    spent = time.perf_counter() - start
-                    begun = max(finish.get(conn.client.pid, 0.0), now)
-                    finish[conn.client.pid] = begun + spent
+                    start = clock()
+                    self._serve_conn(conn)
+                    spent = clock() - start
+                    pid = conn.client.pid
+                    begun = max(finish.get(pid, 0.0), now)
+                    finish[pid] = begun + spent
                     now = max(now, begun)
                     credit -= spent
                     if credit <= 0:
                         break
                 self.vclock[uid] = now
             if credit < 0:
-                self.debt[uid] = -credit
+                debt[uid] = -credit
         for key, mask in arrivals:
             self._dispatch(key, mask)
-        self._run_jobs()
-        self._resume_listening()
+        if self.jobs:
+            self._run_jobs()
+        if self.listen_paused_until:
+            self._resume_listening()
 
     def _timeout(self) -> float | None:
         timeout = None
@@ -200,13 +214,19 @@ class Broker:
             elif isinstance(key.data, _Exit):
                 self._drop(key.data.conn)  # the process that opened the connection exited
             elif isinstance(key.data, Conn):
-                self._readable(key.data)
+                self._serve_conn(key.data)
             else:
                 key.data(mask)  # a socket of the fabric agent
         except Exception:  # nothing one client does may take the node's broker down
             log.exception("unexpected error in the broker loop")
-            if isinstance(key.data, Conn):
-                self._drop(key.data)
+
+    def _serve_conn(self, conn: Conn) -> None:
+        """A readable connection's next request; a bug met on the way drops that client, never the broker."""
+        try:
+            self._readable(conn)
+        except Exception:  # nothing one client does may take the node's broker down
+            log.exception("unexpected error in the broker loop")
+            self._drop(conn)
 
     def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidHandleError, InvalidParamError
@@ -17,7 +19,10 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=256)
 def _default(value: int) -> ShareableHandle:
+    """The DEFAULT handle of `value` (a plain int: check_int's), made once: a handle is a value, and a program
+    imports the same few again and again."""
     if value == 0:
         raise InvalidHandleError("shareable handle 0 is never valid")
     return ShareableHandle.default(value)

@@ -405,7 +405,8 @@ class Ledger:
         hold = self._new_hold(client, memory)
         memory.holders += 1
         share.importers[hold] = client
-        log.debug("pid %d%s imported %#x", client.pid, trustlists.of_server(client), shareable)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pid %d%s imported %#x", client.pid, trustlists.of_server(client), shareable)
         return hold, share
 
     def adopt_remote(self, client: Client, size: int, gone: Callable[[], None]) -> int:

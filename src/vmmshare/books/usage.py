@@ -112,7 +112,7 @@ class Usage:
                                    "VMMSHARE_QUOTA_HOLDS")
             self.remote_holds[(server, uid)] += 1
             return
-        tally = self.of(uid)
+        tally = self.users.get(uid) or self.of(uid)
         if tally.holds >= self.quotas.holds:
             raise self._refuse(uid, "allocations and imports", tally.holds, self.quotas.holds, "VMMSHARE_QUOTA_HOLDS")
         tally.holds += 1
@@ -123,8 +123,10 @@ class Usage:
             if not self.remote_holds[(server, uid)]:
                 del self.remote_holds[(server, uid)]
             return
-        self.of(uid).holds -= 1
-        self._tidy(uid)
+        tally = self.users.get(uid) or self.of(uid)
+        tally.holds -= 1
+        if not tally.holds and tally.empty():  # holding anything else, the user keeps its tally
+            del self.users[uid]
 
     def check_memory(self, uid: int, device: int, size: int) -> None:
         if self.memory_quota is None:

@@ -16,6 +16,7 @@ import os
 import resource
 import selectors
 import socket
+import struct
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from ..sockets import packets
 from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
+from ..wire.local import HOT_IMPORT as IMPORT
+from ..wire.local import HOT_IMPORTED as IMPORTED
+from ..wire.local import HOT_OK as OK
+from ..wire.local import HOT_RELEASE as RELEASE
 from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system
 from .closer import Closer
@@ -135,44 +140,58 @@ class Broker:
         paid back over the next turns. Among one user's processes, the one that has been served least (fair
         queuing on the time their requests took) goes first, so a process of the user gets its share of the
         user's time whatever its neighbour floods the broker with."""
-        ready: dict[int, list[tuple[Conn, selectors.SelectorKey, int]]] = {}
+        ready: dict[int, list[Conn]] = {}
         arrivals: list[tuple[selectors.SelectorKey, int]] = []  # accepted last: a connection closed first is gone
         for key, mask in events:
-            if isinstance(key.data, Conn):
-                ready.setdefault(key.data.client.uid, []).append((key.data, key, mask))
-            elif key.data is None:
+            data = key.data
+            if type(data) is Conn:
+                waiting = ready.get(data.client.uid)
+                if waiting is None:
+                    ready[data.client.uid] = [data]
+                else:
+                    waiting.append(data)
+            elif data is None:
                 arrivals.append((key, mask))
             else:
                 self._dispatch(key, mask)
-        for uid in [u for u in self.debt if u not in ready]:
-            self.debt[uid] -= QUANTUM
-            if self.debt[uid] <= 0:
-                del self.debt[uid]
-        for uid, waiting in ready.items():
-            credit = QUANTUM - self.debt.pop(uid, 0.0)
+        debt = self.debt
+        if debt:
+            for uid in [u for u in debt if u not in ready]:
+                debt[uid] -= QUANTUM
+                if debt[uid] <= 0:
+                    del debt[uid]
+        conns, clock = self.conns, time.perf_counter
+        for uid, queue in ready.items():
+            credit = QUANTUM - debt.pop(uid, 0.0) if debt else QUANTUM
             if credit > 0:
                 now = self.vclock.get(uid, 0.0)
-                finish = self.finish.setdefault(uid, {})
-                waiting.sort(key=lambda event: max(finish.get(event[0].client.pid, 0.0), now))
-                for conn, key, mask in waiting:
-                    if self.conns.get(conn.sock.fileno()) is not conn:
+                finish = self.finish.get(uid)
+                if finish is None:
+                    finish = self.finish[uid] = {}
+                if len(queue) > 1:
+                    queue.sort(key=lambda conn: max(finish.get(conn.client.pid, 0.0), now))
+                for conn in queue:
+                    if conns.get(conn.sock.fileno()) is not conn:
                         continue  # it left during this turn
-                    start = time.perf_counter()
-                    self._dispatch(key, mask)
-                    spent = time.perf_counter() - start
-                    begun = max(finish.get(conn.client.pid, 0.0), now)
-                    finish[conn.client.pid] = begun + spent
+                    start = clock()
+                    self._serve_conn(conn)
+                    spent = clock() - start
+                    pid = conn.client.pid
+                    begun = max(finish.get(pid, 0.0), now)
+                    finish[pid] = begun + spent
                     now = max(now, begun)
                     credit -= spent
                     if credit <= 0:
                         break
                 self.vclock[uid] = now
             if credit < 0:
-                self.debt[uid] = -credit
+                debt[uid] = -credit
         for key, mask in arrivals:
             self._dispatch(key, mask)
-        self._run_jobs()
-        self._resume_listening()
+        if self.jobs:
+            self._run_jobs()
+        if self.listen_paused_until:
+            self._resume_listening()
 
     def _timeout(self) -> float | None:
         timeout = None
@@ -195,13 +214,19 @@ class Broker:
             elif isinstance(key.data, _Exit):
                 self._drop(key.data.conn)  # the process that opened the connection exited
             elif isinstance(key.data, Conn):
-                self._readable(key.data)
+                self._serve_conn(key.data)
             else:
                 key.data(mask)  # a socket of the fabric agent
         except Exception:  # nothing one client does may take the node's broker down
             log.exception("unexpected error in the broker loop")
-            if isinstance(key.data, Conn):
-                self._drop(key.data)
+
+    def _serve_conn(self, conn: Conn) -> None:
+        """A readable connection's next request; a bug met on the way drops that client, never the broker."""
+        try:
+            self._readable(conn)
+        except Exception:  # nothing one client does may take the node's broker down
+            log.exception("unexpected error in the broker loop")
+            self._drop(conn)
 
     def _poll_briefly(self) -> list[tuple[selectors.SelectorKey, int]]:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
@@ -333,7 +358,7 @@ class Broker:
     def _readable(self, conn: Conn) -> None:
         """Serve one packet of a readable connection (the selector reports it again if more are queued, so
         every client gets its turn)."""
-        if self._wait_for_pins(conn):
+        if self.jobs.pinned and self._wait_for_pins(conn):
             return
         try:
             data, fds, truncated, sender = packets.recv_request(conn.sock, packets.DONTWAIT)
@@ -342,9 +367,56 @@ class Broker:
         except OSError:
             self._drop(conn)
             return
-        if not data and not fds:
-            self._drop(conn)
-            return
+        if not fds:
+            size = len(data)
+            if not size:
+                self._drop(conn)
+                return
+            if (size == IMPORT.size or size == RELEASE.size) and sender == conn.client.pid and not truncated:
+                hot = self._hot(conn, data)  # the owner's IMPORT or RELEASE, most likely
+                if hot is not None:
+                    self._send(conn, *hot)
+                    return
+        self._serve(conn, data, fds, truncated, sender)
+
+    def _hot(self, conn: Conn, data: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+        """The reply to an IMPORT or a RELEASE of the connection's own process that has no fd (the requests every
+        import and free makes), read and written straight from and into the frames' fields (wire/local.py's
+        HotFrame); None for any other frame, which `_serve` decodes in full. The replies are the bytes `_serve`
+        sends for the same request, refusals included; the ledger's checks are the same calls."""
+        try:
+            if len(data) == IMPORT.size:
+                start, req, length, shareable, share_type, secret = IMPORT.struct.unpack(data)
+                if start != IMPORT.start or length != IMPORT.length:
+                    return None
+                try:
+                    hold, share = self.ledger.admit(conn.client, shareable, share_type, secret)
+                except LedgerError as exc:
+                    return encode(P.Error(exc.code, exc.message), req), ()
+                memory = share.memory
+                try:
+                    reply = IMPORTED.struct.pack(IMPORTED.start, req, IMPORTED.length, hold, memory.size,
+                                                 memory.kind, *share.prop)
+                except struct.error:  # values that do not fit: the full encoder says so (a protocol error)
+                    reply = encode(P.Imported(hold, memory.size, memory.kind, *share.prop), req)
+                return reply, (share.fd,) if share.fd >= 0 else ()
+            start, req, length, hold = RELEASE.struct.unpack(data)
+            if start != RELEASE.start or length != RELEASE.length:
+                return None
+            try:
+                self.ledger.release(conn.client, hold)
+            except LedgerError as exc:
+                return encode(P.Error(exc.code, exc.message), req), ()
+            return OK.struct.pack(OK.start, req, OK.length), ()
+        except ProtocolError as exc:
+            self.warn.log(logging.INFO, "protocol", "protocol error from pid %d: %s", conn.client.pid, exc)
+            return encode(P.Error(C.ACL_ERROR_RT_IPC_ERROR, f"protocol error: {exc}"), peek_request_id(data)), ()
+        except Exception as exc:  # a bug must not take the node's broker down
+            log.exception("internal error serving pid %d", conn.client.pid)
+            return encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data)), ()
+
+    def _serve(self, conn: Conn, data: bytes, fds: list[int], truncated: bool, sender: int) -> None:
+        """Serve any request: decode it whole, and hand it to the fabric agent or the ledger."""
         pid = conn.client.pid
         try:
             if truncated:

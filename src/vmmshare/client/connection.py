@@ -15,7 +15,7 @@ import select
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..backends.remote import Transfers
 from ..config import Config
@@ -33,6 +33,10 @@ log = logging.getLogger("vmmshare.client")
 REPLY_TIMEOUT = 60.0
 RETRIES = 4  # a dying broker's listener can still take a connection or two before it is gone
 R = TypeVar("R", bound=P.Message)
+T = TypeVar("T")
+Args = ParamSpec("Args")
+IMPORT, IMPORTED, RELEASE, OK = P.HOT_IMPORT, P.HOT_IMPORTED, P.HOT_RELEASE, P.HOT_OK
+U64 = (1 << 64) - 1
 
 
 class BrokerClient:
@@ -89,14 +93,12 @@ class BrokerClient:
         self._holds.clear()
         self._charges.clear()
 
-    def _exchange(
-        self, sock: socket.socket, message: P.Message, expect: type[R], fds: tuple[int, ...],
-        meanwhile: Callable[[], None] | None,
-    ) -> tuple[R, list[int]]:
-        """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
-        req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses the broker's refusal of a connection
+    def _send_and_wait(
+        self, sock: socket.socket, frame: bytes, fds: tuple[int, ...], meanwhile: Callable[[], None] | None,
+    ) -> tuple[bytes, list[int], bool]:
+        """Send one request frame and take the packet that answers it; `meanwhile` runs while the broker works."""
         try:
-            packets.send_packet(sock, encode(message, req), fds)
+            packets.send_packet(sock, frame, fds)
         except OSError:
             refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
             if refusal is not None:
@@ -115,6 +117,11 @@ class BrokerClient:
             raise
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
+        return packet, got, truncated
+
+    def _reply(self, packet: bytes, got: list[int], truncated: bool, req: int, expect: type[R], asked: str) -> R:
+        """The reply to request `req` (a request of type `asked`), of type `expect`: a refusal raises its error, and
+        anything that does not follow the protocol an IpcError (the connection is dropped then)."""
         try:
             if truncated:
                 raise ProtocolError("reply too large")
@@ -129,12 +136,37 @@ class BrokerClient:
                 close_fds(got)
                 raise error_from_code(reply.code, reply.message)
             if not isinstance(reply, expect):
-                raise ProtocolError(f"{reply.TYPE.name} in reply to {message.TYPE.name}")
+                raise ProtocolError(f"{reply.TYPE.name} in reply to {asked}")
         except ProtocolError as exc:
             close_fds(got)
             self._reset()
             raise IpcError(f"bad reply from the broker: {exc}") from None
-        return reply, got
+        return reply
+
+    def _exchange(
+        self, sock: socket.socket, message: P.Message, expect: type[R], fds: tuple[int, ...],
+        meanwhile: Callable[[], None] | None,
+    ) -> tuple[R, list[int]]:
+        """Send a request and take its reply (of type `expect`); `meanwhile` runs while the broker works on it."""
+        req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses the broker's refusal of a connection
+        packet, got, truncated = self._send_and_wait(sock, encode(message, req), fds, meanwhile)
+        return self._reply(packet, got, truncated, req, expect, message.TYPE.name), got
+
+    def _hot_exchange(
+        self, sock: socket.socket, frame: Callable[[int], bytes], asked: P.Msg, hot: P.HotFrame,
+    ) -> tuple[tuple[Any, ...], list[int]]:
+        """`_exchange` for a request whose reply is a hot frame (wire/local.py's HotFrame): `frame` makes the request
+        of its request id; the reply's fields come back as the frame's struct unpacks them (its start, request id
+        and length first), with no message object built. Any other reply goes through the full checks."""
+        req = next(self._req) & 0xFFFFFFFF or next(self._req)
+        packet, got, truncated = self._send_and_wait(sock, frame(req), (), None)
+        if len(packet) == hot.size and len(got) == hot.fds and not truncated:
+            fields = hot.struct.unpack(packet)
+            if fields[0] == hot.start and fields[1] == req and fields[2] == hot.length:
+                return fields, got
+        layout = P.LAYOUTS[hot.kind]  # a refusal raises here; a reply that fits, after all, is read as one
+        reply: P.Message = self._reply(packet, got, truncated, req, layout.message, asked.name)
+        return (hot.start, req, hot.length, *layout.values(reply)), got
 
     def request(
         self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...] = (),
@@ -147,42 +179,52 @@ class BrokerClient:
 
         `meanwhile` (run once) overlaps local work with the broker's.
         """
-        pending = [meanwhile] if meanwhile is not None else []
+        once: Callable[[], None] | None = None
+        if meanwhile is not None:
+            pending = [meanwhile]
 
-        def once() -> None:  # on whichever attempt gets its request out
-            if pending:
-                pending.pop()()
+            def once() -> None:  # on whichever attempt gets its request out
+                if pending:
+                    pending.pop()()
 
-        with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                return self._request(message, expect, fds, once)
-            finally:
-                self._owner = None
+        def attempt(sock: socket.socket) -> tuple[R, list[int]]:
+            made = message if isinstance(message, P.Message) else message()
+            return self._exchange(sock, made, expect, fds, once)
+
+        return self._locked(attempt)
+
+    def _hot_request(
+        self, frame: Callable[[int], bytes], asked: P.Msg, hot: P.HotFrame,
+    ) -> tuple[tuple[Any, ...], list[int]]:
+        """`request` of a frame that `frame` makes of each attempt's request id, answered by a hot frame."""
+        return self._locked(self._hot_exchange, frame, asked, hot)
 
     def busy_in_this_thread(self) -> bool:
         """Whether this thread is inside a request (a finalizer run by the garbage collector must wait)."""
         return self._owner == threading.get_ident()
 
-    def _request(
-        self, message: P.Message | Callable[[], P.Message], expect: type[R], fds: tuple[int, ...],
-        once: Callable[[], None],
-    ) -> tuple[R, list[int]]:
-        for attempt in range(RETRIES):
+    def _locked(self, attempt: Callable[Concatenate[socket.socket, Args], T], *args: Args.args,
+                **kwargs: Args.kwargs) -> T:
+        """`attempt(sock, *args)` on the connection, one thread at a time; on a fresh connection again if the broker
+        went away."""
+        with self._lock:
+            self._owner = threading.get_ident()
             try:
-                sock = self._sock or self._reconnect()
-                made = message if isinstance(message, P.Message) else message()
-                return self._exchange(sock, made, expect, fds, once)
-            except AclError:
-                raise
-            except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries on it
-                self._reset()
-                raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
-            except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
-                self._reset()
-                if attempt == RETRIES - 1:
-                    raise IpcError(f"lost the broker at {self.path}: {exc}") from None
-        raise AssertionError("unreachable")
+                for tries in range(RETRIES):
+                    try:
+                        return attempt(self._sock or self._reconnect(), *args, **kwargs)
+                    except AclError:
+                        raise
+                    except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries
+                        self._reset()
+                        raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
+                    except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
+                        self._reset()
+                        if tries == RETRIES - 1:
+                            raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+                raise AssertionError("unreachable")
+            finally:
+                self._owner = None
 
     def _hold_of(self, token: int) -> int:
         """The broker's hold id for a token (0, which no hold has, when the broker that gave it is gone)."""
@@ -205,7 +247,8 @@ class BrokerClient:
         if token not in self._holds:
             return
         try:
-            self.request(lambda: P.Release(self._hold_of(token)), P.Ok)
+            self._hot_request(lambda req: RELEASE.struct.pack(RELEASE.start, req, RELEASE.length,
+                                                              self._hold_of(token)), P.Msg.RELEASE, OK)
         finally:
             self._holds.pop(token, None)
 
@@ -234,12 +277,16 @@ class BrokerClient:
         self.request(P.SetPids(shareable, share_type, tuple(pids)), P.Ok)
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
-        reply, fds = self.request(P.Import(shareable, share_type, secret.ljust(32, b"\0")), P.Imported)
+        secret = secret.ljust(32, b"\0")
+        if len(secret) != 32 or not 0 <= shareable <= U64 or not 0 <= share_type <= 0xFF:
+            encode(P.Import(shareable, share_type, secret), 1)  # values that do not fit: the codec's error says which
+        fields, fds = self._hot_request(
+            lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),
+            P.Msg.IMPORT, IMPORTED)
+        _, _, _, hold, size, kind, *prop = fields
         token = next(self._tokens)
-        self._holds[token] = reply.hold
-        prop = prop_of(reply.handle_type, reply.allocation_type, reply.mem_attr, reply.location_type,
-                       reply.location_id)
-        return Imported(fds[0], token, reply.size, prop, bool(reply.memory_kind))
+        self._holds[token] = hold
+        return Imported(fds[0], token, size, prop_of(*prop), bool(kind))
 
     def bare_tgid(self) -> int:
         reply, _ = self.request(P.BareTgid(), P.Pid)

@@ -16,6 +16,8 @@ U64 = (1 << 64) - 1
 
 def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
     """`value` as an int in [lo, hi], else InvalidParamError naming the argument."""
+    if type(value) is int and lo <= value <= hi:  # the common case, a plain int in range: checked in one line
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParamError(f"{name} must be an int, got {type(value).__name__}")
     if not lo <= value <= hi:

@@ -21,6 +21,10 @@ import pytest
 
 from procs import clean_env
 
+# On one worker of a parallel run: the sdist is built once for the module, and two builds at once in this checkout
+# would race on setuptools' staging folder (vmmshare-VERSION/) and its egg-info.
+pytestmark = pytest.mark.xdist_group("sdist")
+
 ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD = 600  # seconds: a guard against a hang only, never part of an assertion
 

@@ -124,7 +124,7 @@ def test_bench_fabric_servers_verifies_every_import_of_both_phases_and_leaves_no
     there, and `cluster down` left no namespace, process or /dev/shm entry of the run."""
     path = tmp_path / "scale.json"
     out = vmmshare("bench", "--fabric", "--servers", "3", "--at-once", "2", "--idle-seconds", "0.5",
-                   "--json", str(path))
+                   "--fabric-timeout", "1", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     (res,) = json.loads(path.read_text())
     assert res["servers"] == 3 and res["imports"] == 6, res
@@ -138,14 +138,20 @@ def test_bench_fabric_servers_verifies_every_import_of_both_phases_and_leaves_no
     assert res["left_behind"] == [], res["left_behind"]
     assert res["idle_brokers_cores"] >= 0 and set(res["idle_cores_by_part"]) >= {"broker loop", "metadata service"}
     assert set(res["targets"]) == {"later_median_paced_vs_lone", "later_p99_paced_ms", "first_import_ms",
-                                   "idle_brokers_cores"}, res["targets"]
+                                   "idle_brokers_cores", "killed_broker_slowest_copy_s"}, res["targets"]
+    killed = res["killed"]  # server 2's broker killed: both others' copies from it fail, none hangs
+    assert killed["copies"] == killed["failed"] == 6 and killed["codes"] == [507022], killed
+    assert killed["holds_freed_after_s"] is not None and killed["holds_freed_after_s"] >= killed["lease_s"] / 2
+    assert res["targets"]["killed_broker_slowest_copy_s"]["met"], killed
     text = out.stdout
     assert "all at once (3 importing)" in text and "paced (2 at a time)" in text, text
     for line in ("later import median, paced / lone importer's", "later import p99, paced, ms",
-                 "first import of a fresh process (the lone one), ms", "idle CPU of all brokers, cores"):
+                 "first import of a fresh process (the lone one), ms", "idle CPU of all brokers, cores",
+                 "killed broker: slowest failed copy from it, s"):
         shown = [row for row in text.splitlines() if line in row]
         assert len(shown) == 1 and shown[0].split()[-1] in ("met", "MISSED"), (line, text)
     assert "cluster down left nothing" in text and "Traceback" not in out.stderr
+    assert "killed broker (server 2): 6/6 copies from it failed (codes 507022)" in text, text
 
 
 @pytest.mark.parametrize("servers", ["1", "255", "4,x", ""])

@@ -281,6 +281,9 @@ def main(argv: list[str]) -> int:
         "with --servers: how long the brokers' idle CPU is sampled, every import held (default 10)"))
     ap.add_argument("--at-once", type=count_option, help=(
         "with --servers: how many servers import at a time in the paced phase (default: this machine's cores)"))
+    ap.add_argument("--fabric-timeout", type=seconds_option, default=5.0, help=(
+        "with --servers: the cluster's VMMSHARE_FABRIC_TIMEOUT in seconds (default 5); a killed broker's copies must "
+        "fail within it and its process's holds elsewhere are freed after 4 of it"))
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
     ap.add_argument("--latency-reps", type=int, default=200, help="4 KiB reads per path (default 200)")
@@ -304,7 +307,7 @@ def main(argv: list[str]) -> int:
         say_error("vmmshare bench --fabric", missing())
         return USAGE
     if args.servers:
-        return run_counts(args.servers, args.json, args.plot, args.idle_seconds, args.at_once)
+        return run_counts(args.servers, args.json, args.plot, args.idle_seconds, args.at_once, args.fabric_timeout)
     try:
         res = run(args.sizes, args.reps, args.latency_reps)
     except (ClusterError, RuntimeError) as exc:

@@ -41,8 +41,9 @@ def _worker(n: int, count: int) -> None:
     """One server's process: export SHARE bytes filled with its number, print the handle; then do what each line of
     stdin says. `import`: import and map every other server's (each import timed, the process's first one apart,
     and the CPU this thread spent on them); `check`: read and byte-check each one held; `free`: unmap and free them
-    all. Copies wait for `check`: a job's start-up imports its peers' memory before it moves bytes, and the import
-    figures are then the imports' own, not the copies' of the other servers running alongside."""
+    all; `copy M K`: K timed copies from the import of server M's memory. Copies wait for `check`: a job's start-up
+    imports its peers' memory before it moves bytes, and the import figures are then the imports' own, not the
+    copies' of the other servers running alongside."""
     import hashlib
 
     import vmmshare.acl as acl
@@ -94,6 +95,15 @@ def _worker(n: int, count: int) -> None:
                     failed.append(f"server {m}: the bytes read are not what it wrote")
             print(json.dumps({"verified": verified, "failed": failed}), flush=True)
             failed = []
+        elif command.startswith("copy "):  # copy M K: K timed copies from the import of server M's memory
+            _, m_text, k_text = command.split()
+            source = next((rp for m, rp, _ in held if m == int(m_text)), 0)
+            copies = []
+            for _ in range(int(k_text) if source else 0):
+                t0 = time.perf_counter()
+                ret = acl.rt.memcpy(buf, SHARE, source, SHARE, 2)
+                copies.append([ret, time.perf_counter() - t0])
+            print(json.dumps({"copies": copies}), flush=True)
         elif command == "free":
             for m, rp, ih in held:
                 if acl.rt.unmap_mem(rp) or acl.rt.release_mem_address(rp) or acl.rt.free_physical(ih):
@@ -331,14 +341,15 @@ def _spread(seconds: list[float]) -> dict[str, float]:
             "p99": _percentile(seconds, 0.99) * ms, "max": max(seconds, default=0.0) * ms}
 
 
-def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) -> dict[str, Any]:
+def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None,
+              fabric_timeout: float = 5.0) -> dict[str, Any]:
     """All-to-all FABRIC imports on `count` servers, all at once and then paced (`at_once` servers importing at a
     time, this machine's cores by default): import latency, a lone importer's, memory, idle CPU, targets."""
     from .cluster import Cluster
 
     pace = min(count, at_once or os.cpu_count() or 1)
     root = Path(tempfile.mkdtemp(prefix="vmmshare-bench-"))
-    cluster = Cluster(f"s{os.getpid() % 10000}", count, root=root, timeout=5.0)
+    cluster = Cluster(f"s{os.getpid() % 10000}", count, root=root, timeout=fabric_timeout)
     me = [sys.executable, "-m", "vmmshare.cli.bench_scale"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env["VMMSHARE_BROKER_IDLE"] = "600"
@@ -387,6 +398,8 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) ->
         parts_after = _parts(brokers, workers)
         res["idle_cores_by_part"] = {k: (parts_after[k] - parts_before[k]) / window for k in PARTS}
         per_server = [sum(_rss(p) for p in [*brokers[n], procs[n].pid]) for n in numbers]
+        if count >= 3:
+            res["killed"] = _kill_one(cluster, procs, brokers, 2)
         for proc in procs.values():
             assert proc.stdin is not None
             proc.stdin.close()
@@ -415,11 +428,67 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None) ->
     return res
 
 
+KILL_COPIES = 3  # copies each server's process tries from a killed broker's memory
+
+
+def _kill_one(cluster: Any, procs: dict[int, subprocess.Popen[str]], brokers: dict[int, list[int]],
+              victim: int) -> dict[str, Any]:
+    """Kill server `victim`'s broker while every other server holds an import of its memory: each of them then
+    copies from it KILL_COPIES times (all at once), and every copy must fail (507022) within the fabric timeout,
+    the first and each later one; then the holds the victim's own process had on the other servers are freed by
+    their exporters when the lease of the victim's dead links ends (waited for, and timed)."""
+    import signal
+
+    from ..fabric.serving import LEASE_FACTOR
+
+    timeout = float(cluster.timeout or 5.0)
+    for pid in brokers[victim]:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"metadata_service" not in f.read():
+                os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    others = [n for n in procs if n != victim]
+    for n in others:
+        _send(procs[n], f"copy {victim} {KILL_COPIES}")
+    copies = [_reply(n, procs[n], "copying from the killed broker's memory")["copies"] for n in others]
+    firsts = [c[0][1] for c in copies if c]
+    laters = [t for c in copies for _, t in c[1:]]
+    mark = f"{cluster.server(victim).server_id:#x}:"
+    deadline = killed_at + (LEASE_FACTOR + 3) * timeout + 30.0  # the lease, the link's death noticed, a margin
+    freed_after = None
+    while freed_after is None and time.monotonic() < deadline:
+        if not any(mark in row for n in others for e in _listing(cluster, n)["exports"]
+                   for row in e.get("remote_importers", [])):
+            freed_after = time.monotonic() - killed_at
+        else:
+            time.sleep(0.2)  # polled: an exporter frees a dead link's holds at the end of its lease, on its own
+    return {"copies": sum(len(c) for c in copies), "failed": sum(1 for c in copies for ret, _ in c if ret != 0),
+            "codes": sorted({ret for c in copies for ret, _ in c}), "first_max_s": max(firsts, default=0.0),
+            "later_max_s": max(laters, default=0.0), "timeout_s": timeout, "lease_s": LEASE_FACTOR * timeout,
+            "holds_freed_after_s": freed_after}
+
+
+def _listing(cluster: Any, n: int) -> dict[str, Any]:
+    """What `vmmshare ls --json` shows on server `n` (asked from this process: the broker's socket is a file)."""
+    from dataclasses import replace
+
+    from ..client.connection import BrokerClient
+    from ..config import Config
+
+    client = BrokerClient(replace(Config.from_env(), socket_path=Path(cluster.server(n).env["VMMSHARE_SOCKET"])),
+                          autostart=False)
+    try:
+        return client.listing()
+    finally:
+        client.close()
+
+
 TARGET_NAMES = {
     "later_median_paced_vs_lone": "later import median, paced / lone importer's",
     "later_p99_paced_ms": "later import p99, paced, ms",
     "first_import_ms": "first import of a fresh process (the lone one), ms",
     "idle_brokers_cores": "idle CPU of all brokers, cores",
+    "killed_broker_slowest_copy_s": "killed broker: slowest failed copy from it, s",
 }
 
 
@@ -433,8 +502,14 @@ def targets(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "first_import_ms": {"value": lone["first"], "target": "<= 5"},
         "idle_brokers_cores": {"value": res["idle_brokers_cores"], "target": "<= 0.05"},
     }
+    k = res.get("killed")
+    if k:
+        t["killed_broker_slowest_copy_s"] = {"value": max(k["first_max_s"], k["later_max_s"]),
+                                             "target": f"<= {k['timeout_s']:g}"}
     for v in t.values():
         v["met"] = v["value"] <= float(v["target"].split()[1])
+    if k:  # and every copy failed, none hung: else the target is not met whatever the times say
+        t["killed_broker_slowest_copy_s"]["met"] &= k["failed"] == k["copies"] > 0
     return t
 
 
@@ -523,6 +598,14 @@ def print_scale(results: list[dict[str, Any]]) -> None:
             print("      idle, cores: " + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()))
         for f in [f for key in PHASES for f in r[key]["failed"]][:5]:
             print(f"      failed: {f}")
+        k = r.get("killed")
+        if k:
+            freed = (f"freed {k['holds_freed_after_s']:.1f} s after" if k["holds_freed_after_s"] is not None
+                     else "NOT freed within the lease after")
+            print(f"      killed broker (server 2): {k['failed']}/{k['copies']} copies from it failed (codes "
+                  f"{', '.join(map(str, k['codes']))}), the slowest first {k['first_max_s']:.3f} s, later "
+                  f"{k['later_max_s']:.3f} s (timeout {k['timeout_s']:g} s); its process's holds elsewhere "
+                  f"{freed} the kill (lease {k['lease_s']:g} s)")
         if r["left_behind"]:
             print(f"      left behind by cluster down: {', '.join(r['left_behind'][:20])}")
         else:
@@ -573,14 +656,14 @@ def counts_option(text: str) -> list[int]:
 
 
 def run_counts(counts: list[int], json_path: str | None, plot: str | None, idle_s: float = IDLE_S,
-               at_once: int | None = None) -> int:
+               at_once: int | None = None, fabric_timeout: float = 5.0) -> int:
     from .cluster import ClusterError
     from .console import FAILED, OK, say_error
 
     results = []
     for count in counts:
         try:
-            results.append(run_scale(count, idle_s, at_once))
+            results.append(run_scale(count, idle_s, at_once, fabric_timeout))
         except (ClusterError, RuntimeError, OSError, ValueError) as exc:
             say_error("vmmshare bench --fabric --servers", f"at {count} servers: {exc}")
             return FAILED
@@ -592,6 +675,7 @@ def run_counts(counts: list[int], json_path: str | None, plot: str | None, idle_
         print(f"  plot: {why or plot}")
     complete = all(r[key]["verified"] == r["imports"] for r in results for key in PHASES)
     complete = complete and not any(r["left_behind"] for r in results)
+    complete = complete and all(r["targets"]["killed_broker_slowest_copy_s"]["met"] for r in results if "killed" in r)
     return OK if complete else FAILED
 
 

@@ -27,6 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from .bench_fabric import PROP
+from .bench_scale_probes import (
+    PARTS,
+    broker_pids,
+    cpu_by_hop,
+    cpu_by_part,
+    cpu_seconds,
+    left_behind,
+    rss,
+    shm_entries,
+    started,
+)
+from .bench_scale_report import PHASES, plot_scale, print_scale
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -34,7 +46,6 @@ KiB, MiB = 1 << 10, 1 << 20
 SHARE = 4 * MiB  # each server's one FABRIC export
 IDLE_S = 10.0  # seconds the brokers' CPU is sampled for, every import held
 LONE_REPS = 30  # import + map cycles of the lone importer
-PHASES = ("all_at_once", "paced")  # in the order they run: the first makes every link the paced one finds live
 
 
 def _worker(n: int, count: int) -> None:
@@ -164,11 +175,11 @@ class _Lone:
         self.first = self._cycles(1, count=False)[0]
 
     def _cycles(self, k: int, count: bool = True) -> list[float]:
-        before = {n: _hops({n: pids}) for n, pids in self.brokers.items()}
+        before = {n: cpu_by_hop({n: pids}) for n, pids in self.brokers.items()}
         _send(self.proc, f"cycles {k}")
         got = _reply(1, self.proc, "importing alone")
         if count:
-            after = {n: _hops({n: pids}) for n, pids in self.brokers.items()}
+            after = {n: cpu_by_hop({n: pids}) for n, pids in self.brokers.items()}
             self.cpu["client"] += got["cpu"]
             for n, side in ((1, "importing"), (2, "exporting")):
                 for key in after[n]:
@@ -193,85 +204,6 @@ class _Lone:
                 self.proc.wait(30)
         cycles = max(len(self.later), 1)
         return {"first": self.first, "later": self.later, "cpu_ms": {k: v / cycles * 1e3 for k, v in self.cpu.items()}}
-
-
-def _cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """utime + stime of a process (all its threads), or of its thread `tid`; 0 once it is gone."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _on_cpu(pid: int, tid: int) -> float:
-    """Seconds thread `tid` of `pid` has run (the scheduler's own count, in ns: finer than utime's ticks)."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _hops(brokers: dict[int, list[int]]) -> dict[str, float]:
-    """Seconds run so far by the brokers' loop threads and by their metadata services, of the servers in
-    `brokers` (server -> its broker's processes)."""
-    out = {"broker loop": 0.0, "metadata service": 0.0}
-    for pids in brokers.values():
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    meta = b"metadata_service" in f.read()
-                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if meta else [pid]
-            except OSError:
-                continue
-            out["metadata service" if meta else "broker loop"] += sum(_on_cpu(pid, t) for t in tids)
-    return out
-
-
-PARTS = ("broker loop", "broker engine", "metadata service", "importer engines")
-
-
-def _parts(brokers: dict[int, list[int]], workers: set[int]) -> dict[str, float]:
-    """CPU seconds so far of each part of every server: the broker's loop thread (its main thread), the broker's
-    other threads (its transfer engine's), its metadata service child, and the importing processes' threads but
-    their main one (their engines', which run while the imports are held)."""
-    out = dict.fromkeys(PARTS, 0.0)
-    for pids in brokers.values():
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read()
-                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            except OSError:
-                continue
-            if b"metadata_service" in cmdline:
-                out["metadata service"] += _cpu_seconds(pid)
-                continue
-            for tid in tids:
-                out["broker loop" if tid == pid else "broker engine"] += _cpu_seconds(pid, tid)
-    for pid in workers:
-        with contextlib.suppress(OSError):
-            for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
-                if tid != pid:
-                    out["importer engines"] += _cpu_seconds(pid, tid)
-    return out
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * KiB
-    return 0
-
-
-def _brokers(cluster: Any, n: int, workers: set[int]) -> list[int]:
-    """The broker's processes on server `n` (the broker and its metadata service): every process there but the
-    workers (and the `ip netns exec` wrappers, which exec and are the workers themselves)."""
-    return [p for p in cluster.pids(n) if p not in workers]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -304,12 +236,12 @@ def _phase(procs: dict[int, subprocess.Popen[str]], waves: list[list[int]], brok
     hops = {"broker loop": 0.0, "metadata service": 0.0}
     client = 0.0
     for wave in waves:
-        before = _hops(brokers)
+        before = cpu_by_hop(brokers)
         for n in wave:
             _send(procs[n], "import")
         for n in wave:
             reports[n] = _reply(n, procs[n], "importing")
-        after = _hops(brokers)
+        after = cpu_by_hop(brokers)
         for k in hops:
             hops[k] += after[k] - before[k]
         for n in wave:
@@ -354,7 +286,7 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None,
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env["VMMSHARE_BROKER_IDLE"] = "600"
     procs: dict[int, subprocess.Popen[str]] = {}
-    shm_before = _shm()
+    shm_before = shm_entries()
     ran: set[tuple[int, int]] = set()  # (pid, start time) of every process seen on the cluster's servers
     t_up = time.perf_counter()
     cluster.up()
@@ -372,7 +304,7 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None,
             _send(proc, json.dumps(handles))
         workers = {p.pid for p in procs.values()}
         numbers = sorted(procs)
-        brokers = {n: _brokers(cluster, n, workers) for n in numbers}
+        brokers = {n: broker_pids(cluster, n, workers) for n in numbers}
         t0 = time.perf_counter()
         res["all_at_once"] = _phase(procs, [numbers], brokers)
         res["all_at_once"]["seconds"] = time.perf_counter() - t0
@@ -389,15 +321,15 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None,
         finally:
             alone = lone.close()
         every = [p for pids in brokers.values() for p in pids]
-        before = sum(_cpu_seconds(p) for p in every)
-        parts_before = _parts(brokers, workers)
+        before = sum(cpu_seconds(p) for p in every)
+        parts_before = cpu_by_part(brokers, workers)
         t0 = time.monotonic()
         time.sleep(idle_s)  # a measurement window, not synchronisation: every paced import is held meanwhile
         window = time.monotonic() - t0
-        idle = (sum(_cpu_seconds(p) for p in every) - before) / window
-        parts_after = _parts(brokers, workers)
+        idle = (sum(cpu_seconds(p) for p in every) - before) / window
+        parts_after = cpu_by_part(brokers, workers)
         res["idle_cores_by_part"] = {k: (parts_after[k] - parts_before[k]) / window for k in PARTS}
-        per_server = [sum(_rss(p) for p in [*brokers[n], procs[n].pid]) for n in numbers]
+        per_server = [sum(rss(p) for p in [*brokers[n], procs[n].pid]) for n in numbers]
         if count >= 3:
             res["killed"] = _kill_one(cluster, procs, brokers, 2)
         for proc in procs.values():
@@ -406,7 +338,7 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None,
             proc.wait(60)
     finally:
         for s in cluster.servers:
-            ran.update(_started(p) for p in cluster.pids(s.number))
+            ran.update(started(p) for p in cluster.pids(s.number))
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
@@ -422,7 +354,7 @@ def run_scale(count: int, idle_s: float = IDLE_S, at_once: int | None = None,
         "lone_cpu_per_cycle_ms": alone["cpu_ms"],
         "memory_per_server_mib": statistics.mean(per_server) / MiB,
         "idle_brokers_cores": idle,
-        "left_behind": _left_behind(cluster, ran, shm_before),
+        "left_behind": left_behind(cluster, ran, shm_before),
     })
     res["targets"] = targets(res)
     return res
@@ -483,15 +415,6 @@ def _listing(cluster: Any, n: int) -> dict[str, Any]:
         client.close()
 
 
-TARGET_NAMES = {
-    "later_median_paced_vs_lone": "later import median, paced / lone importer's",
-    "later_p99_paced_ms": "later import p99, paced, ms",
-    "first_import_ms": "first import of a fresh process (the lone one), ms",
-    "idle_brokers_cores": "idle CPU of all brokers, cores",
-    "killed_broker_slowest_copy_s": "killed broker: slowest failed copy from it, s",
-}
-
-
 def targets(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The issue's targets at scale, each {value, target, met}: what flat in N means, measured by the paced phase
     against the lone importer of the same run, and what an idle supernode costs."""
@@ -511,138 +434,6 @@ def targets(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if k:  # and every copy failed, none hung: else the target is not met whatever the times say
         t["killed_broker_slowest_copy_s"]["met"] &= k["failed"] == k["copies"] > 0
     return t
-
-
-def _started(pid: int) -> tuple[int, int]:
-    """(pid, start time in clock ticks since boot): a process, told apart from a later one reusing its pid; the
-    start time is -1 for a process that is gone or has exited (a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return pid, int(fields[19]) if fields[0] != "Z" else -1
-    except (OSError, ValueError, IndexError):
-        return pid, -1
-
-
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
-def _in_use(paths: set[str]) -> set[str]:
-    """Which of `paths` a live process has open or mapped (another program's, not a leftover)."""
-    used: set[str] = set()
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target in paths:
-                        used.add(target)
-            with open(f"/proc/{pid}/maps") as maps:
-                used.update(path for line in maps if (path := line.rstrip("\n").split(maxsplit=5)[-1]) in paths)
-    return used
-
-
-def _left_behind(cluster: Any, ran: set[tuple[int, int]], shm_before: set[str]) -> list[str]:
-    """What `cluster down` left: its namespaces, any process that ran on its servers (brokers, their metadata
-    services, the workers, whose threads are the engines), and /dev/shm entries made during the run that no live
-    process holds."""
-    from .cluster import _namespaces
-
-    left = sorted(f"namespace {ns}" for ns in _namespaces() if ns.startswith(f"vmms-{cluster.name}-"))
-    left += sorted(f"process {pid}" for pid, start in ran if start >= 0 and _started(pid) == (pid, start))
-    fresh = {f"/dev/shm/{name}" for name in _shm() - shm_before}
-    unused = fresh - _in_use(fresh)
-    # a second look after the scan of every process: another program's entry made and removed meanwhile is gone
-    left += sorted(f"file {path}" for path in unused if os.path.lexists(path))
-    return left
-
-
-def print_scale(results: list[dict[str, Any]]) -> None:
-    cores = os.cpu_count() or 1
-    print("all-to-all FABRIC imports of 4 MiB (every server imports, maps and byte-checks every other's), servers "
-          f"as network namespaces of this machine ({cores} cores): import + reserve + map, ms")
-    print(f"  {'N':>3s} {'phase':27s} {'verified':>11s}  {'later med':>9s} {'p99':>7s} {'max':>7s}  "
-          f"{'first med':>9s} {'max':>7s}  {'CPU/import':>10s}")
-    for r in results:
-        for key in PHASES:
-            ph = r[key]
-            la, fi = ph["later_ms"], ph["first_ms"]
-            label = (f"all at once ({r['servers']} importing)" if key == "all_at_once"
-                     else f"paced ({ph['at_once']} at a time)")
-            first = f"{fi['median']:9.2f} {fi['max']:7.2f}" if fi else f"{'-':>9s} {'-':>7s}"
-            print(f"  {r['servers'] if key == PHASES[0] else '':>3} {label:27s} "
-                  f"{ph['verified']:>5d}/{r['imports']:<5d}  {la['median']:9.2f} {la['p99']:7.2f} {la['max']:7.2f}  "
-                  f"{first}  {sum(ph['cpu_per_import_ms'].values()):10.3f}")
-        lo = r["lone_ms"]
-        print(f"      lone importer: median {lo['median']:.2f}, a fresh process's first {lo['first']:.2f}; "
-              f"{r['memory_per_server_mib']:.1f} MiB per server; idle, all brokers: "
-              f"{r['idle_brokers_cores']:.4f} cores")
-        for key in PHASES:
-            ph = r[key]
-            cpu = ph["cpu_per_import_ms"]
-            total = sum(cpu.values())
-            print(f"      CPU per import, {key.replace('_', ' ')}, ms: {total:.3f} ("
-                  + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
-                  + f"): {ph['at_once']} importing at once need {ph['at_once'] * total:.1f} ms of CPU a round, "
-                  f"{ph['at_once'] * total / cores:.1f} ms on {cores} cores")
-        lone_cpu = r.get("lone_cpu_per_cycle_ms", {})
-        if lone_cpu:
-            print("      lone importer, CPU per import + map + free, ms: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in lone_cpu.items()))
-        parts = r.get("idle_cores_by_part", {})
-        if parts:
-            print("      idle, cores: " + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()))
-        for f in [f for key in PHASES for f in r[key]["failed"]][:5]:
-            print(f"      failed: {f}")
-        k = r.get("killed")
-        if k:
-            freed = (f"freed {k['holds_freed_after_s']:.1f} s after" if k["holds_freed_after_s"] is not None
-                     else "NOT freed within the lease after")
-            print(f"      killed broker (server 2): {k['failed']}/{k['copies']} copies from it failed (codes "
-                  f"{', '.join(map(str, k['codes']))}), the slowest first {k['first_max_s']:.3f} s, later "
-                  f"{k['later_max_s']:.3f} s (timeout {k['timeout_s']:g} s); its process's holds elsewhere "
-                  f"{freed} the kill (lease {k['lease_s']:g} s)")
-        if r["left_behind"]:
-            print(f"      left behind by cluster down: {', '.join(r['left_behind'][:20])}")
-        else:
-            print("      cluster down left nothing: no namespace, process or /dev/shm entry of the run")
-        print(f"      targets at {r['servers']} servers:")
-        for name, v in r["targets"].items():
-            print(f"        {TARGET_NAMES.get(name, name):52} {v['value']:9.3f}  {v['target']:7}  "
-                  f"{'met' if v['met'] else 'MISSED'}")
-
-
-def plot_scale(results: list[dict[str, Any]], path: str) -> str:
-    """Latency against N as a PNG at `path` (matplotlib, optional): "" when written, else why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
-    ns = [r["servers"] for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    pace = results[0]["paced"]["at_once"] if results else 0
-    for key, label, style in (("paced", f"paced ({pace} at a time)", "-"), ("all_at_once", "all at once", "--")):
-        for stat, marker in (("median", "o"), ("p99", "v")):
-            ax.plot(ns, [r[key]["later_ms"][stat] for r in results], marker=marker, linestyle=style,
-                    label=f"{label}, later import {stat}")
-    ax.plot(ns, [r["lone_ms"]["median"] for r in results], marker="^", color="black",
-            label="lone importer, median")
-    ax.set_xlabel("servers (all-to-all)")
-    ax.set_ylabel("import + reserve + map, ms")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return ""
 
 
 def counts_option(text: str) -> list[int]:

@@ -1,0 +1,313 @@
+"""Attacks on the hot path (docs/security.md): the broker serves an IMPORT or RELEASE of a connection's own process
+straight from the frame's fields, the client reads IMPORTED and OK replies straight from one struct, the loop
+groups a turn's connections by user, and the pyACL layer checks plain ints in one line. Each test plays the attacker
+against a real broker process (or, for the client, a real process that lies like a broker): a frame that would take
+the hot path but breaks the protocol, one with fds attached, one sent by another process on a passed connection, a
+release of a hold that is not the connection's, interleaved requests with reused ids, one user flooding the broker
+from many connections while another imports, and replies that are short, long or mismatched.
+
+What a hot frame gets is what the full path gives the same frame: the refusals here are compared byte for byte with
+the full codec's error for that frame, or with the ledger's text, and the books end as they began (the `broker`
+fixture checks that)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+import common as c
+import identity as ident
+import rawsock
+from vmmshare.books.ledger import _not_the_owner
+from vmmshare.books.records import Client
+from vmmshare.wire import local as P
+
+IPC_ERROR, PARAM, BAD_HANDLE, NO_PERMISSION = c.IPC_ERROR, c.PARAM, c.BAD_HANDLE, c.NO_PERMISSION
+MiB2 = c.MiB2
+PROP_FIELDS = (0, 0, 5, 1, 0)  # handleType, allocationType, memAttr, location.type, location.id
+UNKNOWN_HOLD = "unknown allocation token for this connection"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def export(conn: c.Raw, flags: int = c.NO_PID_CHECK) -> tuple[int, int]:
+    """A 2 MiB sealed memfd charged and exported on `conn` (trustlist unchecked unless told): (hold, handle)."""
+    fd = rawsock.sealed_memfd(MiB2, "vmmshare-hot-attack")
+    token = conn.ask(P.Charge(0, MiB2))
+    assert isinstance(token, P.Token), token
+    conn.req += 1
+    try:
+        request = P.Export(token.hold, MiB2, flags, c.DEFAULT, 0, 0, *PROP_FIELDS, ())
+        rawsock.send(conn.sock, P.encode(request, conn.req), (fd,))
+    finally:
+        os.close(fd)
+    frame, fds = conn.recv()
+    rawsock_close(fds)
+    assert isinstance(frame.message, P.Exported), frame.message
+    return token.hold, int.from_bytes(frame.message.shareable, "little")
+
+
+def rawsock_close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def exchange(conn: c.Raw, packet: bytes, fds: tuple[int, ...] = ()) -> tuple[bytes, int]:
+    """Send one raw packet; the raw reply and how many fds came with it (closed here)."""
+    assert rawsock.send(conn.sock, packet, fds)
+    data, got, _ = rawsock.recv(conn.sock)
+    assert data is not None, "the broker closed the connection"
+    rawsock_close(got)
+    return data, len(got)
+
+
+def import_frame(handle: int, req: int, share_type: int = c.DEFAULT, secret: bytes = bytes(32)) -> bytes:
+    return P.HOT_IMPORT.struct.pack(P.HOT_IMPORT.start, req, P.HOT_IMPORT.length, handle, share_type, secret)
+
+
+def release_frame(hold: int, req: int) -> bytes:
+    return P.HOT_RELEASE.struct.pack(P.HOT_RELEASE.start, req, P.HOT_RELEASE.length, hold)
+
+
+def error(code: int, text: str, req: int) -> bytes:
+    return P.encode(P.Error(code, text), req)
+
+
+def full_codecs_refusal(packet: bytes, nfds: int = 0) -> bytes:
+    """The ERROR the full path sends for a frame its codec refuses (the broker's `_serve`)."""
+    with pytest.raises(P.ProtocolError) as refused:
+        P.decode(packet, nfds)
+    return error(IPC_ERROR, f"protocol error: {refused.value}", P.peek_request_id(packet))
+
+
+def imported_hold(reply: bytes, req: int) -> int:
+    frame = P.decode(reply, 1)
+    assert frame.req == req and isinstance(frame.message, P.Imported), frame
+    return frame.message.hold
+
+
+def alive(conn: c.Raw) -> None:
+    """The connection is still served (a refusal is an answer, not a hang-up)."""
+    assert isinstance(conn.ask(P.BareTgid()), P.Pid)
+
+
+@pytest.fixture
+def pair(broker: c.BrokerProc) -> Iterator[tuple[c.Raw, c.Raw, int, int]]:
+    """An exporter and an importer connection of this process on the module's broker, and the export's charge hold
+    and handle (its trustlist unchecked: any process may import it)."""
+    with c.Raw(broker.socket) as exporter, c.Raw(broker.socket) as importer:
+        charge, handle = export(exporter)
+        yield exporter, importer, charge, handle
+
+
+# ---------------------------------------------------------------- frames of a hot frame's size that break the protocol
+
+
+def malformed(handle: int) -> list[bytes]:
+    good_import, good_release = import_frame(handle, 21), release_frame(1, 22)
+    imported = P.encode(P.Imported(1, MiB2, 0, *PROP_FIELDS), 23)
+    return [
+        b"VB\x02" + good_import[3:],  # another version
+        b"VC" + good_import[2:],  # another protocol's magic
+        good_import[:3] + b"\xff" + good_import[4:],  # an unknown type, IMPORT's size
+        good_import[:8] + (40).to_bytes(4, "little") + good_import[12:],  # a length one short of the body
+        good_import[:8] + (42).to_bytes(4, "little") + good_import[12:],  # one long
+        good_import[:8] + (0xFFFFFFFF).to_bytes(4, "little") + good_import[12:],
+        good_import + b"\0",  # a trailing byte, the header's length unchanged
+        good_import[:8] + (42).to_bytes(4, "little") + good_import[12:] + b"\0",  # and the length saying so
+        good_import[:-1],  # one byte short
+        b"VB\x02" + good_release[3:],
+        good_release[:8] + (9).to_bytes(4, "little") + good_release[12:] + b"\0",
+        good_release + b"\0",
+        good_release[:-1],
+        good_release[:8] + (7).to_bytes(4, "little") + good_release[12:],
+        imported[:-1],  # a reply's frame, cut
+    ]
+
+
+def test_hot_sized_frames_that_break_the_protocol_get_the_full_codecs_refusal(
+        pair: tuple[c.Raw, c.Raw, int, int]) -> None:
+    """Version, magic, type, length field, a trailing byte or one missing, at or next to IMPORT's and RELEASE's
+    sizes: each is refused as the full codec refuses it, to its request id, with no fd, the connection kept and no
+    hold taken or dropped."""
+    exporter, importer, charge, handle = pair
+    hold = imported_hold(exchange(importer, import_frame(handle, 9))[0], 9)
+    for packet in [*malformed(handle), release_frame(charge, 24)[:4] + b"\x00" * 16]:
+        reply, nfds = exchange(importer, packet)
+        assert (reply, nfds) == (full_codecs_refusal(packet), 0), packet.hex()
+    alive(importer)
+    # requests of a hot frame's size and layout that are replies, not requests: the full path's words for it
+    for kind in (P.Token(hold), P.Ok(), P.Pid(1), P.Mem(1, 2)):
+        reply, nfds = exchange(importer, P.encode(kind, 31))
+        assert (reply, nfds) == (error(IPC_ERROR, f"protocol error: {kind.TYPE.name} is a reply, not a request", 31),
+                                 0)
+    # the hold is the importer's still, once: nothing above released it
+    assert exchange(importer, release_frame(hold, 40)) == (P.encode(P.Ok(), 40), 0)
+    assert exchange(importer, release_frame(hold, 41)) == (error(BAD_HANDLE, UNKNOWN_HOLD, 41), 0)
+    alive(exporter)
+
+
+def test_a_hot_frame_with_fds_attached_is_refused_and_the_broker_keeps_none(
+        broker: c.BrokerProc, pair: tuple[c.Raw, c.Raw, int, int]) -> None:
+    """An IMPORT or RELEASE that brings an fd (one, or more than a packet can carry) is not the owner's plain
+    request: refused as the full path refuses it, nothing imported or released, every fd it brought closed."""
+    exporter, importer, _charge, handle = pair
+    hold = imported_hold(exchange(importer, import_frame(handle, 1))[0], 1)
+    before = c.settled_fd_count(broker)
+    extra = [rawsock.sealed_memfd(4096, "vmmshare-hot-extra") for _ in range(8)]
+    try:
+        for packet, fds in ((import_frame(handle, 2), extra[:1]), (release_frame(hold, 3), extra[:1]),
+                            (import_frame(handle, 4), extra[:2])):
+            assert exchange(importer, packet, tuple(fds)) == (full_codecs_refusal(packet, len(fds)), 0)
+        for packet in (import_frame(handle, 5), release_frame(hold, 6)):  # more fds than fit: cut short
+            reply, nfds = exchange(importer, packet, tuple(extra))
+            assert (reply, nfds) == (error(IPC_ERROR, f"protocol error: frame larger than {P.MAX_FRAME} bytes, or "
+                                           "too many fds", P.peek_request_id(packet)), 0)
+    finally:
+        rawsock_close(extra)
+    assert c.settled_fd_count(broker) == before  # none of the fds sent is kept
+    assert exchange(importer, release_frame(hold, 7)) == (P.encode(P.Ok(), 7), 0)
+    assert exchange(importer, release_frame(hold, 8)) == (error(BAD_HANDLE, UNKNOWN_HOLD, 8), 0)
+    alive(exporter)
+
+
+# ---------------------------------------------------------------- holds that are not the connection's
+
+
+def test_releases_of_holds_not_the_connections_are_refused_and_change_nothing(
+        pair: tuple[c.Raw, c.Raw, int, int]) -> None:
+    """A RELEASE of another connection's hold (of the same process: the pid is the same, the hold is not), of the
+    exporter's charge, of a hold never taken, twice, with request ids 0 and reused: each refused in the ledger's
+    words; the holds of others stay."""
+    exporter, importer, charge, handle = pair
+    hold = imported_hold(exchange(importer, import_frame(handle, 1))[0], 1)
+    for asker, stolen, req in ((exporter, hold, 0), (importer, charge, 0), (importer, 0, 7), (importer, 2**64 - 1, 7),
+                               (importer, hold + 1, 0xFFFFFFFF), (importer, hold - 1, 7)):
+        assert exchange(asker, release_frame(stolen, req)) == (error(BAD_HANDLE, UNKNOWN_HOLD, req), 0)
+    assert exchange(importer, release_frame(hold, 0)) == (P.encode(P.Ok(), 0), 0)
+    assert exchange(importer, release_frame(hold, 0)) == (error(BAD_HANDLE, UNKNOWN_HOLD, 0), 0)
+    # the exporter's charge stands: it still imports its own handle, and the importer may again
+    again = imported_hold(exchange(importer, import_frame(handle, 2))[0], 2)
+    assert exchange(importer, release_frame(again, 3)) == (P.encode(P.Ok(), 3), 0)
+    assert exchange(exporter, release_frame(charge, 4)) == (P.encode(P.Ok(), 4), 0)  # the export goes with it
+    gone = f"shareable handle {handle:#018x} is unknown on this node, or revoked (its exporter freed it or exited)"
+    assert exchange(importer, import_frame(handle, 5)) == (error(BAD_HANDLE, gone, 5), 0)
+
+
+def test_share_types_out_of_range_are_refused_on_the_hot_path(pair: tuple[c.Raw, c.Raw, int, int]) -> None:
+    """IMPORT carries its share type in one byte: every value but the export's is refused (FABRIC's secret or not),
+    with no hold taken."""
+    _exporter, importer, _charge, handle = pair
+    for share_type in (0, c.FABRIC, 3, 0x7F, 0xFF):
+        for secret in (bytes(32), b"\xff" * 32):
+            want = error(PARAM, f"shareable handle {handle:#018x} was exported with share type {c.DEFAULT}, not "
+                         f"{share_type}", 9)
+            assert exchange(importer, import_frame(handle, 9, share_type, secret)) == (want, 0)
+    assert exchange(importer, import_frame(handle ^ (1 << 63), 10)) == (error(BAD_HANDLE, (
+        f"shareable handle {handle ^ (1 << 63):#018x} is unknown on this node, or revoked (its exporter freed it or "
+        "exited)"), 10), 0)
+    # a DEFAULT import's secret is not looked at
+    hold = imported_hold(exchange(importer, import_frame(handle, 11, c.DEFAULT, os.urandom(32)))[0], 11)
+    assert exchange(importer, release_frame(hold, 12)) == (P.encode(P.Ok(), 12), 0)
+
+
+def test_hot_and_full_requests_interleaved_with_reused_ids_are_answered_in_order(
+        pair: tuple[c.Raw, c.Raw, int, int]) -> None:
+    """Requests sent back to back without waiting, hot and full mixed, all under the same request ids: each reply
+    answers its own request, in order, and the holds taken are exactly those imported and not released."""
+    _exporter, importer, _charge, handle = pair
+    script: list[tuple[bytes, type[P.Message]]] = []
+    for req in (0, 5, 5, 0xFFFFFFFF):
+        script += [(import_frame(handle, req), P.Imported), (P.encode(P.BareTgid(), req), P.Pid),
+                   (import_frame(handle, req), P.Imported), (P.encode(P.MemInfo(0), req), P.Mem),
+                   (release_frame(0, req), P.Error)]
+    for packet, _ in script:
+        assert rawsock.send(importer.sock, packet)
+    holds: list[int] = []
+    for packet, kind in script:
+        data, fds, _ = rawsock.recv(importer.sock)
+        assert data is not None
+        frame = P.decode(data, len(fds))
+        rawsock_close(fds)
+        assert frame.req == P.peek_request_id(packet) and type(frame.message) is kind, (frame, kind)
+        if isinstance(frame.message, P.Imported):
+            holds.append(frame.message.hold)
+    assert len(set(holds)) == 8
+    for n, hold in enumerate(holds):
+        assert exchange(importer, release_frame(hold, n)) == (P.encode(P.Ok(), n), 0)
+
+
+# ---------------------------------------------------------------- a connection used by another process
+
+PASSED_ON = """
+    import json, os, socket, struct, sys
+    fd, owner, frames = int(sys.argv[1]), int(sys.argv[2]), [bytes.fromhex(f) for f in sys.argv[3:]]
+    sock = socket.socket(fileno=fd)
+    sock.settimeout(30)
+    out = {"pid": os.getpid()}
+    try:  # claim the owner's pid in the credentials: only a privileged process may
+        sock.sendmsg([frames[0]], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", owner,
+                                                                                          os.getuid(), os.getgid()))])
+        out["forged"] = sock.recv(70000).hex()
+    except PermissionError:
+        out["forged"] = "EPERM"
+    out["replies"] = []
+    for frame in frames:
+        sock.send(frame)
+        data, anc, _, _ = sock.recvmsg(70000, socket.CMSG_SPACE(64))
+        out["replies"].append([data.hex(), len(anc)])
+    print(json.dumps(out), flush=True)
+"""
+
+
+def _passed_on(prefix: list[str], conn: c.Raw, frames: list[bytes]) -> dict[str, object]:
+    """What a process that was handed `conn` gets for `frames` sent on it (a standard-library program)."""
+    import json
+
+    fd = conn.sock.fileno()
+    out = subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(PASSED_ON), str(fd), str(os.getpid()),
+                          *(f.hex() for f in frames)], pass_fds=(fd,), env=c.clean_env(), capture_output=True,
+                         text=True, timeout=c.HANG_GUARD, check=True)
+    got: dict[str, object] = json.loads(out.stdout)
+    return got
+
+
+@pytest.mark.parametrize("who", ["same-user", "nobody"])
+def test_a_connection_passed_to_another_process_imports_and_releases_nothing(
+        pair: tuple[c.Raw, c.Raw, int, int], who: str) -> None:
+    """The importer's connection handed to another process (of its user, or `nobody`, who could not even have
+    connected): its IMPORT and RELEASE frames have the hot path's size and no fd, but the kernel stamps them with its
+    own pid, so they are refused as the full path refuses them; `nobody` cannot claim the owner's pid either. The
+    owner's hold is untouched."""
+    prefix: list[str] = []
+    if who == "nobody":
+        other, why = ident.other_user()
+        if other is None:
+            pytest.skip(why)
+        prefix = other
+    _exporter, importer, charge, handle = pair
+    hold = imported_hold(exchange(importer, import_frame(handle, 1))[0], 1)
+    frames = [import_frame(handle, 2), release_frame(hold, 3), release_frame(charge, 4)]
+    got = _passed_on(prefix, importer, frames)
+    pid = got["pid"]
+    assert isinstance(pid, int)
+    owner = Client(os.getpid(), os.getuid(), (0, 0))
+    refused = [[error(NO_PERMISSION, _not_the_owner(owner, pid), P.peek_request_id(f)).hex(), 0] for f in frames]
+    assert got["replies"] == refused
+    if who == "nobody":
+        assert got["forged"] == "EPERM"
+    else:  # root may claim any pid: that is the kernel's rule (uid 0 is trusted by the broker anyway)
+        assert got["forged"] != "EPERM" or os.geteuid() != 0
+        if got["forged"] != "EPERM":  # the forged IMPORT was the owner's: its hold is released below
+            forged = P.decode(bytes.fromhex(str(got["forged"])), 1)
+            assert isinstance(forged.message, P.Imported)
+            assert exchange(importer, release_frame(forged.message.hold, 9)) == (P.encode(P.Ok(), 9), 0)
+    assert exchange(importer, release_frame(hold, 5)) == (P.encode(P.Ok(), 5), 0)
+    assert exchange(importer, release_frame(hold, 6)) == (error(BAD_HANDLE, UNKNOWN_HOLD, 6), 0)
+

@@ -12,11 +12,16 @@ fixture checks that)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +30,9 @@ import identity as ident
 import rawsock
 from vmmshare.books.ledger import _not_the_owner
 from vmmshare.books.records import Client
+from vmmshare.client.connection import BrokerClient
+from vmmshare.config import Config
+from vmmshare.errors import AclError
 from vmmshare.wire import local as P
 
 IPC_ERROR, PARAM, BAD_HANDLE, NO_PERMISSION = c.IPC_ERROR, c.PARAM, c.BAD_HANDLE, c.NO_PERMISSION
@@ -310,4 +318,188 @@ def test_a_connection_passed_to_another_process_imports_and_releases_nothing(
             assert exchange(importer, release_frame(forged.message.hold, 9)) == (P.encode(P.Ok(), 9), 0)
     assert exchange(importer, release_frame(hold, 5)) == (P.encode(P.Ok(), 5), 0)
     assert exchange(importer, release_frame(hold, 6)) == (error(BAD_HANDLE, UNKNOWN_HOLD, 6), 0)
+
+
+
+# ---------------------------------------------------------------- one user floods, another imports
+
+IMPORTER = """
+    import os, socket, sys
+    path, hello, ask = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(30)
+    sock.connect(path)
+    sock.send(hello)
+    sock.recv(70000)
+    print("connected", flush=True)
+    sys.stdin.readline()
+    sock.send(ask)
+    print("sent", flush=True)
+    data, anc, _, _ = sock.recvmsg(70000, socket.CMSG_SPACE(64))
+    for level, kind, payload in anc:
+        if kind == socket.SCM_RIGHTS:
+            for at in range(0, len(payload) - len(payload) % 4, 4):
+                os.close(int.from_bytes(payload[at:at + 4], "little"))
+    print(data.hex(), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_flood_from_many_connections_of_one_user_does_not_keep_another_user_waiting() -> None:
+    """One user (this process) has 16 connections with 32 IMPORTs queued on each when another user's (nobody's)
+    one IMPORT arrives, all while the broker is stopped. A turn of the loop serves each user's ready connections one
+    request each, within the user's quantum: so nobody's import is served within the first turn, after at most one
+    import per connection of the flooding user. Hold ids count up in the order imports are served, so the order is
+    read from them, not from a clock."""
+    prefix, why = ident.other_user()
+    if prefix is None:
+        pytest.skip(why)
+    world = ident.world_dir("vmmshare-hot-flood-")
+    b = c.LoggedBroker(world / "run", "--multi-user", env=c.clean_env())
+    flooders: list[c.Raw] = []
+    other: subprocess.Popen[str] | None = None
+    stopped = False
+    try:
+        exporter = c.Raw(b.socket)
+        flooders.append(exporter)
+        _charge, handle = export(exporter)
+        flooders += [c.Raw(b.socket) for _ in range(16)]
+        other = subprocess.Popen(
+            [*prefix, sys.executable, "-c", textwrap.dedent(IMPORTER), str(b.socket),
+             P.encode(P.BareTgid(), 1).hex(), import_frame(handle, 2).hex()],
+            env=c.clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert other.stdin is not None and other.stdout is not None
+        assert other.stdout.readline().strip() == "connected"
+        alive(exporter)  # the broker has nothing left to do
+        os.kill(b.pid, signal.SIGSTOP)
+        stopped = True
+        _, status = os.waitpid(b.pid, os.WUNTRACED)  # a signal is sent at once, but takes effect later
+        assert os.WIFSTOPPED(status), status
+        for conn in flooders[1:]:
+            for req in range(1, 33):
+                assert rawsock.send(conn.sock, import_frame(handle, req))
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "sent"  # queued at the broker, with the flood
+        os.kill(b.pid, signal.SIGCONT)
+        stopped = False
+        theirs = imported_hold(bytes.fromhex(other.stdout.readline().strip()), 2)
+        ours: list[int] = []
+        for conn in flooders[1:]:
+            for req in range(1, 33):
+                data, fds, _ = rawsock.recv(conn.sock)
+                assert data is not None
+                rawsock_close(fds)
+                ours.append(imported_hold(data, req))
+        before = sum(hold < theirs for hold in ours)
+        assert before <= 16, f"{before} of the flood's 512 imports were served before the other user's one"
+    finally:
+        if stopped:
+            os.kill(b.pid, signal.SIGCONT)
+        for conn in flooders:
+            conn.close()
+        if other is not None:
+            other.kill()
+            other.wait(c.HANG_GUARD)
+        b.kill()
+        shutil.rmtree(world, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a broker that lies in its hot replies
+
+LIAR = """
+    import json, os, socket, sys
+    path, script = sys.argv[1], json.loads(sys.argv[2])  # [reply hex, fds to attach, request id patched in]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(4)
+    print("ready", flush=True)
+    while script:
+        sock, _ = listener.accept()
+        with sock:
+            while script:
+                request = sock.recv(70000)
+                if not request:
+                    break
+                reply, nfds, patch = script.pop(0)
+                reply = bytearray.fromhex(reply)
+                if patch:
+                    req = (int.from_bytes(request[4:8], "little") + patch - 1) & 0xFFFFFFFF
+                    reply[4:8] = req.to_bytes(4, "little")
+                fds = [os.memfd_create("vmmshare-liar") for _ in range(nfds)]
+                for fd in fds:
+                    os.ftruncate(fd, 2 << 20)
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, b"".join(fd.to_bytes(4, "little") for fd in fds))]
+                sock.sendmsg([bytes(reply)], anc if fds else [])
+                for fd in fds:
+                    os.close(fd)
+"""
+GOOD = P.encode(P.Imported(7, MiB2, 0, *PROP_FIELDS), 0)
+SAME = 1  # the reply names the request it answers
+LIES: dict[str, tuple[str, bytes, int, int, str]] = {  # name: (request, reply, fds, request id, error)
+    "imported-long": ("import", GOOD + b"\0", 1, SAME, "its header says"),
+    "imported-long-length": ("import", GOOD[:8] + (26).to_bytes(4, "little") + GOOD[12:] + b"\0", 1, SAME,
+                             "IMPORTED body of 26 bytes"),
+    "imported-short": ("import", GOOD[:-1], 1, SAME, "its header says"),
+    "imported-version": ("import", b"VB\x02" + GOOD[3:], 1, SAME, "version 2"),
+    "imported-other-request": ("import", GOOD, 1, SAME + 1, "reply to request"),
+    "imported-request-0": ("import", GOOD, 1, 0, "reply to request 0"),
+    "imported-two-fds": ("import", GOOD, 2, SAME, "carries 1 file descriptor"),
+    "imported-no-fd": ("import", GOOD, 0, SAME, "carries 1 file descriptor"),
+    "imported-many-fds": ("import", GOOD, 9, SAME, "too large"),
+    "ok-to-import": ("import", P.encode(P.Ok(), 0), 0, SAME, "OK in reply to IMPORT"),
+    "refusal-with-fd": ("import", P.encode(P.Error(NO_PERMISSION, "no"), 0), 1, SAME, "file descriptor"),
+    "refused-connection": ("import", P.encode(P.Error(NO_PERMISSION, "go away"), 0), 0, 0, "go away"),
+    "ok-long": ("release", P.encode(P.Ok(), 0) + b"\0", 0, SAME, "its header says"),
+    "ok-short": ("release", P.encode(P.Ok(), 0)[:-1], 0, SAME, "shorter than the 12-byte header"),
+    "ok-with-fd": ("release", P.encode(P.Ok(), 0), 1, SAME, "carries 0 file descriptor"),
+    "ok-other-request": ("release", P.encode(P.Ok(), 0), 0, SAME + 1, "reply to request"),
+    "imported-to-release": ("release", GOOD, 1, SAME, "IMPORTED in reply to RELEASE"),
+}
+
+
+def liars_fds() -> int:
+    """This process's fds that are the lying broker's memfds."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd is gone by now
+            count += "vmmshare-liar" in os.readlink(f"/proc/self/fd/{name}")
+    return count
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_broker_that_lies_in_a_hot_reply_gets_a_clear_error_and_keeps_no_fd(
+        lie: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process at the socket path answers an import (after one true answer, to have a hold to free) or a free
+    with a reply of the hot frame's size give or take a byte, another version, another request's id, too many or too
+    few fds, another type: the client raises an AclError that says what was wrong, keeps none of the fds that came,
+    and drops the connection (a refusal of the connection also drops it; a refusal of a request would not)."""
+    asked, reply, nfds, patch, why = LIES[lie]
+    path = tmp_path / "run" / "broker.sock"
+    path.parent.mkdir(mode=0o700)
+    script = [[GOOD.hex(), 1, SAME], [reply.hex(), nfds, patch]]
+    liar = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LIAR), str(path), json.dumps(script)],
+                            env=c.clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("VMMSHARE_SOCKET", str(path))
+        client = BrokerClient(Config.from_env(), autostart=False)
+        try:
+            first = client.import_handle(5, c.DEFAULT, b"")
+            os.close(first.fd)
+            with pytest.raises(AclError, match=why):
+                if asked == "import":
+                    client.import_handle(5, c.DEFAULT, b"")
+                else:
+                    client.release(first.node_ref)
+            assert liars_fds() == 0
+            assert client._sock is None  # nothing more is read from that connection
+            # the lie took no hold; a release lets go of its token whatever the answer
+            assert client._holds == ({first.node_ref: 7} if asked == "import" else {})
+        finally:
+            client.close()
+        liar.wait(c.HANG_GUARD)
+    finally:
+        liar.kill()
+        liar.wait(c.HANG_GUARD)
 

@@ -28,12 +28,14 @@ import pytest
 import common as c
 import identity as ident
 import rawsock
+from conftest import child_ok
 from vmmshare.books.ledger import _not_the_owner
 from vmmshare.books.records import Client
 from vmmshare.client.connection import BrokerClient
 from vmmshare.config import Config
-from vmmshare.errors import AclError
+from vmmshare.errors import AclError, InvalidParamError
 from vmmshare.wire import local as P
+from vmmshare.wire.props import check_int
 
 IPC_ERROR, PARAM, BAD_HANDLE, NO_PERMISSION = c.IPC_ERROR, c.PARAM, c.BAD_HANDLE, c.NO_PERMISSION
 MiB2 = c.MiB2
@@ -503,3 +505,93 @@ def test_a_broker_that_lies_in_a_hot_reply_gets_a_clear_error_and_keeps_no_fd(
         liar.kill()
         liar.wait(c.HANG_GUARD)
 
+
+# ---------------------------------------------------------------- the pyACL layer's one-line int check
+
+
+class Liar(int):
+    """An int whose comparisons say it is in any range, and whose conversions say it is 1."""
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+    def __int__(self) -> int:
+        return 1
+
+    def __index__(self) -> int:
+        return 1
+
+
+class Small(int):
+    """A harmless int subclass (numpy-like scalars are not ints; an IntEnum member is one)."""
+
+
+@pytest.mark.parametrize(("value", "lo", "hi", "kept"), [
+    (5, 0, 10, 5), (0, 0, 0, 0), (-(1 << 31), -(1 << 31), 0, -(1 << 31)),
+    ((1 << 64) - 1, 0, (1 << 64) - 1, (1 << 64) - 1),
+    (Small(7), 0, 10, 7), (Liar(3), 0, 10, 3),
+    (True, 0, 10, None), (False, 0, 10, None), (1.0, 0, 10, None), ("1", 0, 10, None), (None, 0, 10, None),
+    (-1, 0, 10, None), (11, 0, 10, None), (1 << 64, 0, (1 << 64) - 1, None), (-(1 << 100), -(1 << 31), 0, None),
+    (Small(11), 0, 10, None), (Liar(-5), 0, 10, None), (Liar(1 << 80), 0, (1 << 64) - 1, None),
+], ids=repr)
+def test_check_int_keeps_only_plain_values_in_range(value: object, lo: int, hi: int, kept: int | None) -> None:
+    """In range, a plain int (or an int subclass's own value, as a plain int) comes back; a bool, a non-int, or a
+    value outside the range, whatever an int subclass's comparisons or conversions claim, is InvalidParamError."""
+    if kept is None:
+        with pytest.raises(InvalidParamError):
+            check_int("x", value, lo, hi)
+        return
+    got = check_int("x", value, lo, hi)
+    assert type(got) is int and got == kept
+
+
+def test_pyacl_calls_refuse_an_int_subclass_out_of_range_as_they_refuse_the_plain_int() -> None:
+    """A value the caller's int subclass claims is in range reaches no allocation, mapping or broker request: each
+    call answers as it does for the plain int (107000), where an out-of-range value that passed the check used to
+    reach the runtime and come back as another error (207001, 107017, 100000)."""
+    out = child_ok(f"""
+        import json
+        from vmmshare.acl import rt
+        {textwrap.indent(textwrap.dedent(LIAR_SOURCE), ' ' * 8).strip()}
+        rows = []
+        for bad in (-4096, 1 << 70):
+            rows.append([rt.malloc_physical(Liar(bad), P(), 0)[-1], rt.malloc_physical(bad, P(), 0)[-1]])
+        rows.append([rt.reserve_mem_address(Liar(-2 * M), 0, 0, 0)[-1], rt.reserve_mem_address(-2 * M, 0, 0, 0)[-1]])
+        rows.append([rt.mem_export_to_shareable_handle(Liar(-1), 0, 0)[-1],
+                     rt.mem_export_to_shareable_handle(-1, 0, 0)[-1]])
+        rows.append([rt.mem_import_from_shareable_handle_v2(5, 1, Liar(-3))[-1],
+                     rt.mem_import_from_shareable_handle_v2(5, 1, -3)[-1]])
+        print(json.dumps(rows))
+    """)
+    rows = json.loads(out.splitlines()[-2])
+    assert rows == [[PARAM, PARAM]] * len(rows), rows
+
+
+LIAR_SOURCE = """
+    class Liar(int):
+        def __ge__(self, other): return True
+        def __le__(self, other): return True
+        def __int__(self): return 1
+        def __index__(self): return 1
+"""
+
+
+def test_a_default_handle_made_once_is_never_handed_to_a_bool_and_the_cache_stays_small() -> None:
+    """The DEFAULT handle of a value is cached: True (== 1, and hashed alike) must still be refused after handle 1
+    was imported, and a program that imports thousands of different handles keeps a bounded cache."""
+    out = child_ok("""
+        import json
+        from vmmshare.acl import _share, rt
+        first = rt.mem_import_from_shareable_handle(1, 0)[-1]
+        as_bool = rt.mem_import_from_shareable_handle(True, 0)[-1]
+        v2_bool = rt.mem_import_from_shareable_handle_v2(True, 1, 0)[-1]
+        many = {rt.mem_import_from_shareable_handle(n, 0)[-1] for n in range(2, 3002)}
+        print(json.dumps([first, as_bool, v2_bool, sorted(many), _share._default.cache_info().currsize]))
+    """)
+    first, as_bool, v2_bool, many, cached = json.loads(out.splitlines()[-2])
+    assert first == BAD_HANDLE and many == [BAD_HANDLE]  # the broker's answer: no such export
+    assert as_bool == v2_bool == PARAM
+    assert cached <= 256

@@ -595,3 +595,31 @@ def test_a_default_handle_made_once_is_never_handed_to_a_bool_and_the_cache_stay
     assert first == BAD_HANDLE and many == [BAD_HANDLE]  # the broker's answer: no such export
     assert as_bool == v2_bool == PARAM
     assert cached <= 256
+
+
+@pytest.mark.parametrize("values", [(1.5, c.DEFAULT), (1, 1.0), ("1", c.DEFAULT), (1, "1"), (None, c.DEFAULT),
+                                    (1 << 64, c.DEFAULT), (-1, c.DEFAULT), (1, 256), (1, -1)], ids=repr)
+def test_an_import_of_values_the_frame_cannot_carry_is_the_codecs_error_and_sends_nothing(
+        values: tuple[object, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handle or share type that is not an int, or does not fit its field, is refused as the full codec refuses
+    it (ProtocolError) before anything is sent: the one answer the (lying) broker has left is for the import that
+    follows."""
+    path = tmp_path / "run" / "broker.sock"
+    path.parent.mkdir(mode=0o700)
+    script = [[GOOD.hex(), 1, SAME]]
+    liar = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LIAR), str(path), json.dumps(script)],
+                            env=c.clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("VMMSHARE_SOCKET", str(path))
+        client = BrokerClient(Config.from_env(), autostart=False)
+        try:
+            with pytest.raises(P.ProtocolError):
+                client.import_handle(*values, b"")  # type: ignore[arg-type]
+            os.close(client.import_handle(5, c.DEFAULT, b"").fd)  # the liar's one answer is this import's
+        finally:
+            client.close()
+        liar.wait(c.HANG_GUARD)
+    finally:
+        liar.kill()
+        liar.wait(c.HANG_GUARD)

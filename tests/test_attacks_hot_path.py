@@ -107,11 +107,25 @@ def alive(conn: c.Raw) -> None:
     assert isinstance(conn.ask(P.BareTgid()), P.Pid)
 
 
+@pytest.fixture(params=["compiled", "pure"])
+def hot_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[c.BrokerProc]:
+    """conftest's broker (its packets received in C), or one of the test's own whose packets go through pure
+    Python: the hot path's gate (the sender's pid, no fd, not cut short) reads what either gives."""
+    if request.param == "compiled":
+        yield request.getfixturevalue("broker")
+        return
+    b = c.BrokerProc(tmp_path / "pure", env=c.clean_env(VMMSHARE_PURE_PYTHON="1"))
+    try:
+        yield b
+    finally:
+        b.kill()
+
+
 @pytest.fixture
-def pair(broker: c.BrokerProc) -> Iterator[tuple[c.Raw, c.Raw, int, int]]:
-    """An exporter and an importer connection of this process on the module's broker, and the export's charge hold
-    and handle (its trustlist unchecked: any process may import it)."""
-    with c.Raw(broker.socket) as exporter, c.Raw(broker.socket) as importer:
+def pair(hot_broker: c.BrokerProc) -> Iterator[tuple[c.Raw, c.Raw, int, int]]:
+    """An exporter and an importer connection of this process on the broker, and the export's charge hold and
+    handle (its trustlist unchecked: any process may import it)."""
+    with c.Raw(hot_broker.socket) as exporter, c.Raw(hot_broker.socket) as importer:
         charge, handle = export(exporter)
         yield exporter, importer, charge, handle
 
@@ -164,12 +178,12 @@ def test_hot_sized_frames_that_break_the_protocol_get_the_full_codecs_refusal(
 
 
 def test_a_hot_frame_with_fds_attached_is_refused_and_the_broker_keeps_none(
-        broker: c.BrokerProc, pair: tuple[c.Raw, c.Raw, int, int]) -> None:
+        hot_broker: c.BrokerProc, pair: tuple[c.Raw, c.Raw, int, int]) -> None:
     """An IMPORT or RELEASE that brings an fd (one, or more than a packet can carry) is not the owner's plain
     request: refused as the full path refuses it, nothing imported or released, every fd it brought closed."""
     exporter, importer, _charge, handle = pair
     hold = imported_hold(exchange(importer, import_frame(handle, 1))[0], 1)
-    before = c.settled_fd_count(broker)
+    before = c.settled_fd_count(hot_broker)
     extra = [rawsock.sealed_memfd(4096, "vmmshare-hot-extra") for _ in range(8)]
     try:
         for packet, fds in ((import_frame(handle, 2), extra[:1]), (release_frame(hold, 3), extra[:1]),
@@ -181,7 +195,7 @@ def test_a_hot_frame_with_fds_attached_is_refused_and_the_broker_keeps_none(
                                            "too many fds", P.peek_request_id(packet)), 0)
     finally:
         rawsock_close(extra)
-    assert c.settled_fd_count(broker) == before  # none of the fds sent is kept
+    assert c.settled_fd_count(hot_broker) == before  # none of the fds sent is kept
     assert exchange(importer, release_frame(hold, 7)) == (P.encode(P.Ok(), 7), 0)
     assert exchange(importer, release_frame(hold, 8)) == (error(BAD_HANDLE, UNKNOWN_HOLD, 8), 0)
     alive(exporter)

@@ -278,7 +278,8 @@ class BrokerClient:
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
         secret = secret.ljust(32, b"\0")
-        if len(secret) != 32 or not 0 <= shareable <= U64 or not 0 <= share_type <= 0xFF:
+        if (len(secret) != 32 or not isinstance(shareable, int) or not isinstance(share_type, int)
+                or not 0 <= shareable <= U64 or not 0 <= share_type <= 0xFF):
             encode(P.Import(shareable, share_type, secret), 1)  # values that do not fit: the codec's error says which
         fields, fds = self._hot_request(
             lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),

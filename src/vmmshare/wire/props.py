@@ -20,9 +20,12 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = U64) -> int:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParamError(f"{name} must be an int, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidParamError(f"{name}={value} is out of range [{lo}, {hi}]")
-    return int(value)  # a plain int, even for an int subclass: what is kept and handed back is the value
+    # an int subclass's own value: its comparisons, __int__ and __str__ may say otherwise, and what is kept and
+    # handed back is the value
+    plain = int.__index__(value)
+    if not lo <= plain <= hi:
+        raise InvalidParamError(f"{name}={plain} is out of range [{lo}, {hi}]")
+    return plain
 
 
 def check_device(value: object) -> int:

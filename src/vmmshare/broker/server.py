@@ -278,11 +278,11 @@ class Broker:
                 else:
                     self.warn.log(logging.WARNING, "accept", "accept failed: %s", exc)
                 return
-            sock.setblocking(False)
-            # the listener's SO_PASSCRED reaches only connections made after it was set: one queued on a socket the
-            # service manager passed before this broker started would carry no credentials without this
-            packets.pass_credentials(sock)
             try:
+                sock.setblocking(False)
+                # the listener's SO_PASSCRED reaches only connections made after it was set: one queued on a socket
+                # the service manager passed before this broker started would carry no credentials without this
+                packets.pass_credentials(sock)
                 self._admit(sock)
             except Exception:
                 sock.close()

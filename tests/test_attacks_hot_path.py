@@ -491,9 +491,26 @@ def test_a_broker_that_lies_in_a_hot_reply_gets_a_clear_error_and_keeps_no_fd(
     few fds, another type: the client raises an AclError that says what was wrong, keeps none of the fds that came,
     and drops the connection (a refusal of the connection also drops it; a refusal of a request would not)."""
     asked, reply, nfds, patch, why = LIES[lie]
+    with lying_broker(tmp_path, monkeypatch, [[GOOD.hex(), 1, SAME], [reply.hex(), nfds, patch]]) as client:
+        first = client.import_handle(5, c.DEFAULT, b"")
+        os.close(first.fd)
+        with pytest.raises(AclError, match=why):
+            if asked == "import":
+                client.import_handle(5, c.DEFAULT, b"")
+            else:
+                client.release(first.node_ref)
+        assert liars_fds() == 0
+        assert client._sock is None  # nothing more is read from that connection
+        # the lie took no hold; a release lets go of its token whatever the answer
+        assert client._holds == ({first.node_ref: 7} if asked == "import" else {})
+
+
+@contextlib.contextmanager
+def lying_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: list[list[object]]) -> Iterator[BrokerClient]:
+    """A client of a process at the socket path that answers as `script` says (LIAR); it must have used up its
+    script and exited by the end."""
     path = tmp_path / "run" / "broker.sock"
     path.parent.mkdir(mode=0o700)
-    script = [[GOOD.hex(), 1, SAME], [reply.hex(), nfds, patch]]
     liar = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LIAR), str(path), json.dumps(script)],
                             env=c.clean_env(), stdout=subprocess.PIPE, text=True)
     try:
@@ -501,17 +518,7 @@ def test_a_broker_that_lies_in_a_hot_reply_gets_a_clear_error_and_keeps_no_fd(
         monkeypatch.setenv("VMMSHARE_SOCKET", str(path))
         client = BrokerClient(Config.from_env(), autostart=False)
         try:
-            first = client.import_handle(5, c.DEFAULT, b"")
-            os.close(first.fd)
-            with pytest.raises(AclError, match=why):
-                if asked == "import":
-                    client.import_handle(5, c.DEFAULT, b"")
-                else:
-                    client.release(first.node_ref)
-            assert liars_fds() == 0
-            assert client._sock is None  # nothing more is read from that connection
-            # the lie took no hold; a release lets go of its token whatever the answer
-            assert client._holds == ({first.node_ref: 7} if asked == "import" else {})
+            yield client
         finally:
             client.close()
         liar.wait(c.HANG_GUARD)
@@ -618,22 +625,7 @@ def test_an_import_of_values_the_frame_cannot_carry_is_the_codecs_error_and_send
     """A handle or share type that is not an int, or does not fit its field, is refused as the full codec refuses
     it (ProtocolError) before anything is sent: the one answer the (lying) broker has left is for the import that
     follows."""
-    path = tmp_path / "run" / "broker.sock"
-    path.parent.mkdir(mode=0o700)
-    script = [[GOOD.hex(), 1, SAME]]
-    liar = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LIAR), str(path), json.dumps(script)],
-                            env=c.clean_env(), stdout=subprocess.PIPE, text=True)
-    try:
-        assert liar.stdout is not None and liar.stdout.readline().strip() == "ready"
-        monkeypatch.setenv("VMMSHARE_SOCKET", str(path))
-        client = BrokerClient(Config.from_env(), autostart=False)
-        try:
-            with pytest.raises(P.ProtocolError):
-                client.import_handle(*values, b"")  # type: ignore[arg-type]
-            os.close(client.import_handle(5, c.DEFAULT, b"").fd)  # the liar's one answer is this import's
-        finally:
-            client.close()
-        liar.wait(c.HANG_GUARD)
-    finally:
-        liar.kill()
-        liar.wait(c.HANG_GUARD)
+    with lying_broker(tmp_path, monkeypatch, [[GOOD.hex(), 1, SAME]]) as client:
+        with pytest.raises(P.ProtocolError):
+            client.import_handle(*values, b"")  # type: ignore[arg-type]
+        os.close(client.import_handle(5, c.DEFAULT, b"").fd)  # the liar's one answer is this import's

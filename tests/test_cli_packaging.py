@@ -21,8 +21,7 @@ import pytest
 
 from procs import clean_env
 
-# On one worker of a parallel run: the sdist is built once for the module, and two builds at once in this checkout
-# would race on setuptools' staging folder (vmmshare-VERSION/) and its egg-info.
+# On one worker of a parallel run: the sdist is built once for the module.
 pytestmark = pytest.mark.xdist_group("sdist")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +42,24 @@ def _hook(hook: str, source: Path, out: Path) -> Path:
 def unpacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This checkout's sdist, unpacked: the tree a user of `pip download --no-binary` gets."""
     out = tmp_path_factory.mktemp("sdist")
-    sdist = _hook("build_sdist", ROOT, out)
+    sdist = _hook("build_sdist", _tracked_copy(out / "checkout"), out)
     with tarfile.open(sdist) as tar:
         tar.extractall(out, filter="data")
     tree = out / sdist.name.removesuffix(".tar.gz")
     assert tree.is_dir()
     return tree
+
+
+def _tracked_copy(folder: Path) -> Path:
+    """The files git tracks in this checkout, copied to `folder`: what a clean clone holds, built apart from the
+    checkout, where the other tests of a parallel run write and remove files while setuptools walks the tree."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, timeout=HANG_GUARD)
+    assert listed.returncode == 0, listed.stderr
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not there to copy
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, folder / name)
+    return folder
 
 
 def _pytest(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ import pytest
 from conftest import require
 from fabric_cluster import HANG_GUARD, TestCluster, cluster_problem, eventually
 from test_fabric_security import listening_ports
-from test_fabric_sharing import FABRIC, IPC, export, fails, import_map, ok, served_nothing, unmap_free
+from test_fabric_sharing import FABRIC, IPC, copying, export, fails, import_map, ok, served_nothing, unmap_free
 
 require(not cluster_problem(), cluster_problem())
 
@@ -95,11 +95,7 @@ def test_another_user_on_the_exporters_node_cannot_stand_in_for_its_dead_engine(
     c = TestCluster(2, timeout=1.0)
     squatter: subprocess.Popen[str] | None = None
     try:
-        a, b = c.actor(1), c.actor(2)
-        _, s, _ = export(a, pids=[b.pid])
-        ih, rp = import_map(b, s)
-        buf = ok(b, "rt.malloc_host", 4096)
-        ok(b, "rt.memcpy", buf, 4096, rp, 4096, 2)
+        b, ih, rp, buf = copying(c)
         ports = [p for p in listening_ports(c.brokers[1].pid) if p != 17017]  # what /proc/net/tcp shows anyone
         c.brokers[1].signal(signal.SIGKILL)
         cmd = c.cluster.server(1).command(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",

@@ -11,7 +11,7 @@ import time
 
 from conftest import require
 from fabric_cluster import TestCluster, cluster_problem
-from test_fabric_sharing import IPC, M2, export, fails, import_map, ok, unmap_free
+from test_fabric_sharing import IPC, M2, copying, export, fails, import_map, ok, unmap_free
 
 require(not cluster_problem(), cluster_problem())
 
@@ -43,11 +43,7 @@ def test_every_copy_from_a_killed_broker_fails_within_the_fabric_timeout() -> No
     VMMSHARE_FABRIC_TIMEOUT (0.5 s here): the engine's own reconnecting takes most of a second per copy."""
     c = TestCluster(2, timeout=0.5)
     try:
-        a, b = c.actor(1), c.actor(2)
-        _, s, _ = export(a, pids=[b.pid])
-        ih, rp = import_map(b, s)
-        buf = ok(b, "rt.malloc_host", 4096)
-        ok(b, "rt.memcpy", buf, 4096, rp, 4096, 2)
+        b, ih, rp, buf = copying(c)
         c.brokers[1].signal(signal.SIGKILL)
         took = []
         for _ in range(6):

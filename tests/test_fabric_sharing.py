@@ -44,6 +44,17 @@ def import_map(a: Actor, s: bytes, size: int = M2) -> tuple[int, int]:
     return h, p
 
 
+def copying(c: TestCluster) -> tuple[Actor, int, int, int]:
+    """Server 2's process with server 1's FABRIC memory imported, mapped and copied from once (its engine up):
+    (that process, its imported handle, its mapping, its 4 KiB host buffer)."""
+    a, b = c.actor(1), c.actor(2)
+    _, s, _ = export(a, pids=[b.pid])
+    ih, rp = import_map(b, s)
+    buf = ok(b, "rt.malloc_host", 4096)
+    ok(b, "rt.memcpy", buf, 4096, rp, 4096, 2)
+    return b, ih, rp, buf
+
+
 def unmap_free(a: Actor, h: int, p: int) -> None:
     ok(a, "rt.unmap_mem", p)
     ok(a, "rt.release_mem_address", p)

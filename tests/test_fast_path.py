@@ -366,6 +366,16 @@ def test_peer_credentials_name_a_uid_past_two_to_the_31_as_the_os_does() -> None
 # ---------------------------------------------------------------- real processes on each path
 
 
+def _mapped(a: Actor, data: bytes) -> tuple[int, int]:
+    """2 MiB allocated and mapped in `a`, starting with `data`: (handle, pointer)."""
+    h, ret = a.call("rt.malloc_physical", MiB2, PROP, 0)
+    assert ret == 0, a.last_err
+    ptr, ret = a.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+    assert ret == 0 and a.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, a.last_err
+    a.call("!write_bytes", ptr, data)
+    return h, ptr
+
+
 def _env(folder: Path, pure: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
     env["VMMSHARE_SOCKET"] = str(folder / "broker.sock")
@@ -397,11 +407,7 @@ def test_share_and_refuse_between_real_processes_on_each_path(tmp_path: Path, br
     assert _uses(env) == str(not clients_pure)
     exporter, importer, outsider = Actor(env), Actor(env), Actor(env)
     try:
-        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
-        assert ret == 0, exporter.last_err
-        ptr, ret = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
-        assert ret == 0 and exporter.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, exporter.last_err
-        exporter.call("!write_bytes", ptr, b"over either path")
+        h, _ = _mapped(exporter, b"over either path")
         shareable, ih, iptr = share_and_map(exporter, importer, h, MiB2)
         assert importer.call("!read", iptr, 16) == b"over either path"
         _, ret = outsider.call("rt.mem_import_from_shareable_handle_v2", shareable, 1, 0)
@@ -478,11 +484,7 @@ def test_without_the_extension_the_pure_path_serves(tmp_path: Path) -> None:
     env = _env(tmp_path, False)
     exporter = Actor(env)
     try:
-        h, ret = exporter.call("rt.malloc_physical", MiB2, PROP, 0)
-        assert ret == 0, exporter.last_err
-        ptr, ret = exporter.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
-        assert ret == 0 and exporter.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, exporter.last_err
-        exporter.call("!write_bytes", ptr, b"pure Python!")
+        h, _ = _mapped(exporter, b"pure Python!")
         shareable, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 1, 1)  # no pid check
         assert ret == 0, exporter.last_err
         done = subprocess.run([sys.executable, "-c", code, str(shareable)], env=env, capture_output=True, text=True,

@@ -102,24 +102,23 @@ def broker_idle() -> float:
     return max(0.0, value)
 
 
-def prepopulate() -> bool:
-    """$VMMSHARE_PREPOPULATE: fault every mapping in when it is made (default off)."""
-    raw = os.environ.get("VMMSHARE_PREPOPULATE", "")
+def _flag(name: str) -> bool:
+    """$name as a yes/no setting (default off); any other value is a ConfigError naming it."""
+    raw = os.environ.get(name, "")
     value = raw.strip().lower()
     if value not in _TRUE + _FALSE:
-        raise ConfigError(f"VMMSHARE_PREPOPULATE={raw!r}: use 1, true, yes or on; or 0, false, no or off",
-                          "VMMSHARE_PREPOPULATE")
+        raise ConfigError(f"{name}={raw!r}: use 1, true, yes or on; or 0, false, no or off", name)
     return value in _TRUE
+
+
+def prepopulate() -> bool:
+    """$VMMSHARE_PREPOPULATE: fault every mapping in when it is made (default off)."""
+    return _flag("VMMSHARE_PREPOPULATE")
 
 
 def pure_python() -> bool:
     """$VMMSHARE_PURE_PYTHON: packets through pure Python even where the compiled fast path is built (default off)."""
-    raw = os.environ.get("VMMSHARE_PURE_PYTHON", "")
-    value = raw.strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise ConfigError(f"VMMSHARE_PURE_PYTHON={raw!r}: use 1, true, yes or on; or 0, false, no or off",
-                          "VMMSHARE_PURE_PYTHON")
-    return value in _TRUE
+    return _flag("VMMSHARE_PURE_PYTHON")
 
 
 def log_level() -> str:

@@ -159,9 +159,12 @@ def raw_mem_info(path: Path | str, device: int = 0) -> tuple[int, int]:
 
 
 def raw_listing(path: Path | str) -> dict[str, Any]:
-    """What `vmmshare ls --json` shows, read page by page over a raw connection."""
+    """What `vmmshare ls --json` shows, read page by page over a raw connection (each page's rows and its devices'
+    figures joined, as the command joins them)."""
     rows: list[Any] = []
     head: dict[str, Any] = {}
+    used: dict[str, int] = {}
+    gpu_used: dict[str, int] = {}
     with Raw(path) as c:
         offset: int | None = 0
         for _ in range(100_000):
@@ -171,9 +174,11 @@ def raw_listing(path: Path | str) -> dict[str, Any]:
             assert isinstance(reply, P.Listing), reply
             page = json.loads(reply.page)
             rows.extend(page.pop("exports"))
+            used.update(page.pop("used", {}))
+            gpu_used.update(page.pop("gpu_used", {}))
             offset = page.pop("next")
             head = page
-    head["exports"] = rows
+    head.update(exports=rows, used=used, gpu_used=gpu_used)
     return head
 
 

@@ -82,17 +82,9 @@ class ClusterBroker:
     def listing(self) -> dict[str, Any]:
         """What `vmmshare ls --json` shows on this server: the same query, made from this process (the broker's
         socket is a file, reachable from any network namespace), not from a `vmmshare ls` of its own."""
-        from dataclasses import replace
+        import common
 
-        from vmmshare.client.connection import BrokerClient
-        from vmmshare.config import Config
-
-        client = BrokerClient(replace(Config.from_env(), socket_path=Path(self.env["VMMSHARE_SOCKET"])),
-                              autostart=False)
-        try:
-            return client.listing()
-        finally:
-            client.close()
+        return common.raw_listing(self.socket)
 
 
 class TestCluster:

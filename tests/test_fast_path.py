@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,12 +39,12 @@ def _path(name: str) -> SimpleNamespace:
         pytest.skip("the compiled fast path is not built here (no compiler at install time)")
     pick = {"pure": "pure_", "compiled": "fast_"}[name]
     return SimpleNamespace(name=name, **{f: getattr(packets, pick + f) for f in
-                                         ("recv_packet", "recv_request", "send_packet")})
+                                         ("recv_packet", "recv_request", "send_packet", "call")})
 
 
 @pytest.fixture(params=PATHS)
 def path(request: pytest.FixtureRequest) -> SimpleNamespace:
-    """recv_packet, recv_request and send_packet of one path."""
+    """recv_packet, recv_request, send_packet and call of one path."""
     return _path(request.param)
 
 
@@ -257,6 +258,141 @@ def test_both_paths_read_every_packet_alike(pair: Any, case: tuple[bytes, int]) 
         os.close(r)
         os.close(w)
     assert seen[0] == seen[2] and seen[1] == seen[3]
+
+
+# ---------------------------------------------------------------- a request and its reply in one call, both paths
+
+
+def _answer(b: socket.socket, reply: bytes, fds: tuple[int, ...] = (), after: threading.Event | None = None) -> Any:
+    """A thread that takes one request on `b` and answers it with `reply` (and `fds`), once `after` is set if
+    given; join it to get the request."""
+    got: list[bytes] = []
+
+    def run() -> None:
+        got.append(packets.pure_recv_packet(b)[0])
+        if after is not None:
+            after.wait(30)
+        packets.pure_send_packet(b, reply, fds)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.got = got  # type: ignore[attr-defined]
+    return thread
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.001])
+def test_a_call_sends_the_request_and_returns_its_reply_with_its_fds(path: SimpleNamespace, pair: Any,
+                                                                   spin: float) -> None:
+    a, b = pair
+    r, w = os.pipe()
+    try:
+        server = _answer(b, b"the reply", (w,))
+        data, fds, truncated, _ = path.call(a, b"the request", spin, 30.0)
+        server.join()
+        assert server.got == [b"the request"]
+        assert (data, len(fds), truncated) == (b"the reply", 1, False)
+        assert same_file(fds[0], w) and fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        closing(fds)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_call_says_when_its_poll_ran_out_before_the_reply(path: SimpleNamespace, pair: Any) -> None:
+    """A reply that comes after the polling window: the call waits on in the kernel and gets it, and says the poll
+    missed (the client polls less after that); with no window, nothing is said to have missed."""
+    a, b = pair
+    late = threading.Event()
+    server = _answer(b, b"late", after=late)
+    timer = threading.Timer(0.05, late.set)  # the reply is late on purpose: well past the 50 µs window
+    timer.start()
+    assert path.call(a, b"q", 0.00005, 30.0) == (b"late", [], False, True)
+    server.join()
+    server = _answer(b, b"at once")
+    assert path.call(a, b"q", 0.0, 30.0) == (b"at once", [], False, False)
+    server.join()
+
+
+def test_a_call_without_a_reply_times_out_and_leaks_nothing(path: SimpleNamespace, pair: Any) -> None:
+    a, b = pair
+    before = open_fds()
+    with pytest.raises(TimeoutError, match="did not answer within"):
+        path.call(a, b"unanswered", 0.0001, 0.05)
+    assert packets.pure_recv_packet(b)[0] == b"unanswered"
+    assert open_fds() == before
+
+
+def test_a_call_to_a_peer_that_closes_or_is_gone(path: SimpleNamespace, pair: Any) -> None:
+    """The peer closes after reading the request: the end of the connection comes back (no data, no fds); a peer
+    gone before the request: the send fails with BrokenPipeError, never SIGPIPE."""
+    a, b = pair
+
+    def read_and_close() -> None:
+        packets.pure_recv_packet(b)
+        b.close()
+
+    thread = threading.Thread(target=read_and_close)
+    thread.start()
+    assert path.call(a, b"q", 0.0001, 30.0)[:3] == (b"", [], False)
+    thread.join()
+    with pytest.raises(BrokenPipeError):
+        path.call(a, b"to nobody", 0.0, 30.0)
+
+
+def test_a_call_s_reply_longer_than_max_frame_comes_back_truncated(path: SimpleNamespace, pair: Any) -> None:
+    a, b = pair
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 18)
+    server = _answer(b, b"z" * (MAX_FRAME + 1))
+    data, fds, truncated, _ = path.call(a, b"q", 0.0, 30.0)
+    server.join()
+    assert (len(data), fds, truncated) == (MAX_FRAME + 1, [], True)
+
+
+def test_a_signal_during_a_call_s_wait(path: SimpleNamespace, pair: Any) -> None:
+    """A handler that returns: the call waits on and gets the reply the handler sent. One that raises: its
+    exception comes out of the call, and nothing leaks."""
+    a, b = pair
+
+    def answer_from_handler(signum: int, frame: object) -> None:
+        packets.pure_send_packet(b, b"from the handler")
+
+    previous = signal.signal(signal.SIGALRM, answer_from_handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert path.call(a, b"q", 0.0001, 30.0)[:3] == (b"from the handler", [], False)
+
+        class Stop(Exception):
+            pass
+
+        def raise_from_handler(signum: int, frame: object) -> None:
+            raise Stop
+
+        signal.signal(signal.SIGALRM, raise_from_handler)
+        before = open_fds()
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Stop):
+            path.call(a, b"q", 0.0001, 30.0)
+        assert open_fds() == before
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_call_s_bad_arguments_are_refused_before_anything_is_sent(pair: Any) -> None:
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here")
+    a, b = pair
+    for args in ((a, b"q", -1.0, 1.0), (a, b"q", 0.0, -1.0), (a, b"q", float("nan"), 1.0), (a, b"q", 0.0, 1e9)):
+        with pytest.raises(ValueError, match="out of range"):
+            packets.fast_call(*args)
+    with pytest.raises(TypeError):
+        packets.fast_call(a, b"q", "0", 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        packets.fast_call(a, "not bytes", 0.0, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        packets.fast_call(a, b"q", 0.0)  # type: ignore[call-arg]
+    with pytest.raises(BlockingIOError):
+        packets.pure_recv_packet(b, packets.DONTWAIT)  # nothing was sent
 
 
 def _in_a_child(path: SimpleNamespace, code: str) -> str:

@@ -97,6 +97,18 @@ class BrokerClient:
         self, sock: socket.socket, frame: bytes, fds: tuple[int, ...], meanwhile: Callable[[], None] | None,
     ) -> tuple[bytes, list[int], bool]:
         """Send one request frame and take the packet that answers it; `meanwhile` runs while the broker works."""
+        if not fds and meanwhile is None:  # most requests: sent and answered in one call
+            try:
+                packet, got, truncated = self._waiter.call(sock, frame)
+            except OSError:
+                refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
+                if refusal is not None:
+                    self._reset()
+                    raise refusal from None
+                raise
+            if not packet and not got:
+                raise ConnectionResetError("the broker closed the connection")
+            return packet, got, truncated
         try:
             packets.send_packet(sock, frame, fds)
         except OSError:
@@ -376,6 +388,18 @@ class _Waiter:
         self.skip = 0
         self._sock: socket.socket | None = None
         self._poller = select.poll()
+
+    def call(self, sock: socket.socket, frame: bytes) -> tuple[bytes, list[int], bool]:
+        """Send `frame` (no fds) and wait for the reply as `wait` does, in one call (`packets.call`)."""
+        if self.skip:
+            self.skip -= 1
+            spin = 0.0
+        else:
+            spin = self.spin
+        packet, got, truncated, missed = packets.call(sock, frame, spin, REPLY_TIMEOUT)
+        if missed:
+            self.skip = self.SKIP_AFTER_MISS
+        return packet, got, truncated
 
     def wait(self, sock: socket.socket) -> tuple[bytes, list[int], bool]:
         if sock is not self._sock:  # a new connection: watch it instead

@@ -13,6 +13,9 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -56,6 +59,13 @@ static int sock_fd(PyObject *obj)
     int fd = as_int(number);
     Py_DECREF(number);
     return fd;
+}
+
+static long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 static void close_all(const int *fds, Py_ssize_t n)
@@ -107,55 +117,59 @@ static int recv_args(PyObject *const *args, Py_ssize_t nargs, int *fd, int *flag
     return *flags == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* One recvmsg: (data, fds, truncated[, sender pid]). Every fd received is either in the returned list or, if
- * the result cannot be built (no memory), closed here: none leaks. */
-static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
-{
-    int fd, flags;
-    if (recv_args(args, nargs, &fd, &flags) < 0)
-        return NULL;
-    flags |= MSG_CMSG_CLOEXEC;
-    size_t room = (size_t)max_frame + 1; /* one byte more: a longer packet shows as longer */
-    /* On the heap, not the stack: a thread may have as little as 32 KiB of stack (threading.stack_size). */
-    char *buf = PyMem_RawMalloc(room);
+/* A packet being received: the buffer (on the heap, not the stack: a thread may have as little as 32 KiB of stack,
+ * threading.stack_size), and room for the fds and the sender's credentials. */
+struct packet {
+    char *buf;
+    size_t room;
+    int creds;
+    struct iovec iov;
+    struct msghdr msg;
     union {
         struct cmsghdr align;
         char bytes[CMSG_SPACE(sizeof(int) * MAX_ANC_FDS) + CMSG_SPACE(sizeof(struct ucred))];
     } control;
-    if (buf == NULL)
-        return PyErr_NoMemory();
-    struct iovec iov = {buf, room};
-    struct msghdr msg;
-    ssize_t got;
-    for (;;) {
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.bytes;
-        msg.msg_controllen = control_size(anc_fds, creds);
-        if (flags & MSG_DONTWAIT) {
-            got = recvmsg(fd, &msg, flags);
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            got = recvmsg(fd, &msg, flags);
-            Py_END_ALLOW_THREADS
-        }
-        if (got >= 0)
-            break;
-        int err = errno;
-        if (err != EINTR || PyErr_CheckSignals() < 0) { /* EINTR: retry, as Python does (PEP 475) */
-            PyMem_RawFree(buf);
-            errno = err;
-            return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
-        }
+};
+
+/* Room for one packet (max_frame, one byte more: a longer packet shows as longer); -1 with MemoryError set. */
+static int packet_open(struct packet *p, int creds)
+{
+    p->room = (size_t)max_frame + 1;
+    p->creds = creds;
+    p->buf = PyMem_RawMalloc(p->room);
+    if (p->buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
+    return 0;
+}
+
+/* One recvmsg into the packet (no Python object touched: callable without the GIL); -1 with errno on failure. */
+static ssize_t packet_recv(struct packet *p, int fd, int flags)
+{
+    memset(&p->msg, 0, sizeof p->msg);
+    p->iov.iov_base = p->buf;
+    p->iov.iov_len = p->room;
+    p->msg.msg_iov = &p->iov;
+    p->msg.msg_iovlen = 1;
+    p->msg.msg_control = p->control.bytes;
+    p->msg.msg_controllen = control_size(anc_fds, p->creds);
+    return recvmsg(fd, &p->msg, flags | MSG_CMSG_CLOEXEC);
+}
+
+/* The packet received (`got` bytes) as (data, fds, truncated[, extra]), its buffer freed: extra is the sender's pid
+ * for a packet received with credentials, else `extra` itself (a new reference, or NULL for none). Every fd
+ * received is either in the returned list or, if the result cannot be built (no memory), closed here: none
+ * leaks. */
+static PyObject *packet_result(struct packet *p, ssize_t got, PyObject *extra)
+{
     int fds[MAX_ANC_FDS + 4];
     Py_ssize_t nfds = 0;
     long sender = -1;
     int overflow = 0;
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-        size_t at = (size_t)((char *)c - control.bytes);
-        size_t len = at + c->cmsg_len > msg.msg_controllen ? msg.msg_controllen - at : c->cmsg_len;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&p->msg); c != NULL; c = CMSG_NXTHDR(&p->msg, c)) {
+        size_t at = (size_t)((char *)c - p->control.bytes);
+        size_t len = at + c->cmsg_len > p->msg.msg_controllen ? p->msg.msg_controllen - at : c->cmsg_len;
         if (len < CMSG_LEN(0) || c->cmsg_level != SOL_SOCKET)
             continue;
         size_t payload = len - CMSG_LEN(0);
@@ -177,13 +191,16 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
             sender = cred.pid;
         }
     }
-    int truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame || overflow;
-    PyObject *data = PyBytes_FromStringAndSize(buf, got);
-    PyMem_RawFree(buf);
+    int truncated = (p->msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || got > max_frame || overflow;
+    PyObject *data = PyBytes_FromStringAndSize(p->buf, got);
+    PyMem_RawFree(p->buf);
+    p->buf = NULL;
     PyObject *list = PyList_New(nfds);
-    PyObject *pid = creds ? PyLong_FromLong(sender) : NULL;
-    PyObject *result = PyTuple_New(creds ? 4 : 3);
-    if (data == NULL || list == NULL || (creds && pid == NULL) || result == NULL)
+    if (p->creds)
+        extra = PyLong_FromLong(sender);
+    int more = p->creds || extra != NULL;
+    PyObject *result = PyTuple_New(more ? 4 : 3);
+    if (data == NULL || list == NULL || (more && extra == NULL) || result == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < nfds; i++) {
         PyObject *item = PyLong_FromLong(fds[i]);
@@ -194,16 +211,46 @@ static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
     PyTuple_SET_ITEM(result, 0, data);
     PyTuple_SET_ITEM(result, 1, list);
     PyTuple_SET_ITEM(result, 2, PyBool_FromLong(truncated));
-    if (creds)
-        PyTuple_SET_ITEM(result, 3, pid);
+    if (more)
+        PyTuple_SET_ITEM(result, 3, extra);
     return result;
 fail:
     Py_XDECREF(data);
     Py_XDECREF(list);
-    Py_XDECREF(pid);
+    Py_XDECREF(extra);
     Py_XDECREF(result);
     close_all(fds, nfds);
     return NULL;
+}
+
+/* One recvmsg: (data, fds, truncated[, sender pid]). */
+static PyObject *receive(PyObject *const *args, Py_ssize_t nargs, int creds)
+{
+    int fd, flags;
+    if (recv_args(args, nargs, &fd, &flags) < 0)
+        return NULL;
+    struct packet p;
+    if (packet_open(&p, creds) < 0)
+        return NULL;
+    ssize_t got;
+    for (;;) {
+        if (flags & MSG_DONTWAIT) {
+            got = packet_recv(&p, fd, flags);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            got = packet_recv(&p, fd, flags);
+            Py_END_ALLOW_THREADS
+        }
+        if (got >= 0)
+            break;
+        int err = errno;
+        if (err != EINTR || PyErr_CheckSignals() < 0) { /* EINTR: retry, as Python does (PEP 475) */
+            PyMem_RawFree(p.buf);
+            errno = err;
+            return err == EINTR ? NULL : PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    return packet_result(&p, got, NULL);
 }
 
 PyDoc_STRVAR(recv_doc, "recv(sock, flags=0) -> (data, fds, truncated)\n\n"
@@ -323,6 +370,136 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- a request and its reply, for the client */
+
+/* The spin's policy, as sockets/spinning.py has it for the waits made in Python: between polls a spin yields its
+ * core, and a yield that ran another task for longer than YIELD_SLICE_NS means the core is wanted; the spin gives
+ * up then, and none starts in this process for BACK_OFF_NS. The back-off is this module's own (a process waits
+ * either here or in spinning.py, by whether its packets go through C). */
+#define YIELD_SLICE_NS 50000LL
+#define BACK_OFF_NS 20000000LL
+static long long calm_after_ns; /* no spin starts before this now_ns(); read and written without the GIL */
+
+static int would_block(int err)
+{
+    return err == EAGAIN || err == EWOULDBLOCK || err == EINTR;
+}
+
+/* Poll the socket for its packet by receiving it (one system call a try), yielding the core between tries, for up
+ * to `spin_ns`. Returns what the last recvmsg did (bytes, or -1 with *err); *missed when the window ended, or the
+ * core was wanted, or a back-off was on, without the packet. Runs without the GIL. */
+static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, int *missed)
+{
+    long long start = now_ns();
+    *err = EAGAIN;
+    if (start < __atomic_load_n(&calm_after_ns, __ATOMIC_RELAXED)) {
+        *missed = 1;
+        return -1;
+    }
+    long long deadline = start + spin_ns;
+    for (;;) {
+        ssize_t got = packet_recv(p, fd, MSG_DONTWAIT);
+        if (got >= 0 || !would_block(errno)) {
+            *err = got < 0 ? errno : 0;
+            return got;
+        }
+        long long before = now_ns();
+        if (before > deadline)
+            break;
+        sched_yield(); /* whoever is runnable here (the broker, on a machine with few cores) may have the core */
+        long long after = now_ns();
+        if (after - before > YIELD_SLICE_NS) { /* someone took it: the core is wanted */
+            got = packet_recv(p, fd, MSG_DONTWAIT);
+            if (got >= 0 || !would_block(errno)) {
+                *err = got < 0 ? errno : 0;
+                return got;
+            }
+            __atomic_store_n(&calm_after_ns, after + BACK_OFF_NS, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    *missed = 1;
+    *err = EAGAIN;
+    return -1;
+}
+
+PyDoc_STRVAR(call_doc, "call(sock, data, spin, timeout) -> (data, fds, truncated, missed)\n\n"
+             "Send one packet without fds on a blocking socket and receive the packet that comes back, as recv "
+             "does: polled for up to spin seconds first while a core is free for it (missed: the poll ran and did "
+             "not find it), then waited for in poll(2), TimeoutError after timeout seconds. GIL released while "
+             "waiting.");
+
+static PyObject *fast_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "call takes (sock, data, spin, timeout)");
+        return NULL;
+    }
+    int fd = sock_fd(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    double spin = PyFloat_AsDouble(args[2]);
+    if (spin == -1.0 && PyErr_Occurred())
+        return NULL;
+    double timeout = PyFloat_AsDouble(args[3]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!(spin >= 0.0 && spin <= 10.0 && timeout >= 0.0 && timeout <= 86400.0)) {
+        PyErr_SetString(PyExc_ValueError, "spin or timeout out of range");
+        return NULL;
+    }
+    PyObject *sent = send_plain(fd, args[1]);
+    if (sent == NULL)
+        return NULL;
+    Py_DECREF(sent);
+    struct packet p;
+    if (packet_open(&p, 0) < 0)
+        return NULL;
+    ssize_t got = -1;
+    int err = EAGAIN, missed = 0;
+    long long spin_ns = (long long)(spin * 1e9);
+    if (spin_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        got = spin_for(&p, fd, spin_ns, &err, &missed);
+        Py_END_ALLOW_THREADS
+    }
+    long long deadline = now_ns() + (long long)(timeout * 1e9);
+    while (got < 0) {
+        if (!would_block(err))
+            goto oserror;
+        if (err == EINTR && PyErr_CheckSignals() < 0)
+            goto failed;
+        long long left = deadline - now_ns();
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int ready = 0;
+        if (left > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            ready = poll(&pfd, 1, (int)((left + 999999) / 1000000));
+            Py_END_ALLOW_THREADS
+        }
+        if (ready < 0) {
+            err = errno;
+            continue;
+        }
+        if (ready == 0) {
+            char why[96];
+            snprintf(why, sizeof why, "the broker did not answer within %.0f s", timeout);
+            PyErr_SetString(PyExc_TimeoutError, why);
+            goto failed;
+        }
+        got = packet_recv(&p, fd, MSG_DONTWAIT);
+        err = got < 0 ? errno : 0;
+    }
+    return packet_result(&p, got, PyBool_FromLong(missed));
+oserror:
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+failed:
+    PyMem_RawFree(p.buf);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- the floor, for vmmshare bench */
 
 PyDoc_STRVAR(floor_serve_doc, "floor_serve(fd, memfd) -> None\n\n"
@@ -409,13 +586,6 @@ static int first_right_closing_the_rest(struct msghdr *msg)
         return -1;
     }
     return first;
-}
-
-static long long now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 PyDoc_STRVAR(floor_trips_doc, "floor_trips(fd, reps, size) -> (round_trip_ns, round_trip_mmap_ns)\n\n"
@@ -531,6 +701,7 @@ static PyMethodDef methods[] = {
     {"recv", (PyCFunction)(void (*)(void))fast_recv, METH_FASTCALL, recv_doc},
     {"recv_request", (PyCFunction)(void (*)(void))fast_recv_request, METH_FASTCALL, recv_request_doc},
     {"send", (PyCFunction)(void (*)(void))fast_send, METH_FASTCALL, send_doc},
+    {"call", (PyCFunction)(void (*)(void))fast_call, METH_FASTCALL, call_doc},
     {"floor_serve", (PyCFunction)(void (*)(void))fast_floor_serve, METH_FASTCALL, floor_serve_doc},
     {"floor_trips", (PyCFunction)(void (*)(void))fast_floor_trips, METH_FASTCALL, floor_trips_doc},
     {NULL, NULL, 0, NULL},

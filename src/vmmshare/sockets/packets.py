@@ -1,9 +1,9 @@
 """Packets over an AF_UNIX SOCK_SEQPACKET socket, with file descriptors passed by SCM_RIGHTS.
 
-`recv_packet`, `recv_request` and `send_packet` run in C (the `_fastpackets` extension) where it was built, and
-in pure Python where it was not, or once `use_pure(True)` was called (the broker client and the broker do, from their
-Config, when VMMSHARE_PURE_PYTHON is set); both behave alike, and both are tested. Call them as attributes of this
-module (`packets.recv_packet`), so that the choice applies.
+`recv_packet`, `recv_request`, `send_packet` and `call` (a request and its reply) run in C (the `_fastpackets`
+extension) where it was built, and in pure Python where it was not, or once `use_pure(True)` was called (the broker
+client and the broker do, from their Config, when VMMSHARE_PURE_PYTHON is set); both behave alike, and both are
+tested. Call them as attributes of this module (`packets.recv_packet`), so that the choice applies.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..wire.local import MAX_FDS, MAX_FRAME
+from .spinning import spin as _spin
 
 _ANC = socket.CMSG_SPACE(4 * (MAX_FDS + 4))  # room to notice (and close) fds nobody asked for
 _CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
@@ -80,6 +82,27 @@ def pure_send_packet(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()
         sock.send(data)
 
 
+def poller_now(poller: select.poll) -> Callable[[], list[tuple[int, int]]]:
+    """What `poller` finds ready now, without waiting."""
+    return lambda: poller.poll(0)
+
+
+def pure_call(sock: socket.socket, data: bytes, spin: float, timeout: float) -> tuple[bytes, list[int], bool, bool]:
+    """Send one packet without fds on a blocking socket and receive the packet that answers it (`recv_packet`'s
+    three values), polling for up to `spin` seconds first while a core is free for it (spinning.py), then waiting
+    in poll(2) for up to `timeout` seconds (TimeoutError after); the fourth value says whether the poll ran and did
+    not find the reply, so that the caller can stop polling for a while."""
+    pure_send_packet(sock, data)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    ready = _spin(poller_now(poller), spin) if spin > 0 else None
+    if ready:
+        return (*pure_recv_packet(sock, DONTWAIT), False)
+    if not poller.poll(timeout * 1000):
+        raise TimeoutError(f"the broker did not answer within {timeout:.0f} s")
+    return (*pure_recv_packet(sock, DONTWAIT), spin > 0)
+
+
 # ---------------------------------------------------------------- the compiled fast path
 
 try:
@@ -96,20 +119,23 @@ if FAST_AVAILABLE:  # the same functions in C, called straight from the caller (
     fast_recv_packet = _fast.recv
     fast_recv_request = _fast.recv_request
     fast_send_packet = _fast.send
+    fast_call = _fast.call
 
 FAST = FAST_AVAILABLE  # whether this process's packets go through C
 recv_packet = fast_recv_packet if FAST else pure_recv_packet
 recv_request = fast_recv_request if FAST else pure_recv_request
 send_packet = fast_send_packet if FAST else pure_send_packet
+call = fast_call if FAST else pure_call
 
 
 def use_pure(pure: bool) -> None:
     """Send and receive in pure Python (`pure`), or in C where the extension is built: for the whole process."""
-    global FAST, recv_packet, recv_request, send_packet
+    global FAST, recv_packet, recv_request, send_packet, call
     FAST = FAST_AVAILABLE and not pure
     recv_packet = fast_recv_packet if FAST else pure_recv_packet
     recv_request = fast_recv_request if FAST else pure_recv_request
     send_packet = fast_send_packet if FAST else pure_send_packet
+    call = fast_call if FAST else pure_call
 
 
 def connect(path: Path | str, timeout: float) -> socket.socket:

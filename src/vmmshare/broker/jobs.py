@@ -48,7 +48,7 @@ class Jobs(Generic[T]):
                  name: Callable[[int, int], Identity] = identity_of_pinned,
                  pin_pid: Callable[[int], int] = pin) -> None:
         self.close_fd, self.name, self.pin_pid = close_fd, name, pin_pid
-        self.pending: list[Job[T]] = []
+        self.pending: list[Job[T]] = []  # changed in place, never rebound: the broker's loop holds this list
         self.pinned = 0
         self._next = 0
 

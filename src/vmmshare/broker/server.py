@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import resource
@@ -19,7 +20,7 @@ import socket
 import struct
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import constants as C
@@ -27,6 +28,7 @@ from ..books.ledger import Client, Ledger, LedgerError
 from ..config import Config, Quotas
 from ..fabric.agent import Agent, endpoint_of
 from ..sockets import packets
+from ..sockets.poller import Poller
 from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
@@ -59,6 +61,10 @@ class Conn:
     pidfd: int
     client: Client
     job: Job[Conn] | None = None  # a request waiting for its pid lookups (jobs.py)
+    fd: int = field(init=False)  # the socket's fd, its key in Broker.conns (read once: fileno() is a call)
+
+    def __post_init__(self) -> None:
+        self.fd = self.sock.fileno()
 
 
 class _Exit:
@@ -92,7 +98,8 @@ class Broker:
         self.finish: dict[int, dict[int, float]] = {}  # uid -> pid -> when its last request ends in that time
         self.procs: Counter[tuple[int, int]] = Counter()  # (uid, pid) -> its connections
         self.listener: socket.socket | None = None
-        self.sel = selectors.DefaultSelector()
+        self.sel = Poller()
+        self._poll_now = functools.partial(self.sel.select, 0)  # what is ready now, without waiting
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
         self.idle_since = time.monotonic()
         self.stopping = False
@@ -121,15 +128,17 @@ class Broker:
         if ready_fd >= 0:
             os.write(ready_fd, b"ready\n")
             os.close(ready_fd)
+        select, fabric, jobs, poll_briefly = self.sel.select, self.fabric, self.jobs.pending, self._poll_briefly
         while not self.stopping:
-            events = self.sel.select(self._timeout())
-            self.fabric.tick()
-            self._resume_listening()
-            while events or self.jobs:
+            events = select(self._timeout())
+            fabric.tick()
+            if self.listen_paused_until:
+                self._resume_listening()
+            while events or jobs:
                 self._turn(events)
-                events = self.sel.select(0) if self.jobs else self._poll_briefly()
-            idle = self.idle is not None and not self.conns and not self.ledger.holds
-            if idle and time.monotonic() - self.idle_since >= (self.idle or 0) and self._retire():
+                events = select(0) if jobs else poll_briefly()
+            if self.idle is not None and not self.conns and not self.ledger.holds \
+                    and time.monotonic() - self.idle_since >= self.idle and self._retire():
                 break
         self.close()
 
@@ -145,9 +154,10 @@ class Broker:
         for key, mask in events:
             data = key.data
             if type(data) is Conn:
-                waiting = ready.get(data.client.uid)
+                uid = data.client.uid
+                waiting = ready.get(uid)
                 if waiting is None:
-                    ready[data.client.uid] = [data]
+                    ready[uid] = [data]
                 else:
                     waiting.append(data)
             elif data is None:
@@ -160,35 +170,42 @@ class Broker:
                 debt[uid] -= QUANTUM
                 if debt[uid] <= 0:
                     del debt[uid]
-        conns, clock = self.conns, time.perf_counter
+        conns, clock, vclock, finishes = self.conns, time.perf_counter, self.vclock, self.finish
+        readable = self._readable
         for uid, queue in ready.items():
             credit = QUANTUM - debt.pop(uid, 0.0) if debt else QUANTUM
             if credit > 0:
-                now = self.vclock.get(uid, 0.0)
-                finish = self.finish.get(uid)
+                now = vclock.get(uid, 0.0)
+                finish = finishes.get(uid)
                 if finish is None:
-                    finish = self.finish[uid] = {}
+                    finish = finishes[uid] = {}
                 if len(queue) > 1:
                     queue.sort(key=lambda conn: max(finish.get(conn.client.pid, 0.0), now))
                 for conn in queue:
-                    if conns.get(conn.sock.fileno()) is not conn:
+                    if conns.get(conn.fd) is not conn:
                         continue  # it left during this turn
                     start = clock()
-                    self._serve_conn(conn)
+                    try:
+                        readable(conn)
+                    except Exception:  # nothing one client does may take the node's broker down
+                        log.exception("unexpected error in the broker loop")
+                        self._drop(conn)
                     spent = clock() - start
                     pid = conn.client.pid
-                    begun = max(finish.get(pid, 0.0), now)
+                    begun = finish.get(pid, 0.0)
+                    if begun < now:
+                        begun = now
                     finish[pid] = begun + spent
-                    now = max(now, begun)
+                    now = begun  # the later of the two: the user's virtual time moves on to this request's start
                     credit -= spent
                     if credit <= 0:
                         break
-                self.vclock[uid] = now
+                vclock[uid] = now
             if credit < 0:
                 debt[uid] = -credit
         for key, mask in arrivals:
             self._dispatch(key, mask)
-        if self.jobs:
+        if self.jobs.pending:
             self._run_jobs()
         if self.listen_paused_until:
             self._resume_listening()
@@ -232,7 +249,7 @@ class Broker:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
         from sleep costs several times what serving a request does. Not while another task wants the core (`spin`):
         the clients need the cores to send those requests."""
-        return spin(lambda: self.sel.select(0), self.config.broker_spin) or []
+        return spin(self._poll_now, self.config.broker_spin) or []
 
     def _retire(self) -> bool:
         """Leave after an idle spell, unless a client is on its way in (daemon.retire_socket)."""
@@ -319,7 +336,7 @@ class Broker:
             system.refuse(sock, code, why)
             return
         conn = Conn(sock, pidfd, client)
-        self.conns[sock.fileno()] = conn
+        self.conns[conn.fd] = conn
         self.procs[client.uid, client.pid] += 1
         self.sel.register(sock, selectors.EVENT_READ, conn)
         if pidfd >= 0:
@@ -495,7 +512,7 @@ class Broker:
 
     def _answer_later(self, conn: Conn, req: int, message: P.Message) -> None:
         """A reply the fabric agent had to wait for, to a client still connected."""
-        if self.conns.get(conn.sock.fileno()) is conn:
+        if self.conns.get(conn.fd) is conn:
             self._send(conn, encode(message, req), ())
 
     def _defer(self, job: Job[Conn]) -> None:
@@ -522,8 +539,9 @@ class Broker:
 
     def _drop(self, conn: Conn) -> None:
         """A client left (or died): release all it held and revoke its exports."""
-        if self.conns.pop(conn.sock.fileno(), None) is None:
+        if self.conns.get(conn.fd) is not conn:  # dropped already (its fd may be another connection's now)
             return
+        del self.conns[conn.fd]
         if conn.job is not None:
             self.jobs.cancel(conn.job)
             conn.job = None

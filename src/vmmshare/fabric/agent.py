@@ -193,6 +193,8 @@ class Agent(Serving):
 
     def wait_time(self) -> float | None:
         """Seconds until the agent has something to do (None: nothing scheduled)."""
+        if not (self.timers or self.reconnect_at or self.leases or self.unmaps):
+            return None  # the usual case (no fabric, or no link with a deadline): said at once, each loop turn
         while self.timers:  # a deadline that passed out of date (a handshake done, a link closed) is dropped here
             when, _, link = self.timers[0]
             due = self._next_due(link) if link.wake_at == when else None
@@ -214,6 +216,8 @@ class Agent(Serving):
 
     def tick(self) -> None:
         """Do what is due: timeouts, heartbeats, silent links, reconnections, expired leases, old mappings."""
+        if not (self.timers or self.reconnect_at or self.leases or self.client_tokens or self.unmaps):
+            return  # nothing scheduled at all: the usual case, each loop turn
         now = time.monotonic()
         while self.timers and self.timers[0][0] <= now:
             when, _, link = heapq.heappop(self.timers)

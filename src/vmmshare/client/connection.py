@@ -21,7 +21,7 @@ from ..backends.remote import Transfers
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
-from ..sockets import packets
+from ..sockets import packets, spinning
 from ..sockets.packets import DONTWAIT, close_fds
 from ..sockets.spinning import spin
 from ..wire import local as P
@@ -395,7 +395,7 @@ class _Waiter:
             self.skip -= 1
             spin = 0.0
         else:
-            spin = self.spin
+            spin = self.spin if spinning.cores_free() else 0.0
         packet, got, truncated, missed = packets.call(sock, frame, spin, REPLY_TIMEOUT)
         if missed:
             self.skip = self.SKIP_AFTER_MISS

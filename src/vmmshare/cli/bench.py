@@ -407,7 +407,7 @@ def run(
     step("the broker's CPU while idle")
     res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)
     if with_waits:  # 1 client and the most: a point per round trip's cost alone, and one of contention
-        res["waits"] = waits(reps_override or (10 if quick else 50), min(seconds, 0.4 if quick else 1.5),
+        res["waits"] = waits(reps_override or (25 if quick else 100), min(seconds, 0.4 if quick else 1.5),
                              sorted({1, max(clients)}), step)
     res["targets"] = targets(res)
     res["load_after"] = list(os.getloadavg())

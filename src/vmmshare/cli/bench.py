@@ -1,4 +1,5 @@
-"""vmmshare bench: sharing costs against the anchors, in one run on the auto-started default broker.
+"""vmmshare bench: sharing costs against the anchors, in one run on the auto-started default broker (the waits on
+private brokers of their own).
 
 Measured side by side (medians over repetitions, with the 10th–90th percentile spread):
 - share latency by step — allocate, map, export, trustlist | import, reserve+map, first touch — against
@@ -459,7 +460,8 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison even if torch is installed")
     ap.add_argument("--sizes", type=sizes_option, help="comma-separated sizes to share, e.g. 4K,2M,1G")
-    ap.add_argument("--reps", type=count_option, help="repetitions per size (default: by size)")
+    ap.add_argument("--reps", type=count_option,
+                    help="repetitions per size (default: by size; for the waits pass 100, 25 with --quick)")
     ap.add_argument("--clients", type=counts_option,
                     help="comma-separated client counts for the throughput test (default 1,4,16); the waits "
                          "pass uses 1 and the most of them")

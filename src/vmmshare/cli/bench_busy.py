@@ -9,6 +9,7 @@ started for the pass and all stopped at its end, with the socket folder removed;
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import multiprocessing as mp
@@ -27,14 +28,15 @@ from typing import Any
 
 from ..config import BROKER_SPIN_US, CLIENT_SPIN_US
 from .bench_broker import cpu_of
-from .bench_measures import MiB, Step, peer_main, quiet, share_latency
+from .bench_measures import MiB, Step, peer_main, quiet, share_rounds, stats_of
 from .console import quiet_child, start_child
 
 LOADS = ("idle", "busy")  # the machine as it is, then with one CPU hog per usable core
 SPINS = ("on", "off")
 WINDOWS_US = {"on": (CLIENT_SPIN_US, BROKER_SPIN_US), "off": (0, 0)}  # (client's, broker's) polling window, µs
 SIZE = 2 * MiB
-KEPT = ("import", "reserve_map", "shm_attach", "share", "shm_share")  # the steps of share_latency a pass keeps
+KEPT = ("import", "reserve_map", "shm_attach", "share", "shm_share")  # the steps of share_rounds a pass keeps
+ORDER = ("on", "off", "off", "on")  # each load's halves of a pass: neither setting always goes first, or last
 START_TIMEOUT = 30.0  # seconds a private broker may take to serve
 STOP_TIMEOUT = 10.0  # seconds a stopped process may take to exit before it is killed
 BROKER_IDLE = 60  # seconds: a private broker whose bench died (with every client) exits on its own after this
@@ -194,10 +196,11 @@ def _cpu_self() -> float:
     return t.user + t.system
 
 
-def driver_main(conn: Connection, env: dict[str, str], parent: int, broker: int, clients: int, reps: int) -> None:
+def driver_main(conn: Connection, env: dict[str, str], parent: int, broker: int, clients: int) -> None:
     """One polling setting's measuring process: with `env` (its broker's socket, its client window) set before its
     runtime exists, it forks the peer and `clients` throughput clients (which inherit both), then answers each
-    ("measure", seconds, counts) with one pass's figures until ("stop",) or its pipe closes."""
+    ("measure", rounds, seconds, counts) with what it measured (each round's µs by step, and each point's round
+    trips, seconds and CPU seconds) until ("stop",) or its pipe closes."""
     os.environ.update(env)
     die_with_parent(parent)
     # the runtime's modules, imported before the forks: the children share the imports, not the runtime (each
@@ -233,18 +236,17 @@ def driver_main(conn: Connection, env: dict[str, str], parent: int, broker: int,
                     return
                 if msg[0] == "stop":
                     return
-                _, seconds, counts = msg
-                lat = share_latency(peer_conn, peer_pid, [SIZE], lambda _: reps, False)[str(SIZE)]
-                out: dict[str, Any] = {"latency": {k: lat[k] for k in KEPT}, "throughput": {}}
+                _, reps, seconds, counts = msg
+                steps: dict[str, list[float]] = collections.defaultdict(list)
+                share_rounds(peer_conn, peer_pid, SIZE, reps, False, steps)
+                out: dict[str, Any] = {"latency": {k: steps[k] for k in KEPT}, "throughput": {}}
                 for n in counts:
                     cpu_b = cpu_of(broker)
                     t0 = time.perf_counter()
                     done = _round(pipes[:n], text, t0 + seconds)
-                    elapsed = max(d[2] for d in done) - t0
-                    ops = sum(d[0] for d in done)
                     out["throughput"][str(n)] = {
-                        "ops_per_s": ops / elapsed, "client_cpu_us": sum(d[1] for d in done) / ops * 1e6,
-                        "broker_cpu_us": (cpu_of(broker) - cpu_b) / ops * 1e6}
+                        "ops": sum(d[0] for d in done), "elapsed": max(d[2] for d in done) - t0,
+                        "client_cpu": sum(d[1] for d in done), "broker_cpu": cpu_of(broker) - cpu_b}
                 conn.send(out)
     finally:
         for a in pipes:
@@ -267,7 +269,7 @@ def _round(pipes: list[Connection], text: str, deadline: float) -> list[tuple[in
 
 
 @contextlib.contextmanager
-def drivers(specs: dict[str, tuple[Path, int, int]], clients: int, reps: int) -> Iterator[dict[str, Connection]]:
+def drivers(specs: dict[str, tuple[Path, int, int]], clients: int) -> Iterator[dict[str, Connection]]:
     """For each name in `specs` (a broker's socket path and pid, and the client window in µs), a measuring process
     (driver_main) reaching that broker with VMMSHARE_SPIN_US set to the window, all started at once: yields the
     pipe to each once all and their clients are ready; each told to stop and reaped on the way out."""
@@ -277,7 +279,7 @@ def drivers(specs: dict[str, tuple[Path, int, int]], clients: int, reps: int) ->
         for name, (path, broker, client_us) in specs.items():
             a, b = ctx.Pipe()
             env = {"VMMSHARE_SOCKET": str(path), "VMMSHARE_SPIN_US": str(client_us)}
-            proc = ctx.Process(target=quiet_child, args=(driver_main, b, env, os.getpid(), broker, clients, reps))
+            proc = ctx.Process(target=quiet_child, args=(driver_main, b, env, os.getpid(), broker, clients))
             start_child(proc)
             b.close()  # its end lives in the driver: if it dies, recv() here sees the pipe close
             started.append((name, a, proc))
@@ -304,11 +306,27 @@ def importer(latency: dict[str, Any]) -> float:
     return float(latency["import"]["median"] + latency["reserve_map"]["median"])
 
 
+def _joined(halves: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setting's figures under one load, from the halves of its pass: each step's median and spread over every
+    round, each point's round trips/s and CPU per round trip over both halves, and the ratios to the anchors."""
+    lat = {k: stats_of([v for h in halves for v in h["latency"][k]]) for k in KEPT}
+    tp: dict[str, Any] = {}
+    for n in halves[0]["throughput"]:
+        ops = sum(h["throughput"][n]["ops"] for h in halves)
+        tp[n] = {"ops_per_s": ops / sum(h["throughput"][n]["elapsed"] for h in halves),
+                 "client_cpu_us": sum(h["throughput"][n]["client_cpu"] for h in halves) / ops * 1e6,
+                 "broker_cpu_us": sum(h["throughput"][n]["broker_cpu"] for h in halves) / ops * 1e6}
+    return {"latency": lat, "throughput": tp, "importer_vs_attach": importer(lat) / lat["shm_attach"]["median"],
+            "share_vs_shm": lat["share"]["median"] / lat["shm_share"]["median"]}
+
+
 def waits(reps: int, seconds: float, counts: list[int], step: Step = quiet) -> dict[str, Any]:
     """The pass: for each load (idle, then one hog per usable core) and each polling setting (the default windows,
     then none), the 2 MiB share by step with its SharedMemory anchors, and import + free round trips with
-    `counts` clients for `seconds` each, with the CPU one round trip costs the clients and the broker. Every
-    broker, hog and measuring process it starts is gone, and its socket folder removed, when it returns."""
+    `counts` clients for `seconds` each, with the CPU one round trip costs the clients and the broker; `reps`
+    rounds and `seconds` per point in two halves, in the order ORDER. Every broker, hog and measuring process it
+    starts is gone, and its socket folder removed, when it returns."""
+    began = time.perf_counter()
     cores = len(os.sched_getaffinity(0))
     folder = Path(tempfile.mkdtemp(prefix="vmmshare-bench-"))  # 0700, this user's: the client trusts it
     passes: dict[str, dict[str, Any]] = {load: {} for load in LOADS}
@@ -319,23 +337,23 @@ def waits(reps: int, seconds: float, counts: list[int], step: Step = quiet) -> d
             brokers = stack.enter_context(private_brokers(folder, {s: WINDOWS_US[s][1] for s in SPINS}))
             made["brokers"] += [pid for _, pid in brokers.values()]
             measuring = stack.enter_context(drivers({s: (*brokers[s], WINDOWS_US[s][0]) for s in SPINS},
-                                                    max(counts), reps))
+                                                    max(counts)))
             for load in LOADS:
                 load_now: contextlib.AbstractContextManager[list[int]] = (
                     hogs(cores) if load == "busy" else contextlib.nullcontext([]))
                 with load_now as hog_pids:
                     made["hogs"] += hog_pids
-                    for spins in SPINS:  # on and off in the same minute, under the same load
+                    halves = []
+                    for spins in ORDER:  # on and off in the same minute, under the same load
                         step(f"waits: {load} machine, spins {spins}")
-                        measuring[spins].send(("measure", seconds, counts))
-                        got = measuring[spins].recv()
-                        lat = got["latency"]
-                        got["importer_vs_attach"] = importer(lat) / lat["shm_attach"]["median"]
-                        got["share_vs_shm"] = lat["share"]["median"] / lat["shm_share"]["median"]
-                        passes[load][spins] = got
+                        measuring[spins].send(("measure", -(-reps // 2), seconds / 2, counts))
+                        halves.append((spins, measuring[spins].recv()))
+                    for spins in SPINS:
+                        passes[load][spins] = _joined([got for s, got in halves if s == spins])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {"size": SIZE, "cores": cores, "hogs": cores, "reps": reps, "seconds": seconds, "clients": counts,
+            "order": list(ORDER), "took_s": time.perf_counter() - began,
             "windows_us": {s: {"client": c, "broker": b} for s, (c, b) in WINDOWS_US.items()},
             "passes": passes,
             "spins_on_vs_off": {load: importer(passes[load]["on"]["latency"]) /

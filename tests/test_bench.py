@@ -42,6 +42,12 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     assert res["bandwidth"]["read_ratio"] > 0
     assert {"lazy", "prepopulated"} == set(res["bandwidth"]["first_touch"])
     assert "share_2MiB_vs_shm" in res["targets"] and "importer_2MiB_vs_attach" in res["targets"]
+    waits = res["waits"]  # the waits pass: 1 client and the most of --clients, idle and busy, spins on and off
+    assert waits["clients"] == [1, 2] and set(waits["passes"]) == {"idle", "busy"}
+    assert all(set(p) == {"on", "off"} for p in waits["passes"].values())
+    assert not Path(waits["started"]["folder"]).exists()
+    assert {"spins_win_idle", "spins_do_not_lose_busy"} <= set(res["targets"])
+    assert "Do the waits' spins pay" in out.stdout and "spins do not lose busy" in out.stdout
     assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
     assert "What does handing memory to another process cost?" in out.stdout and "targets:" in out.stdout
     assert "The floors" in out.stdout and "load average" in out.stdout

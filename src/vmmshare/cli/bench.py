@@ -1,4 +1,5 @@
-"""vmmshare bench: sharing costs against the anchors, in one run on the auto-started default broker.
+"""vmmshare bench: sharing costs against the anchors, in one run on the auto-started default broker (the waits on
+private brokers of their own).
 
 Measured side by side (medians over repetitions, with the 10th–90th percentile spread):
 - share latency by step — allocate, map, export, trustlist | import, reserve+map, first touch — against
@@ -10,7 +11,11 @@ Measured side by side (medians over repetitions, with the 10th–90th percentile
 - broker throughput: import+free round trips per second with 1, 4 and 16 client processes, the CPU time each
   round trip costs the clients and the broker, and the broker's CPU use when idle;
 - steady-state read bandwidth of an imported mapping against a private buffer of the same size;
-- first-touch bandwidth on import, with and without pre-populating the mapping.
+- first-touch bandwidth on import, with and without pre-populating the mapping;
+- the waits, on the idle machine and with every usable core kept busy by CPU hogs, each with the client's and the
+  broker's polling windows on (the defaults) and off, on private brokers started for it: the 2 MiB share by step
+  against SharedMemory under the same load, and import+free round trips/s with 1 client and the most of
+  --clients, with the CPU each round trip costs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .bench_broker import c_floor, floor, idle_cpu, throughput
+from .bench_busy import LOADS, SPINS, PassError, waits
 from .bench_measures import (
     GiB,
     KiB,
@@ -87,10 +93,14 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
         t["read_bw_imported_vs_private"] = {"value": res["bandwidth"]["read_ratio"], "target": ">= 0.95"}
     if "throughput" in res and "16" in res["throughput"]:
         t["broker_16_clients_ops"] = {"value": res["throughput"]["16"]["ops_per_s"], "target": ">= 20000"}
+    if "waits" in res:  # a wait may spin only while a core is free for it: it must win idle and not lose busy
+        ratio = res["waits"]["spins_on_vs_off"]
+        t["spins_win_idle"] = {"value": ratio["idle"], "target": "< 1.0"}
+        t["spins_do_not_lose_busy"] = {"value": ratio["busy"], "target": "<= 1.1"}
     for v in t.values():
-        tgt = v["target"]
-        bound = float(tgt.split()[1])
-        v["met"] = v["value"] <= bound if tgt.startswith("<=") else v["value"] >= bound
+        op, bound_text = v["target"].split()
+        bound = float(bound_text)
+        v["met"] = {"<=": v["value"] <= bound, "<": v["value"] < bound, ">=": v["value"] >= bound}[op]
     return t
 
 
@@ -120,6 +130,8 @@ TARGET_NAMES = {  # each target as the question it answers
     "pipe_256MiB_vs_share": "Pipe 256 MiB, vs share 256 MiB",
     "read_bw_imported_vs_private": "read bandwidth, imported vs private",
     "broker_16_clients_ops": "broker round trips/s, 16 clients",
+    "spins_win_idle": "spins win idle: importer, spins on vs off",
+    "spins_do_not_lose_busy": "spins do not lose busy: importer, on vs off",
 }
 
 
@@ -189,6 +201,8 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
                 for n, v in res["throughput"].items()], out)
     if "idle_cpu" in res:
         print(f"  broker CPU while idle: {res['idle_cpu'] * 100:.2f}% of a core", file=out)
+    if "waits" in res:
+        _waits_table(res["waits"], out)
     if "bandwidth" in res:
         b = res["bandwidth"]
         rows = [("read, imported", f"{b['read_GBps']['imported']:.2f}", ""),
@@ -200,6 +214,33 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
     for name, v in res["targets"].items():
         print(f"  {TARGET_NAMES.get(name, name):50} {v['value']:10.3f}  {v['target']:8}  "
               f"{'met' if v['met'] else 'MISSED'}", file=out)
+
+
+def _waits_table(w: dict[str, Any], out: Any) -> None:
+    """The waits pass: each figure with the polling windows on and off, idle and with every core busy (medians:
+    four columns with their spread would not fit; the spread is in --json)."""
+    cols = [w["passes"][load][spins] for load in LOADS for spins in SPINS]
+
+    def lat(key: str) -> tuple[str, ...]:
+        return tuple(f"{c['latency'][key]['median']:,.0f}" for c in cols)
+
+    rows = [("import", *lat("import")), ("reserve+map", *lat("reserve_map")),
+            ("SharedMemory attach", *lat("shm_attach")),
+            ("importer / attach", *(f"{c['importer_vs_attach']:.2f}x" for c in cols)),
+            ("share", *lat("share")), ("SharedMemory create+attach", *lat("shm_share")),
+            ("share / SharedMemory", *(f"{c['share_vs_shm']:.2f}x" for c in cols))]
+    for n in w["clients"]:
+        tp = [c["throughput"][str(n)] for c in cols]
+        rows += [(f"round trips/s, {n} client{'s' if n > 1 else ''}", *(f"{t['ops_per_s']:,.0f}" for t in tp)),
+                 ("  client CPU µs per round trip", *(f"{t['client_cpu_us']:.0f}" for t in tp)),
+                 ("  broker CPU µs per round trip", *(f"{t['broker_cpu_us']:.0f}" for t in tp))]
+    _table(f"Do the waits' spins pay, idle and with all {w['cores']} cores busy? {fmt_size(w['size'])}, µs, median",
+           ("", *(f"{load}, spins {spins}" for load in LOADS for spins in SPINS)), rows, out)
+    win, ratio = w["windows_us"]["on"], w["spins_on_vs_off"]
+    print(f"  spins on: the client polls {win['client']} µs, the broker {win['broker']} µs; off: neither polls",
+          file=out)
+    print(f"  importer (import + reserve + map), spins on vs off: idle {ratio['idle']:.2f}x, "
+          f"busy {ratio['busy']:.2f}x", file=out)
 
 
 def _label(res: dict[str, Any]) -> str:
@@ -321,7 +362,7 @@ def default_sizes(quick: bool) -> list[int]:
 
 def run(
     quick: bool, with_torch: bool | None = None, sizes: list[int] | None = None, reps_override: int | None = None,
-    clients: list[int] | None = None, seconds: float | None = None, step: Step = quiet,
+    clients: list[int] | None = None, seconds: float | None = None, step: Step = quiet, with_waits: bool = True,
 ) -> dict[str, Any]:
     import vmmshare
 
@@ -366,6 +407,9 @@ def run(
     res["throughput"] = throughput(clients, seconds, step)
     step("the broker's CPU while idle")
     res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)
+    if with_waits:  # 1 client and the most: a point per round trip's cost alone, and one of contention
+        res["waits"] = waits(reps_override or (25 if quick else 100), min(seconds, 0.4 if quick else 1.5),
+                             sorted({1, max(clients)}), step)
     res["targets"] = targets(res)
     res["load_after"] = list(os.getloadavg())
     return res
@@ -416,10 +460,14 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--plot", help="write a PNG: latency vs size (log-log) and throughput vs clients")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison even if torch is installed")
     ap.add_argument("--sizes", type=sizes_option, help="comma-separated sizes to share, e.g. 4K,2M,1G")
-    ap.add_argument("--reps", type=count_option, help="repetitions per size (default: by size)")
+    ap.add_argument("--reps", type=count_option,
+                    help="repetitions per size (default: by size; for the waits pass 100, 25 with --quick)")
     ap.add_argument("--clients", type=counts_option,
-                    help="comma-separated client counts for the throughput test (default 1,4,16)")
-    ap.add_argument("--seconds", type=seconds_option, help="seconds per throughput point")
+                    help="comma-separated client counts for the throughput test (default 1,4,16); the waits "
+                         "pass uses 1 and the most of them")
+    ap.add_argument("--seconds", type=seconds_option,
+                    help="seconds per throughput point (default 3, 1 with --quick; the waits pass's points take "
+                         "at most 1.5, 0.4 with --quick)")
     args = ap.parse_args(argv)
     if not environment_ok("vmmshare bench"):
         return USAGE
@@ -446,7 +494,7 @@ def _main(argv: list[str]) -> int:
         with Progress("vmmshare bench") as progress:
             res = run(args.quick, False if args.no_torch else None, args.sizes, args.reps, args.clients,
                       args.seconds, progress.step)
-    except AclError as exc:
+    except (AclError, PassError) as exc:
         say_error("vmmshare bench", f"failed: {exc}")
         return FAILED
     except (EOFError, OSError):  # the pipe to a measuring process: it died

@@ -125,15 +125,61 @@ def _read_bw(array: Any, reps: int) -> float:
 # ---------------------------------------------------------------- share latency
 
 
-def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Callable[[int], int],
-                  with_torch: bool, step: Step = quiet) -> dict[str, Any]:
+def share_rounds(peer: Connection, peer_pid: int, size: int, n: int, touch: bool, steps: dict[str, list[float]],
+                 step: Step = quiet) -> None:
+    """`n` rounds (after one warm-up round, not kept) of sharing `size` bytes with the peer, vmmshare's way then
+    SharedMemory's, each step's µs appended to its list in `steps`; with `touch`, the importer reads every page and
+    only the rounds' totals with it are kept."""
     from multiprocessing import shared_memory
-
-    import numpy as np
 
     import vmmshare
 
     dev = vmmshare.Device(0)
+    for i in range(n + 1):
+        which = "warm-up round" if i == 0 else f"round {i} of {n}"  # round 0 warms up and is not kept
+        step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, {which}")
+        t0 = now_ns()
+        mem = dev.allocate(size)
+        t1 = now_ns()
+        m = mem.map()
+        t2 = now_ns()
+        h = mem.export(pids=[peer_pid])  # the trustlist rides on the export: one round trip
+        t4 = now_ns()
+        peer.send(("vmm", str(h), mem.size, False, touch))
+        got = peer.recv()
+        m.close()
+        mem.close()
+        t0s = now_ns()
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        t1s = now_ns()
+        peer.send(("shm", shm.name, size, touch))
+        sgot = peer.recv()
+        shm.close()
+        shm.unlink()
+        if i == 0:
+            continue  # warm-up round
+        exporter = us_between(t0, t4)
+        if touch:
+            steps["first_touch"].append(got["touch"])
+            steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
+            steps["shm_touch"].append(sgot["touch"])
+            steps["shm_share_with_touch"].append(us_between(t0s, t1s) + sgot["attach"] + sgot["touch"])
+            continue
+        steps["allocate"].append(us_between(t0, t1))
+        steps["map"].append(us_between(t1, t2))
+        steps["export_trustlist"].append(us_between(t2, t4))
+        steps["import"].append(got["import"])
+        steps["reserve_map"].append(got["map"])
+        steps["share"].append(exporter + got["import"] + got["map"])
+        steps["shm_create"].append(us_between(t0s, t1s))
+        steps["shm_attach"].append(sgot["attach"])
+        steps["shm_share"].append(us_between(t0s, t1s) + sgot["attach"])
+
+
+def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Callable[[int], int],
+                  with_torch: bool, step: Step = quiet) -> dict[str, Any]:
+    import numpy as np
+
     rows: dict[str, Any] = {}
     all_steps: dict[int, dict[str, list[float]]] = {size: {k: [] for k in (
         "allocate", "map", "export_trustlist", "import", "reserve_map", "first_touch",
@@ -143,46 +189,7 @@ def share_latency(peer: Connection, peer_pid: int, sizes: list[int], reps: Calla
     # cache and leaves the kernel freeing pages, which would slow whatever round came next
     plan = [(size, False, reps(size)) for size in sizes] + [(size, True, min(reps(size), 3)) for size in sizes]
     for size, touch, n in plan:
-        steps = all_steps[size]
-        for i in range(n + 1):
-            which = "warm-up round" if i == 0 else f"round {i} of {n}"  # round 0 warms up and is not kept
-            step(f"share latency{' with first touch' if touch else ''}, {fmt_size(size)}, {which}")
-            t0 = now_ns()
-            mem = dev.allocate(size)
-            t1 = now_ns()
-            m = mem.map()
-            t2 = now_ns()
-            h = mem.export(pids=[peer_pid])  # the trustlist rides on the export: one round trip
-            t4 = now_ns()
-            peer.send(("vmm", str(h), mem.size, False, touch))
-            got = peer.recv()
-            m.close()
-            mem.close()
-            t0s = now_ns()
-            shm = shared_memory.SharedMemory(create=True, size=size)
-            t1s = now_ns()
-            peer.send(("shm", shm.name, size, touch))
-            sgot = peer.recv()
-            shm.close()
-            shm.unlink()
-            if i == 0:
-                continue  # warm-up round
-            exporter = us_between(t0, t4)
-            if touch:
-                steps["first_touch"].append(got["touch"])
-                steps["share_with_touch"].append(exporter + got["import"] + got["map"] + got["touch"])
-                steps["shm_touch"].append(sgot["touch"])
-                steps["shm_share_with_touch"].append(us_between(t0s, t1s) + sgot["attach"] + sgot["touch"])
-                continue
-            steps["allocate"].append(us_between(t0, t1))
-            steps["map"].append(us_between(t1, t2))
-            steps["export_trustlist"].append(us_between(t2, t4))
-            steps["import"].append(got["import"])
-            steps["reserve_map"].append(got["map"])
-            steps["share"].append(exporter + got["import"] + got["map"])
-            steps["shm_create"].append(us_between(t0s, t1s))
-            steps["shm_attach"].append(sgot["attach"])
-            steps["shm_share"].append(us_between(t0s, t1s) + sgot["attach"])
+        share_rounds(peer, peer_pid, size, n, touch, all_steps[size], step)
     for size in sizes:
         steps = all_steps[size]
         n = reps(size)

@@ -6,8 +6,9 @@ and, in a forked child, only let go of (the parent frees it; see _inherit.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import _inherit
 from ._finalize import Finalizer
@@ -18,7 +19,7 @@ _O = TypeVar("_O", bound="Owned")
 class Owned:
     """What `close()`, `closed`, `with` and fork mean for an object that frees one resource of this process."""
 
-    _finalizer: Finalizer
+    _finalizer: Finalizer | weakref.finalize[Any, Any]  # (a PoolBuffer's: it is not told at fork, its pool is)
     _forked = False  # inherited by a forked child: what it owns is the parent's, and closing it only lets go
 
     def _own(self, free: Callable[..., object], *args: object) -> None:

@@ -6,7 +6,7 @@ import functools
 
 from .. import constants as C
 from .._process import runtime
-from ..errors import InvalidHandleError, InvalidParamError
+from ..errors import AclInvalidParamError, InvalidHandleError, InvalidParamError
 from ..wire.handles import ShareableHandle, ShareType
 from ..wire.props import U32, U64, acl_require, check_int, check_pids, check_ptr
 from ._args import read_pids
@@ -28,10 +28,15 @@ def _default(value: int) -> ShareableHandle:
     return ShareableHandle.default(value)
 
 
+_SHARE_TYPES = {C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT: ShareType.DEFAULT,
+                C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC: ShareType.FABRIC}
+
+
 def _share_type(st: int) -> ShareType:
-    if st not in (C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, C.ACL_MEM_SHARE_HANDLE_TYPE_FABRIC):
+    kind = _SHARE_TYPES.get(st)
+    if kind is None:
         raise InvalidParamError(f"shareType={st}: use ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT (1) or FABRIC (2)")
-    return ShareType(st)
+    return kind
 
 
 def _read_shareable(shareable: object) -> int | bytes | None:
@@ -113,9 +118,10 @@ def mem_set_pid_to_shareable_handle_v2(shareable_handle: int | bytes, share_type
 def mem_import_from_shareable_handle_v2(shareable_handle: int | bytes, share_type: int, flags: int) -> int:
     raw = _read_shareable(shareable_handle)
     st, f = check_int("shareType", share_type, 0, U32), check_int("flags", flags)
-    acl_require(raw is not None, "shareableHandle is NULL")
-    acl_require(f == 0, f"flags={f}: reserved, must be 0")
-    assert raw is not None
+    if raw is None:
+        raise AclInvalidParamError("shareableHandle is NULL")
+    if f != 0:
+        raise AclInvalidParamError(f"flags={f}: reserved, must be 0")
     rt = runtime()
     device = rt.devices.current()
     return rt.sharing.import_handle(_shareable(raw, _share_type(st)), device)

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from typing import Any
 
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
+from ._finalize import Finalizer, live_objects
 
 
-def track(obj: Any) -> None:
-    """Tell `obj` (its `_after_fork()`) when this process forks, in the child."""
-    _live.add(obj)
-
-
-def inherited(obj: Any) -> weakref.finalize[Any, Any]:
-    """The finalizer an inherited object gets in the child in place of its own: one that frees nothing."""
-    return weakref.finalize(obj, _nothing)
+def inherited(obj: Any) -> Finalizer:
+    """The finalizer an inherited object gets in the child in place of its own: one that frees nothing (and, alive,
+    tells the object again should the child fork)."""
+    return Finalizer(obj, _nothing)
 
 
 def _nothing() -> None:
@@ -31,7 +26,8 @@ def _nothing() -> None:
 
 
 def _in_child() -> None:
-    for obj in list(_live):
+    """Tell every object with a live finalizer (`_owned.Owned`'s) that it is inherited."""
+    for obj in live_objects():
         with contextlib.suppress(Exception):  # one object's trouble must not stop the others
             obj._after_fork()
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import _inherit
+from ._finalize import Finalizer
 
 _O = TypeVar("_O", bound="Owned")
 
@@ -18,13 +19,13 @@ _O = TypeVar("_O", bound="Owned")
 class Owned:
     """What `close()`, `closed`, `with` and fork mean for an object that frees one resource of this process."""
 
-    _finalizer: weakref.finalize[Any, Any]
+    _finalizer: Finalizer | weakref.finalize[Any, Any]  # (a PoolBuffer's: it is not told at fork, its pool is)
     _forked = False  # inherited by a forked child: what it owns is the parent's, and closing it only lets go
 
     def _own(self, free: Callable[..., object], *args: object) -> None:
-        """Free with `free(*args)` when dropped unclosed (and let go instead in a forked child)."""
-        self._finalizer = weakref.finalize(self, free, *args)
-        _inherit.track(self)
+        """Free with `free(*args)` when dropped unclosed (and let go instead in a forked child: a live finalizer's
+        object is told at fork)."""
+        self._finalizer = Finalizer(self, free, *args)
 
     def _after_fork(self) -> None:
         """In a forked child: what it owns stays usable here (mapped MAP_SHARED), but it is the parent's to free."""

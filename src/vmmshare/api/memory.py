@@ -21,6 +21,7 @@ from ..errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle
 from ..wire.props import U64, Location, PhysicalProp, check_device, check_int, check_prop
 from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _device, _flag, _pids, _size
+from ._finalize import Finalizer
 from ._owned import Owned
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class PhysicalMemory(Owned):
         memory._finalizer.detach()
         self._handle, self._origin, self._shareable, self._forked = memory._handle, handle, None, False
         self.imported = True
-        self._finalizer = weakref.finalize(self, _free_quietly, memory._handle)
+        self._finalizer = Finalizer(self, _free_quietly, memory._handle)
 
     @property
     def handle(self) -> int:

@@ -13,7 +13,9 @@ import json
 import logging
 import select
 import socket
+import struct
 import threading
+from _thread import get_ident
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -36,7 +38,6 @@ R = TypeVar("R", bound=P.Message)
 T = TypeVar("T")
 Args = ParamSpec("Args")
 IMPORT, IMPORTED, RELEASE, OK = P.HOT_IMPORT, P.HOT_IMPORTED, P.HOT_RELEASE, P.HOT_OK
-U64 = (1 << 64) - 1
 
 
 class BrokerClient:
@@ -164,19 +165,12 @@ class BrokerClient:
         packet, got, truncated = self._send_and_wait(sock, encode(message, req), fds, meanwhile)
         return self._reply(packet, got, truncated, req, expect, message.TYPE.name), got
 
-    def _hot_exchange(
-        self, sock: socket.socket, frame: Callable[[int], bytes], asked: P.Msg, hot: P.HotFrame,
+    def _hot_other(
+        self, packet: bytes, got: list[int], truncated: bool, req: int, asked: P.Msg, hot: P.HotFrame,
     ) -> tuple[tuple[Any, ...], list[int]]:
-        """`_exchange` for a request whose reply is a hot frame (wire/local.py's HotFrame): `frame` makes the request
-        of its request id; the reply's fields come back as the frame's struct unpacks them (its start, request id
-        and length first), with no message object built. Any other reply goes through the full checks."""
-        req = next(self._req) & 0xFFFFFFFF or next(self._req)
-        packet, got, truncated = self._send_and_wait(sock, frame(req), (), None)
-        if len(packet) == hot.size and len(got) == hot.fds and not truncated:
-            fields = hot.struct.unpack(packet)
-            if fields[0] == hot.start and fields[1] == req and fields[2] == hot.length:
-                return fields, got
-        layout = P.LAYOUTS[hot.kind]  # a refusal raises here; a reply that fits, after all, is read as one
+        """A reply to a hot request that is not its hot frame: a refusal raises here, and a reply of the hot frame's
+        type that the struct did not recognise is read through the full checks (its fields as the struct has them)."""
+        layout = P.LAYOUTS[hot.kind]
         reply: P.Message = self._reply(packet, got, truncated, req, layout.message, asked.name)
         return (hot.start, req, hot.length, *layout.values(reply)), got
 
@@ -208,12 +202,58 @@ class BrokerClient:
     def _hot_request(
         self, frame: Callable[[int], bytes], asked: P.Msg, hot: P.HotFrame,
     ) -> tuple[tuple[Any, ...], list[int]]:
-        """`request` of a frame that `frame` makes of each attempt's request id, answered by a hot frame."""
-        return self._locked(self._hot_exchange, frame, asked, hot)
+        """`request` of a frame that `frame` makes of each attempt's request id, answered by a hot frame
+        (wire/local.py's HotFrame): the reply's fields come back as the frame's struct unpacks them (its start, request
+        id and length first), with no message object built; any other reply goes through the full checks.
+
+        One function for the frames of every import and free: `_locked`'s retries and `_send_and_wait`'s refusal
+        handling, written out here (the two must stay alike)."""
+        with self._lock:
+            self._owner = get_ident()
+            try:
+                for tries in range(RETRIES):
+                    try:
+                        sock = self._sock or self._reconnect()
+                        req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses a refusal
+                        waiter = self._waiter
+                        if waiter.skip:
+                            waiter.skip -= 1
+                            spin = 0.0
+                        else:
+                            spin = waiter.spin
+                        try:
+                            packet, got, truncated, missed = packets.call(sock, frame(req), spin, REPLY_TIMEOUT)
+                        except OSError:
+                            refusal = _refusal(sock)  # a broker that refused this connection may have closed it
+                            if refusal is not None:
+                                self._reset()
+                                raise refusal from None
+                            raise
+                        if missed:
+                            waiter.skip = waiter.SKIP_AFTER_MISS
+                        if len(packet) == hot.size and len(got) == hot.fds and not truncated:
+                            fields = hot.struct.unpack(packet)
+                            if fields[0] == hot.start and fields[1] == req and fields[2] == hot.length:
+                                return fields, got
+                        if not packet and not got:
+                            raise ConnectionResetError("the broker closed the connection")
+                        return self._hot_other(packet, got, truncated, req, asked, hot)
+                    except AclError:
+                        raise
+                    except TimeoutError as exc:  # as in _locked
+                        self._reset()
+                        raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
+                    except OSError as exc:
+                        self._reset()
+                        if tries == RETRIES - 1:
+                            raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+                raise AssertionError("unreachable")
+            finally:
+                self._owner = None
 
     def busy_in_this_thread(self) -> bool:
         """Whether this thread is inside a request (a finalizer run by the garbage collector must wait)."""
-        return self._owner == threading.get_ident()
+        return self._owner == get_ident()
 
     def _locked(self, attempt: Callable[Concatenate[socket.socket, Args], T], *args: Args.args,
                 **kwargs: Args.kwargs) -> T:
@@ -290,9 +330,13 @@ class BrokerClient:
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
         secret = secret.ljust(32, b"\0")
-        if (len(secret) != 32 or not isinstance(shareable, int) or not isinstance(share_type, int)
-                or not 0 <= shareable <= U64 or not 0 <= share_type <= 0xFF):
-            encode(P.Import(shareable, share_type, secret), 1)  # values that do not fit: the codec's error says which
+        try:  # values that do not fit (struct.error): the codec's error says which
+            if len(secret) != 32:  # (the struct would cut it)
+                raise struct.error
+            IMPORT.struct.pack(IMPORT.start, 0, IMPORT.length, shareable, share_type, secret)
+        except struct.error:
+            encode(P.Import(shareable, share_type, secret), 1)
+            raise
         fields, fds = self._hot_request(
             lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),
             P.Msg.IMPORT, IMPORTED)

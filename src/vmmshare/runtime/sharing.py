@@ -32,6 +32,7 @@ class Sharing:
         self.imports: dict[int, Allocation] = {}  # handle value imported here -> allocation
         self.exported: set[int] = set()  # handle values this process exported and has not freed
         self._settled = threading.Condition(s.lock)  # an import under way has finished (or failed)
+        self._waiting = 0  # threads waiting on `_settled` (under the lock): none, and there is no one to notify
         self._told_fabric = threading.Event()  # the FABRIC-on-GPU log line is written once
 
     def export(self, handle: int, share_type: ShareType, pid_validation: bool = True,
@@ -83,10 +84,16 @@ class Sharing:
         s = self.s
         s.devices.device_id(device)
         value = shareable.value
-        with self._settled:
-            while self.imports.get(value) is _PENDING:  # another thread's import of it: wait for its outcome
-                self._settled.wait()
+        lock = self.s.lock  # (the condition's lock: `_settled` is waited on and notified under it)
+        with lock:
             done = self.imports.get(value)
+            while done is _PENDING:  # another thread's import of it: wait for its outcome
+                self._waiting += 1
+                try:
+                    self._settled.wait()
+                finally:
+                    self._waiting -= 1
+                done = self.imports.get(value)
             if done is not None and done.refs > 0:
                 done.refs += 1  # the reference this import adds, held while the broker is asked again
             else:
@@ -103,13 +110,15 @@ class Sharing:
             alloc = self._import_any(shareable, device, "")
             handle = self.memory.register(alloc)
         except BaseException:
-            with self._settled:
+            with lock:
                 self.imports.pop(value, None)
-                self._settled.notify_all()
+                if self._waiting:
+                    self._settled.notify_all()
             raise
-        with self._settled:
+        with lock:
             self.imports[value] = alloc
-            self._settled.notify_all()
+            if self._waiting:
+                self._settled.notify_all()
         return handle
 
     def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:

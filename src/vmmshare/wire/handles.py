@@ -160,7 +160,18 @@ class ShareableHandle:
         """The DEFAULT handle of the 64-bit `value`."""
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 64:
             raise InvalidParamError(f"a DEFAULT shareable handle is a non-zero 64-bit int, got {value!r}")
+        if type(value) is int:
+            return cls._default_of(value)
         return cls("default", default_bytes(value))
+
+    @classmethod
+    def _default_of(cls, value: int) -> ShareableHandle:
+        """The DEFAULT handle of a plain int checked to be non-zero and 64-bit: its fields as `__post_init__` would
+        work them out of its bytes, set without going through the checks again."""
+        self = object.__new__(cls)
+        self.__dict__.update(kind="default", raw=value.to_bytes(8, "little"), share_type=ShareType.DEFAULT,
+                             value=value, fabric=None)
+        return self
 
     @classmethod
     def of(cls, share_type: ShareType, raw: bytes) -> ShareableHandle:
@@ -202,8 +213,12 @@ class ShareableHandle:
         if not m or len(m.group(2)) != {"default": 16, "fabric": 256}[kind]:
             raise InvalidParamError(f"not a shareable handle text: {text!r} (expected vmm:default:<16 hex digits>, "
                                     "vmm:fabric:<256 hex digits>, or the DEFAULT value as an int)")
-        raw = bytes.fromhex(m.group(2))
-        return cls(kind, raw[::-1] if kind == "default" else raw)
+        if kind == "default":
+            value = int(m.group(2), 16)
+            if value == 0:
+                raise InvalidParamError("a DEFAULT shareable handle is 8 bytes, not all zero")
+            return cls._default_of(value)
+        return cls(kind, bytes.fromhex(m.group(2)))
 
     def __int__(self) -> int:
         if self.share_type is not ShareType.DEFAULT:

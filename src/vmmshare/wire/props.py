@@ -177,20 +177,23 @@ def check_prop(prop: PhysicalProp, for_malloc: bool) -> PhysicalProp:
     """The acl layer's checks of a physical memory property (100000), in its order: for `malloc_physical` the handle
     and allocation types and the location type come first; both calls then refuse a DDR attribute on a device and
     an attribute outside the table (0, 1, 8, 9, 11 and anything above 17)."""
-    if for_malloc:
-        acl_require(prop.handle_type == C.ACL_MEM_HANDLE_TYPE_NONE,
-                    f"prop.handleType={prop.handle_type}: physical memory takes ACL_MEM_HANDLE_TYPE_NONE (0)")
-        acl_require(prop.allocation_type == C.ACL_MEM_ALLOCATION_TYPE_PINNED,
-                    f"prop.allocationType={prop.allocation_type}: only ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
-        acl_require(prop.location.type not in (C.ACL_MEM_LOCATION_TYPE_UNREGISTERED, C.ACL_MEM_LOCATION_TYPE_MANAGED),
-                    f"prop.location.type={prop.location.type}: physical memory lives on the HOST (0), a DEVICE (1) "
-                    "or a HOST_NUMA node (4), not UNREGISTERED (2) or MANAGED (3) memory")
+    if for_malloc:  # (each message is made only when its check fails)
+        if prop.handle_type != C.ACL_MEM_HANDLE_TYPE_NONE:
+            raise AclInvalidParamError(f"prop.handleType={prop.handle_type}: physical memory takes "
+                                       "ACL_MEM_HANDLE_TYPE_NONE (0)")
+        if prop.allocation_type != C.ACL_MEM_ALLOCATION_TYPE_PINNED:
+            raise AclInvalidParamError(f"prop.allocationType={prop.allocation_type}: only "
+                                       "ACL_MEM_ALLOCATION_TYPE_PINNED (0)")
+        if prop.location.type in (C.ACL_MEM_LOCATION_TYPE_UNREGISTERED, C.ACL_MEM_LOCATION_TYPE_MANAGED):
+            raise AclInvalidParamError(f"prop.location.type={prop.location.type}: physical memory lives on the HOST "
+                                       "(0), a DEVICE (1) or a HOST_NUMA node (4), not UNREGISTERED (2) or MANAGED "
+                                       "(3) memory")
     if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE and prop.mem_attr in C.DDR_MEM_ATTRS:
         raise AclInvalidParamError(f"prop.memAttr={prop.mem_attr} ({C.MEM_ATTR_NAMES[prop.mem_attr]}) is host (DDR) "
                                    "memory: a DEVICE location takes an HBM or ACL_MEM_* attribute")
-    acl_require(prop.mem_attr in C.PHYSICAL_MEM_ATTRS,
-                f"prop.memAttr={prop.mem_attr} is not a physical memory attribute: use one of "
-                f"{', '.join(C.MEM_ATTR_NAMES[a] for a in sorted(C.PHYSICAL_MEM_ATTRS))}")
+    if prop.mem_attr not in C.PHYSICAL_MEM_ATTRS:  # (the message is made only when it is needed)
+        raise AclInvalidParamError(f"prop.memAttr={prop.mem_attr} is not a physical memory attribute: use one of "
+                                   f"{', '.join(C.MEM_ATTR_NAMES[a] for a in sorted(C.PHYSICAL_MEM_ATTRS))}")
     return prop
 
 

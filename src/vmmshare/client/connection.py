@@ -220,7 +220,7 @@ class BrokerClient:
                             waiter.skip -= 1
                             spin = 0.0
                         else:
-                            spin = waiter.spin
+                            spin = waiter.spin if spinning.cores_free() else 0.0
                         try:
                             packet, got, truncated, missed = packets.call(sock, frame(req), spin, REPLY_TIMEOUT)
                         except OSError:

@@ -102,10 +102,7 @@ class BrokerClient:
             try:
                 packet, got, truncated = self._waiter.call(sock, frame)
             except OSError:
-                refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
-                if refusal is not None:
-                    self._reset()
-                    raise refusal from None
+                self._raise_refusal(sock)
                 raise
             if not packet and not got:
                 raise ConnectionResetError("the broker closed the connection")
@@ -113,24 +110,26 @@ class BrokerClient:
         try:
             packets.send_packet(sock, frame, fds)
         except OSError:
-            refusal = _refusal(sock)  # a broker that refused this connection may have closed it already
-            if refusal is not None:
-                self._reset()
-                raise refusal from None
+            self._raise_refusal(sock)
             raise
         if meanwhile is not None:
             meanwhile()  # must not raise: the reply still has to be read
         try:
             packet, got, truncated = self._waiter.wait(sock)
         except OSError:
-            refusal = _refusal(sock)  # a broker that refused the connection (ECONNRESET comes before its word)
-            if refusal is not None:
-                self._reset()
-                raise refusal from None
+            self._raise_refusal(sock)
             raise
         if not packet and not got:
             raise ConnectionResetError("the broker closed the connection")
         return packet, got, truncated
+
+    def _raise_refusal(self, sock: socket.socket) -> None:
+        """After a send or receive failed: the broker's refusal of this connection, if it said one (it may have closed
+        the connection already, and ECONNRESET comes before its word), raised as its error."""
+        refusal = _refusal(sock)
+        if refusal is not None:
+            self._reset()
+            raise refusal from None
 
     def _reply(self, packet: bytes, got: list[int], truncated: bool, req: int, expect: type[R], asked: str) -> R:
         """The reply to request `req` (a request of type `asked`), of type `expect`: a refusal raises its error, and
@@ -216,18 +215,11 @@ class BrokerClient:
                         sock = self._sock or self._reconnect()
                         req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses a refusal
                         waiter = self._waiter
-                        if waiter.skip:
-                            waiter.skip -= 1
-                            spin = 0.0
-                        else:
-                            spin = waiter.spin if spinning.cores_free() else 0.0
+                        spin = waiter.window()
                         try:
                             packet, got, truncated, missed = packets.call(sock, frame(req), spin, REPLY_TIMEOUT)
                         except OSError:
-                            refusal = _refusal(sock)  # a broker that refused this connection may have closed it
-                            if refusal is not None:
-                                self._reset()
-                                raise refusal from None
+                            self._raise_refusal(sock)
                             raise
                         if missed:
                             waiter.skip = waiter.SKIP_AFTER_MISS
@@ -433,13 +425,16 @@ class _Waiter:
         self._sock: socket.socket | None = None
         self._poller = select.poll()
 
-    def call(self, sock: socket.socket, frame: bytes) -> tuple[bytes, list[int], bool]:
-        """Send `frame` (no fds) and wait for the reply as `wait` does, in one call (`packets.call`)."""
+    def window(self) -> float:
+        """Seconds the next wait may poll: none for a while after a poll that missed, nor while every core is busy."""
         if self.skip:
             self.skip -= 1
-            spin = 0.0
-        else:
-            spin = self.spin if spinning.cores_free() else 0.0
+            return 0.0
+        return self.spin if spinning.cores_free() else 0.0
+
+    def call(self, sock: socket.socket, frame: bytes) -> tuple[bytes, list[int], bool]:
+        """Send `frame` (no fds) and wait for the reply as `wait` does, in one call (`packets.call`)."""
+        spin = self.window()
         packet, got, truncated, missed = packets.call(sock, frame, spin, REPLY_TIMEOUT)
         if missed:
             self.skip = self.SKIP_AFTER_MISS

@@ -29,7 +29,7 @@ from ..config import Config, Quotas
 from ..fabric.agent import Agent, endpoint_of
 from ..sockets import packets
 from ..sockets.poller import Poller
-from ..sockets.spinning import spin
+from ..sockets.spinning import RunQueue, spin
 from ..wire import local as P
 from ..wire.handles import MAX_TRUSTLIST
 from ..wire.local import HOT_IMPORT as IMPORT
@@ -100,6 +100,7 @@ class Broker:
         self.listener: socket.socket | None = None
         self.sel = Poller()
         self._poll_now = functools.partial(self.sel.select, 0)  # what is ready now, without waiting
+        self.run_queue = RunQueue()  # read afresh before each spin (sockets/spinning.py)
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
         self.idle_since = time.monotonic()
         self.stopping = False
@@ -249,7 +250,8 @@ class Broker:
         """After serving, poll for a short while before sleeping: requests come in bursts, and a wake-up
         from sleep costs several times what serving a request does. Not while another task wants the core (`spin`):
         the clients need the cores to send those requests."""
-        return spin(self._poll_now, self.config.broker_spin) or []
+        poll_now = self._poll_now
+        return poll_now() or spin(poll_now, self.config.broker_spin, self.run_queue.cores_free) or []
 
     def _retire(self) -> bool:
         """Leave after an idle spell, unless a client is on its way in (daemon.retire_socket)."""
@@ -266,6 +268,7 @@ class Broker:
 
     def close(self) -> None:
         self.fabric.close()
+        self.run_queue.close()
         if self.listener is not None:
             with contextlib.suppress(OSError):
                 if self.path.stat().st_ino == self.inode:

@@ -23,7 +23,7 @@ from ..backends.remote import Transfers
 from ..config import Config
 from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
-from ..sockets import packets, spinning
+from ..sockets import packets
 from ..sockets.packets import DONTWAIT, close_fds
 from ..sockets.spinning import spin
 from ..wire import local as P
@@ -426,11 +426,12 @@ class _Waiter:
         self._poller = select.poll()
 
     def window(self) -> float:
-        """Seconds the next wait may poll: none for a while after a poll that missed, nor while every core is busy."""
+        """Seconds the next wait may poll: none for a while after a poll that missed. Whether a core is free is for
+        the call to see (`packets.call`), at the moment it would poll."""
         if self.skip:
             self.skip -= 1
             return 0.0
-        return self.spin if spinning.cores_free() else 0.0
+        return self.spin
 
     def call(self, sock: socket.socket, frame: bytes) -> tuple[bytes, list[int], bool]:
         """Send `frame` (no fds) and wait for the reply as `wait` does, in one call (`packets.call`)."""

@@ -12,10 +12,12 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -374,11 +376,73 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* The spin's policy, as sockets/spinning.py has it for the waits made in Python: between polls a spin yields its
  * core, and a yield that ran another task for longer than YIELD_SLICE_NS means the core is wanted; the spin gives
- * up then, and none starts in this process for BACK_OFF_NS. The back-off is this module's own (a process waits
- * either here or in spinning.py, by whether its packets go through C). */
+ * up then, and none starts in this process for BACK_OFF_RATIO times the time the yield gave away, at most
+ * BACK_OFF_NS. The back-off is this module's own (a process waits either here or in spinning.py, by whether its
+ * packets go through C). */
 #define YIELD_SLICE_NS 50000LL
 #define BACK_OFF_NS 20000000LL
+#define BACK_OFF_RATIO 2
 static long long calm_after_ns; /* no spin starts before this now_ns(); read and written without the GIL */
+
+/* Where the kernel's count of runnable tasks is read, and how many cores the machine has (watch_load): a spin starts
+ * only while no more tasks are runnable than that, read afresh when the reply is not there at once. Set while the
+ * GIL is held, read by spins without it (the path is written before the count, and both before any spin). */
+static char loadavg_path[PATH_MAX] = "/proc/loadavg";
+static long load_cores = 1;
+
+PyDoc_STRVAR(watch_load_doc, "watch_load(path, cores) -> None\n\n"
+             "A call spins only while at most `cores` tasks are runnable, as the fourth field of the file at `path` "
+             "(/proc/loadavg) says.");
+
+static PyObject *fast_watch_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "watch_load takes (path: str, cores: int)");
+        return NULL;
+    }
+    Py_ssize_t len;
+    const char *path = PyUnicode_AsUTF8AndSize(args[0], &len);
+    if (path == NULL)
+        return NULL;
+    long cores = PyLong_AsLong(args[1]);
+    if (cores == -1 && PyErr_Occurred())
+        return NULL;
+    if (len <= 0 || len >= (Py_ssize_t)sizeof loadavg_path || (Py_ssize_t)strlen(path) != len || cores < 1) {
+        PyErr_SetString(PyExc_ValueError, "watch_load: an empty, overlong or NUL-holding path, or no cores");
+        return NULL;
+    }
+    memcpy(loadavg_path, path, (size_t)len + 1);
+    load_cores = cores;
+    Py_RETURN_NONE;
+}
+
+/* Whether no more tasks are runnable now than the machine has cores (this one included); 1 where the count cannot be
+ * read, as spinning.cores_free says (the yield check still stands). Runs without the GIL. */
+static int cores_free(void)
+{
+    int fd = open(loadavg_path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 1;
+    char text[128];
+    ssize_t n = read(fd, text, sizeof text - 1);
+    close(fd);
+    if (n <= 0)
+        return 1;
+    text[n] = '\0';
+    char *field = text;
+    for (int i = 0; i < 3; i++) { /* the fourth field: runnable/all */
+        field = strchr(field, ' ');
+        if (field == NULL)
+            return 1;
+        field++;
+    }
+    char *end;
+    long running = strtol(field, &end, 10);
+    if (end == field || *end != '/')
+        return 1;
+    return running <= load_cores;
+}
 
 static int would_block(int err)
 {
@@ -386,8 +450,10 @@ static int would_block(int err)
 }
 
 /* Poll the socket for its packet by receiving it (one system call a try), yielding the core between tries, for up
- * to `spin_ns`. Returns what the last recvmsg did (bytes, or -1 with *err); *missed when the window ended, or the
- * core was wanted, or a back-off was on, without the packet. Runs without the GIL. */
+ * to `spin_ns`, once the first try found nothing and a core is free (cores_free, read then: the reading costs less
+ * than the broker takes to answer, and is of this moment). Returns what the last recvmsg did (bytes, or -1 with
+ * *err); *missed when the window ended, or every core was busy, or the core was wanted, or a back-off was on,
+ * without the packet. Runs without the GIL. */
 static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, int *missed)
 {
     long long start = now_ns();
@@ -397,12 +463,14 @@ static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, i
         return -1;
     }
     long long deadline = start + spin_ns;
-    for (;;) {
+    for (int tries = 0;; tries++) {
         ssize_t got = packet_recv(p, fd, MSG_DONTWAIT);
         if (got >= 0 || !would_block(errno)) {
             *err = got < 0 ? errno : 0;
             return got;
         }
+        if (tries == 0 && !cores_free())
+            break; /* every core busy: missed, as a window that ran out is, and the next calls wait without a poll */
         long long before = now_ns();
         if (before > deadline)
             break;
@@ -414,7 +482,8 @@ static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, i
                 *err = got < 0 ? errno : 0;
                 return got;
             }
-            __atomic_store_n(&calm_after_ns, after + BACK_OFF_NS, __ATOMIC_RELAXED);
+            long long away = (after - before) * BACK_OFF_RATIO;
+            __atomic_store_n(&calm_after_ns, after + (away < BACK_OFF_NS ? away : BACK_OFF_NS), __ATOMIC_RELAXED);
             break;
         }
     }
@@ -425,9 +494,9 @@ static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, i
 
 PyDoc_STRVAR(call_doc, "call(sock, data, spin, timeout) -> (data, fds, truncated, missed)\n\n"
              "Send one packet without fds on a blocking socket and receive the packet that comes back, as recv "
-             "does: polled for up to spin seconds first while a core is free for it (missed: the poll ran and did "
-             "not find it), then waited for in poll(2), TimeoutError after timeout seconds. GIL released while "
-             "waiting.");
+             "does: polled for up to spin seconds first while a core is free for it (the run queue read then, see "
+             "watch_load; missed: the poll ran and did not find it, or every core was busy), then waited for in "
+             "poll(2), TimeoutError after timeout seconds. GIL released while waiting.");
 
 static PyObject *fast_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -697,6 +766,7 @@ static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 static PyMethodDef methods[] = {
+    {"watch_load", (PyCFunction)(void (*)(void))fast_watch_load, METH_FASTCALL, watch_load_doc},
     {"configure", (PyCFunction)(void (*)(void))fast_configure, METH_FASTCALL, configure_doc},
     {"recv", (PyCFunction)(void (*)(void))fast_recv, METH_FASTCALL, recv_doc},
     {"recv_request", (PyCFunction)(void (*)(void))fast_recv_request, METH_FASTCALL, recv_request_doc},

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..wire.local import MAX_FDS, MAX_FRAME
+from . import spinning
 from .spinning import spin as _spin
 
 _ANC = socket.CMSG_SPACE(4 * (MAX_FDS + 4))  # room to notice (and close) fds nobody asked for
@@ -89,7 +90,8 @@ def poller_now(poller: select.poll) -> Callable[[], list[tuple[int, int]]]:
 
 def pure_call(sock: socket.socket, data: bytes, spin: float, timeout: float) -> tuple[bytes, list[int], bool, bool]:
     """Send one packet without fds on a blocking socket and receive the packet that answers it (`recv_packet`'s
-    three values), polling for up to `spin` seconds first while a core is free for it (spinning.py), then waiting
+    three values), polling for up to `spin` seconds first while a core is free for it (spinning.py: the compiled
+    call reads the run queue afresh each time, when the reply is not there at once), then waiting
     in poll(2) for up to `timeout` seconds (TimeoutError after); the fourth value says whether the poll ran and did
     not find the reply, so that the caller can stop polling for a while."""
     pure_send_packet(sock, data)
@@ -116,6 +118,7 @@ FAST_AVAILABLE = _fast is not None
 # broker's sockets are non-blocking, the client's blocking, and none has a timeout.
 if FAST_AVAILABLE:  # the same functions in C, called straight from the caller (no Python frame in between)
     _fast.configure(MAX_FRAME, MAX_FDS + 4)  # the room _ANC gives: the same packets come back truncated
+    _fast.watch_load(spinning.LOADAVG, spinning.CORES)  # call's spins: the run queue it reads before each
     fast_recv_packet = _fast.recv
     fast_recv_request = _fast.recv_request
     fast_send_packet = _fast.send

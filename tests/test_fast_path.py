@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -311,6 +312,80 @@ def test_a_call_says_when_its_poll_ran_out_before_the_reply(path: SimpleNamespac
     server = _answer(b, b"at once")
     assert path.call(a, b"q", 0.0, 30.0) == (b"at once", [], False, False)
     server.join()
+
+
+def test_a_compiled_call_reads_the_run_queue_when_its_reply_is_late_and_never_polls_while_every_core_is_busy(
+        pair: Any, tmp_path: Path) -> None:
+    """The run queue is read at the moment the call would poll: here it is a FIFO, so the call's reading is seen
+    (it blocks in its open until a writer comes) and answered with every core busy. The call then waits in the
+    kernel without one poll: the reply, sent only after that reading, is not caught by a poll (missed, and the
+    client's next calls wait without polling too), though the window was 5 s."""
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here (no compiler at install time)")
+    from vmmshare.sockets import _fastpackets, spinning
+
+    a, b = pair
+    fifo = tmp_path / "loadavg"
+    os.mkfifo(fifo)
+    read = threading.Event()
+
+    def busy_reading() -> None:  # the writer's end, once the call opens the reading end
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                time.sleep(0.001)
+                continue
+            os.write(fd, f"3.00 2.00 1.00 {spinning.CORES + 1}/300 4242\n".encode())
+            os.close(fd)
+            read.set()
+            return
+
+    server = _answer(b, b"after the reading", after=read)
+    writer = threading.Thread(target=busy_reading)
+    writer.start()
+    _fastpackets.watch_load(str(fifo), spinning.CORES)
+    try:
+        assert packets.fast_call(a, b"q", 5.0, 30.0) == (b"after the reading", [], False, True)
+    finally:
+        _fastpackets.watch_load(spinning.LOADAVG, spinning.CORES)
+        writer.join()
+        server.join()
+    assert read.is_set()
+
+
+def test_a_compiled_call_with_a_run_queue_that_cannot_be_read(pair: Any, tmp_path: Path) -> None:
+    """No /proc/loadavg where it is looked for, or garbage in it: the call goes on as on a free core (its reply
+    comes back) and the reading leaves nothing open."""
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here (no compiler at install time)")
+    from vmmshare.sockets import _fastpackets, spinning
+
+    a, b = pair
+    garbage = tmp_path / "garbage"
+    garbage.write_text("0.1 0.2 0.3 x/y 1\n")
+    for where in (tmp_path / "missing", garbage):
+        _fastpackets.watch_load(str(where), spinning.CORES)
+        try:
+            before = open_fds()
+            server = _answer(b, b"at once")
+            assert packets.fast_call(a, b"q", 5.0, 30.0)[:3] == (b"at once", [], False)
+            server.join()
+            assert open_fds() == before  # the reading left nothing open
+        finally:
+            _fastpackets.watch_load(spinning.LOADAVG, spinning.CORES)
+
+
+@pytest.mark.parametrize("args", [(), ("/proc/loadavg",), (b"/proc/loadavg", 2), ("", 2), ("/proc/loadavg", 0),
+                                  ("/proc/\0loadavg", 2), ("/" * 5000, 2), ("/proc/loadavg", "2")])
+def test_watch_load_refuses_bad_arguments(args: tuple[Any, ...]) -> None:
+    if not packets.FAST_AVAILABLE:
+        pytest.skip("the compiled fast path is not built here (no compiler at install time)")
+    from vmmshare.sockets import _fastpackets
+
+    with pytest.raises((TypeError, ValueError)):
+        _fastpackets.watch_load(*args)
 
 
 def test_a_call_without_a_reply_times_out_and_leaks_nothing(path: SimpleNamespace, pair: Any) -> None:

@@ -42,6 +42,7 @@ def test_a_spin_gives_up_when_another_task_wants_its_core(monkeypatch: pytest.Mo
     """A busy process on this thread's only core: the first yield runs it, so the spin stops long before its
     window ends, and no spin starts during the back-off that follows (made long here, for a loaded machine)."""
     monkeypatch.setattr(spinning, "BACK_OFF", 3600.0)
+    monkeypatch.setattr(spinning, "BACK_OFF_RATIO", 1e6)
     code = "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"
     cpu = min(os.sched_getaffinity(0))
     saved = os.sched_getaffinity(0)
@@ -117,7 +118,111 @@ def test_with_a_busy_task_on_every_core_the_run_queue_says_so() -> None:
         spinning._looked_at = -math.inf
         assert not spinning.cores_free()
         assert spin(lambda: pytest.fail("polled with every core busy"), 5.0) is None
+        queue = spinning.RunQueue()  # the broker's reading says so too
+        try:
+            assert not queue.cores_free()
+        finally:
+            queue.close()
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+class _Clock:
+    """perf_counter() for spinning.py that moves only when a yield gives the core away for `away` seconds."""
+
+    def __init__(self, away: float) -> None:
+        self.now = 100.0
+        self.away = away
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sched_yield(self) -> None:
+        self.now += self.away
+
+
+@pytest.mark.parametrize(("away", "back_off"), [(100e-6, 200e-6), (3e-3, 6e-3), (0.5, spinning.BACK_OFF)])
+def test_the_back_off_lasts_about_as_long_as_the_core_was_given_away(
+        monkeypatch: pytest.MonkeyPatch, away: float, back_off: float) -> None:
+    """A task that took the core for a moment (a process handed a message) holds the spins off for
+    BACK_OFF_RATIO times that moment, not for the whole BACK_OFF that a task holding the core for its slices
+    earns: the next requests still poll."""
+    clock = _Clock(away)
+    monkeypatch.setattr(spinning, "time", clock)
+    monkeypatch.setattr(spinning.os, "sched_yield", clock.sched_yield)
+    assert spin(lambda: None, 5.0) is None
+    assert spinning._calm_after == pytest.approx(clock.now + back_off)
+    clock.now += back_off * 0.99
+    assert spin(lambda: pytest.fail("polled during the back-off"), 5.0) is None
+    clock.now += back_off * 0.02
+    assert spin(lambda: [1], 5.0) == [1]
+
+
+def test_a_spin_asks_the_check_it_is_given_whether_a_core_is_free() -> None:
+    """The broker's spins ask its own reading of the run queue (RunQueue), not the clients' one."""
+    assert spin(lambda: pytest.fail("polled with every core taken"), 5.0, lambda: False) is None
+    assert spin(lambda: [2], 0.001, lambda: True) == [2]
+
+
+def test_a_run_queue_is_read_afresh_each_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RunQueue reads the count at the moment it is asked (no period): one passing wake-up does not stop the
+    spins of the next milliseconds."""
+    path = tmp_path / "loadavg"
+    path.write_text(f"0.00 0.00 0.00 {spinning.CORES + 1}/300 1\n")
+    monkeypatch.setattr(spinning, "LOADAVG", str(path))
+    before = len(os.listdir("/proc/self/fd"))
+    queue = spinning.RunQueue()
+    try:
+        assert not queue.cores_free()
+        path.write_text(f"0.00 0.00 0.00 {spinning.CORES}/300 1\n")
+        assert queue.cores_free()
+        path.write_text(f"0.00 0.00 0.00 {spinning.CORES + 1}/300 1\n")
+        assert not queue.cores_free()
+        path.write_text("garbage\n")
+        assert queue.cores_free()
+    finally:
+        queue.close()
+        queue.close()  # twice is harmless
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert queue.cores_free()  # closed: as where it cannot be read
+
+
+def test_a_run_queue_that_cannot_be_opened_says_the_cores_are_free(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spinning, "LOADAVG", str(tmp_path / "missing"))
+    queue = spinning.RunQueue()
+    assert queue.cores_free()
+    queue.close()
+
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_the_broker_spins_after_serving_only_when_its_fresh_reading_finds_a_core_free(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: bool) -> None:
+    """After a turn the broker looks once for more requests, then spins only if its own reading of the run queue,
+    made then, finds a core free; with every core busy it goes back to sleep in the kernel after that one look."""
+    from vmmshare.broker.server import Broker
+    from vmmshare.config import Config
+
+    broker = Broker(tmp_path / "s", Config.from_env(broker=True))
+    try:
+        looks: list[int] = []
+        asked: list[int] = []
+
+        class Queue:
+            def cores_free(self) -> bool:
+                asked.append(1)
+                return free
+
+            def close(self) -> None:
+                pass
+
+        monkeypatch.setattr(broker, "run_queue", Queue())
+        monkeypatch.setattr(broker, "_poll_now", lambda: looks.append(1) or [])
+        assert broker._poll_briefly() == []
+        assert asked == [1]
+        assert (len(looks) > 1) is free, f"{len(looks)} looks"
+    finally:
+        broker.close()

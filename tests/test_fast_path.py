@@ -40,7 +40,7 @@ def _path(name: str) -> SimpleNamespace:
         pytest.skip("the compiled fast path is not built here (no compiler at install time)")
     pick = {"pure": "pure_", "compiled": "fast_"}[name]
     return SimpleNamespace(name=name, **{f: getattr(packets, pick + f) for f in
-                                         ("recv_packet", "recv_request", "send_packet", "call")})
+                                         ("recv_packet", "recv_request", "send_packet", "call", "wait")})
 
 
 @pytest.fixture(params=PATHS)
@@ -312,6 +312,47 @@ def test_a_call_says_when_its_poll_ran_out_before_the_reply(path: SimpleNamespac
     server = _answer(b, b"at once")
     assert path.call(a, b"q", 0.0, 30.0) == (b"at once", [], False, False)
     server.join()
+
+
+def test_a_wait_takes_the_reply_to_a_request_sent_with_fds(path: SimpleNamespace, pair: Any) -> None:
+    """`wait` is `call`'s second half, for a request that carries fds (an export) or has work done between (an
+    allocation): the reply and its fds, polled for first or not, and a late one said to have been missed."""
+    a, b = pair
+    r, w = os.pipe()
+    try:
+        server = _answer(b, b"the reply", (w,))
+        path.send_packet(a, b"with an fd", (r,))
+        data, fds, truncated, missed = path.wait(a, 0.001, 30.0)
+        server.join()
+        assert (data, len(fds), truncated) == (b"the reply", 1, False)
+        assert same_file(fds[0], w)
+        closing(fds)
+        late = threading.Event()
+        server = _answer(b, b"late", after=late)
+        timer = threading.Timer(0.05, late.set)
+        timer.start()
+        path.send_packet(a, b"q", ())
+        assert path.wait(a, 0.00005, 30.0) == (b"late", [], False, True)
+        server.join()
+        server = _answer(b, b"unpolled")
+        path.send_packet(a, b"q", ())
+        assert path.wait(a, 0.0, 30.0) == (b"unpolled", [], False, False)
+        server.join()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_wait_without_a_reply_times_out_and_a_bad_window_is_refused(path: SimpleNamespace, pair: Any) -> None:
+    a, _ = pair
+    before = open_fds()
+    with pytest.raises(TimeoutError, match="did not answer within"):
+        path.wait(a, 0.0001, 0.05)
+    assert open_fds() == before
+    if path.name == "compiled":
+        for bad in ((a, -1.0, 1.0), (a, 0.0, -1.0), (a, 11.0, 1.0), (a, "0", 1.0), (a, 0.0), (-5, 0.0, 1.0)):
+            with pytest.raises((TypeError, ValueError, OSError)):
+                path.wait(*bad)
 
 
 def test_a_compiled_call_reads_the_run_queue_when_its_reply_is_late_and_never_polls_while_every_core_is_busy(

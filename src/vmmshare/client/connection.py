@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import select
 import socket
 import struct
 import threading
@@ -25,7 +24,6 @@ from ..errors import AclError, IpcError, error_from_code
 from ..runtime.node import Imported, RemoteImported
 from ..sockets import packets
 from ..sockets.packets import DONTWAIT, close_fds
-from ..sockets.spinning import spin
 from ..wire import local as P
 from ..wire.local import ProtocolError, decode, encode
 from ..wire.props import PhysicalProp, prop_of
@@ -422,8 +420,6 @@ class _Waiter:
     def __init__(self, spin: float) -> None:
         self.spin = spin  # seconds (the Config's, from VMMSHARE_SPIN_US)
         self.skip = 0
-        self._sock: socket.socket | None = None
-        self._poller = select.poll()
 
     def window(self) -> float:
         """Seconds the next wait may poll: none for a while after a poll that missed. Whether a core is free is for
@@ -435,24 +431,14 @@ class _Waiter:
 
     def call(self, sock: socket.socket, frame: bytes) -> tuple[bytes, list[int], bool]:
         """Send `frame` (no fds) and wait for the reply as `wait` does, in one call (`packets.call`)."""
-        spin = self.window()
-        packet, got, truncated, missed = packets.call(sock, frame, spin, REPLY_TIMEOUT)
+        packet, got, truncated, missed = packets.call(sock, frame, self.window(), REPLY_TIMEOUT)
         if missed:
             self.skip = self.SKIP_AFTER_MISS
         return packet, got, truncated
 
     def wait(self, sock: socket.socket) -> tuple[bytes, list[int], bool]:
-        if sock is not self._sock:  # a new connection: watch it instead
-            self._poller = select.poll()
-            self._poller.register(sock.fileno(), select.POLLIN)
-            self._sock = sock
-        poller = self._poller
-        if self.skip:
-            self.skip -= 1
-        elif spin(lambda: poller.poll(0), self.spin):
-            return packets.recv_packet(sock, DONTWAIT)
-        else:
+        """The reply to a request already sent (`packets.wait`)."""
+        packet, got, truncated, missed = packets.wait(sock, self.window(), REPLY_TIMEOUT)
+        if missed:
             self.skip = self.SKIP_AFTER_MISS
-        if not poller.poll(REPLY_TIMEOUT * 1000):
-            raise TimeoutError(f"the broker did not answer within {REPLY_TIMEOUT:.0f} s")
-        return packets.recv_packet(sock, DONTWAIT)
+        return packet, got, truncated

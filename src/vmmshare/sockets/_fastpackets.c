@@ -498,30 +498,26 @@ PyDoc_STRVAR(call_doc, "call(sock, data, spin, timeout) -> (data, fds, truncated
              "watch_load; missed: the poll ran and did not find it, or every core was busy), then waited for in "
              "poll(2), TimeoutError after timeout seconds. GIL released while waiting.");
 
-static PyObject *fast_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The spin and timeout of call and wait, checked. */
+static int wait_args(PyObject *spin_obj, PyObject *timeout_obj, double *spin, double *timeout)
 {
-    (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "call takes (sock, data, spin, timeout)");
-        return NULL;
-    }
-    int fd = sock_fd(args[0]);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
-    double spin = PyFloat_AsDouble(args[2]);
-    if (spin == -1.0 && PyErr_Occurred())
-        return NULL;
-    double timeout = PyFloat_AsDouble(args[3]);
-    if (timeout == -1.0 && PyErr_Occurred())
-        return NULL;
-    if (!(spin >= 0.0 && spin <= 10.0 && timeout >= 0.0 && timeout <= 86400.0)) {
+    *spin = PyFloat_AsDouble(spin_obj);
+    if (*spin == -1.0 && PyErr_Occurred())
+        return -1;
+    *timeout = PyFloat_AsDouble(timeout_obj);
+    if (*timeout == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!(*spin >= 0.0 && *spin <= 10.0 && *timeout >= 0.0 && *timeout <= 86400.0)) {
         PyErr_SetString(PyExc_ValueError, "spin or timeout out of range");
-        return NULL;
+        return -1;
     }
-    PyObject *sent = send_plain(fd, args[1]);
-    if (sent == NULL)
-        return NULL;
-    Py_DECREF(sent);
+    return 0;
+}
+
+/* The packet that answers a request sent on fd: spun for (spin_for), then waited for in poll(2) up to timeout;
+ * recv's three values and missed. */
+static PyObject *await_reply(int fd, double spin, double timeout)
+{
     struct packet p;
     if (packet_open(&p, 0) < 0)
         return NULL;
@@ -567,6 +563,46 @@ oserror:
 failed:
     PyMem_RawFree(p.buf);
     return NULL;
+}
+
+static PyObject *fast_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "call takes (sock, data, spin, timeout)");
+        return NULL;
+    }
+    int fd = sock_fd(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    double spin, timeout;
+    if (wait_args(args[2], args[3], &spin, &timeout) < 0)
+        return NULL;
+    PyObject *sent = send_plain(fd, args[1]);
+    if (sent == NULL)
+        return NULL;
+    Py_DECREF(sent);
+    return await_reply(fd, spin, timeout);
+}
+
+PyDoc_STRVAR(wait_doc, "wait(sock, spin, timeout) -> (data, fds, truncated, missed)\n\n"
+             "The second half of call, for a request sent otherwise (with fds, or with work done between): the "
+             "packet that comes back on a blocking socket, polled for and waited for as call does.");
+
+static PyObject *fast_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "wait takes (sock, spin, timeout)");
+        return NULL;
+    }
+    int fd = sock_fd(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    double spin, timeout;
+    if (wait_args(args[1], args[2], &spin, &timeout) < 0)
+        return NULL;
+    return await_reply(fd, spin, timeout);
 }
 
 /* ---------------------------------------------------------------- the floor, for vmmshare bench */
@@ -772,6 +808,7 @@ static PyMethodDef methods[] = {
     {"recv_request", (PyCFunction)(void (*)(void))fast_recv_request, METH_FASTCALL, recv_request_doc},
     {"send", (PyCFunction)(void (*)(void))fast_send, METH_FASTCALL, send_doc},
     {"call", (PyCFunction)(void (*)(void))fast_call, METH_FASTCALL, call_doc},
+    {"wait", (PyCFunction)(void (*)(void))fast_wait, METH_FASTCALL, wait_doc},
     {"floor_serve", (PyCFunction)(void (*)(void))fast_floor_serve, METH_FASTCALL, floor_serve_doc},
     {"floor_trips", (PyCFunction)(void (*)(void))fast_floor_trips, METH_FASTCALL, floor_trips_doc},
     {NULL, NULL, 0, NULL},

@@ -1,9 +1,9 @@
 """Packets over an AF_UNIX SOCK_SEQPACKET socket, with file descriptors passed by SCM_RIGHTS.
 
-`recv_packet`, `recv_request`, `send_packet` and `call` (a request and its reply) run in C (the `_fastpackets`
-extension) where it was built, and in pure Python where it was not, or once `use_pure(True)` was called (the broker
-client and the broker do, from their Config, when VMMSHARE_PURE_PYTHON is set); both behave alike, and both are
-tested. Call them as attributes of this module (`packets.recv_packet`), so that the choice applies.
+`recv_packet`, `recv_request`, `send_packet`, `call` (a request and its reply) and `wait` (a reply) run in C (the
+`_fastpackets` extension) where it was built, and in pure Python where it was not, or once `use_pure(True)` was
+called (the broker client and the broker do, from their Config, when VMMSHARE_PURE_PYTHON is set); both behave
+alike, and both are tested. Call them as attributes of this module (`packets.recv_packet`), so that the choice applies.
 """
 
 from __future__ import annotations
@@ -91,10 +91,16 @@ def poller_now(poller: select.poll) -> Callable[[], list[tuple[int, int]]]:
 def pure_call(sock: socket.socket, data: bytes, spin: float, timeout: float) -> tuple[bytes, list[int], bool, bool]:
     """Send one packet without fds on a blocking socket and receive the packet that answers it (`recv_packet`'s
     three values), polling for up to `spin` seconds first while a core is free for it (spinning.py: the compiled
-    call reads the run queue afresh each time, when the reply is not there at once), then waiting
-    in poll(2) for up to `timeout` seconds (TimeoutError after); the fourth value says whether the poll ran and did
-    not find the reply, so that the caller can stop polling for a while."""
+    call reads the run queue afresh each time, when the reply is not there at once), then waiting in poll(2) for up
+    to `timeout` seconds (TimeoutError after); the fourth value says whether the poll ran and did not find the
+    reply, so that the caller can stop polling for a while."""
     pure_send_packet(sock, data)
+    return pure_wait(sock, spin, timeout)
+
+
+def pure_wait(sock: socket.socket, spin: float, timeout: float) -> tuple[bytes, list[int], bool, bool]:
+    """`call`'s second half, for a request sent otherwise (with fds, or with work done between): the packet that
+    answers it, polled for and waited for as `call` does."""
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     ready = _spin(poller_now(poller), spin) if spin > 0 else None
@@ -123,22 +129,25 @@ if FAST_AVAILABLE:  # the same functions in C, called straight from the caller (
     fast_recv_request = _fast.recv_request
     fast_send_packet = _fast.send
     fast_call = _fast.call
+    fast_wait = _fast.wait
 
 FAST = FAST_AVAILABLE  # whether this process's packets go through C
 recv_packet = fast_recv_packet if FAST else pure_recv_packet
 recv_request = fast_recv_request if FAST else pure_recv_request
 send_packet = fast_send_packet if FAST else pure_send_packet
 call = fast_call if FAST else pure_call
+wait = fast_wait if FAST else pure_wait
 
 
 def use_pure(pure: bool) -> None:
     """Send and receive in pure Python (`pure`), or in C where the extension is built: for the whole process."""
-    global FAST, recv_packet, recv_request, send_packet, call
+    global FAST, recv_packet, recv_request, send_packet, call, wait
     FAST = FAST_AVAILABLE and not pure
     recv_packet = fast_recv_packet if FAST else pure_recv_packet
     recv_request = fast_recv_request if FAST else pure_recv_request
     send_packet = fast_send_packet if FAST else pure_send_packet
     call = fast_call if FAST else pure_call
+    wait = fast_wait if FAST else pure_wait
 
 
 def connect(path: Path | str, timeout: float) -> socket.socket:

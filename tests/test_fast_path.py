@@ -322,7 +322,7 @@ def test_a_wait_takes_the_reply_to_a_request_sent_with_fds(path: SimpleNamespace
     try:
         server = _answer(b, b"the reply", (w,))
         path.send_packet(a, b"with an fd", (r,))
-        data, fds, truncated, missed = path.wait(a, 0.001, 30.0)
+        data, fds, truncated, _ = path.wait(a, 0.001, 30.0)
         server.join()
         assert (data, len(fds), truncated) == (b"the reply", 1, False)
         assert same_file(fds[0], w)

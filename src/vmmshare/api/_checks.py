@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import constants as C
 from .._process import runtime
-from ..errors import AclInvalidParamError, ContextNullError, InvalidParamError
+from ..errors import AclInvalidParamError, InvalidParamError
 from ..wire.handles import ShareType
 from ..wire.props import U64, check_device, check_int, pid_list
 
@@ -66,9 +66,4 @@ def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
 def _device(device: object) -> int:
     """A device argument as the runtime numbers it: `device`, or (None) this thread's device, else 0."""
     rt = runtime()
-    if device is None:
-        try:
-            device = rt.devices.current()
-        except ContextNullError:
-            device = 0
-    return rt.device_id(check_device(device))
+    return rt.device_id(rt.devices.current_or(0) if device is None else check_device(device))

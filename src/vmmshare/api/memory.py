@@ -20,7 +20,7 @@ from .._process import runtime
 from ..errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle
 from ..wire.props import U64, Location, PhysicalProp, check_device, check_int, check_prop
-from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _device, _flag, _pids, _size
+from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _flag, _pids, _size
 from ._finalize import Finalizer
 from ._owned import Owned
 
@@ -363,7 +363,8 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
     each object is closed on its own, and the memory stays until the last is."""
     h = ShareableHandle.from_value(handle)
     rt = runtime()
-    dev = _device(device)
+    # this thread's device, else 0 (whether the device exists is the runtime's import's check, 107001)
+    dev = rt.devices.current_or(0) if device is None else check_device(device)
     try:
         imported = rt.sharing.import_handle(h, dev)
     except InvalidHandleError as exc:

@@ -85,22 +85,23 @@ class PhysicalMemory(Owned):
     multiprocessing Queue, Pipe or Process argument), it is exported if it was not yet, and the receiver imports it.
     """
 
+    _finalizer: Finalizer
     _handle: int
     _size: int
     _device: int
     _on_gpu: bool
     _remote: bool
-    numa_node: int | None
-    location: dict[str, int]
-    imported: bool
+    numa_node: int | None = None  # the NUMA node of HOST_NUMA memory
+    imported = False  # imported here (not allocated by this process)
     pages: str
     _location: Location
     _prop: PhysicalProp
     _origin: ShareableHandle | None
-    _shareable: ShareableHandle | None
-    _validate: bool
-    _trusted: list[int]
-    _remote_trusted: list[tuple[int, list[int]]]
+    # how it was exported, and whom it trusts: what a grown chunk is exported with (replaced, never changed in place)
+    _shareable: ShareableHandle | None = None
+    _validate = True
+    _trusted: tuple[int, ...] = ()
+    _remote_trusted: tuple[tuple[int, list[int]], ...] = ()
     _holders = 0  # arrived here: the mappings (and pools) that hold this import
     _handed_out = False  # arrived here as itself: its receiver closes it, not the mappings that share it
 
@@ -111,25 +112,24 @@ class PhysicalMemory(Owned):
     def _make(cls, handle: int, origin: ShareableHandle | None = None) -> PhysicalMemory:
         """The object owning `handle`, a live allocation of this runtime (`origin`: the handle it was imported from)."""
         self = cls.__new__(cls)
-        alloc = runtime().memory.allocation(check_int("handle", handle))
+        alloc = runtime().memory.allocation(handle)
+        prop, backend = alloc.prop, alloc.backend
+        location = prop.location
         self._handle = handle
         self._size = alloc.size
-        self._device = alloc.device
-        location = alloc.prop.location
-        self.numa_node = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
-        self._location = alloc.prop.location  # outlives close()
-        self._prop = alloc.prop
-        self.location = alloc.prop.location.as_dict()
-        self.imported = bool(alloc.imported_from)
+        self._device = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0  # (Allocation.device)
+        if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA:
+            self.numa_node = location.id
+        self._location = location  # outlives close()
+        self._prop = prop
+        if alloc.imported_from:
+            self.imported = True
         self.pages = alloc.mem.pages
-        self._on_gpu = alloc.backend.on_gpu
-        self._remote = alloc.backend.remote  # another server's: copies only (SPEC §8)
+        self._on_gpu = backend.on_gpu
+        self._remote = backend.remote  # another server's: copies only (SPEC §8)
         self._origin = origin
-        self._shareable = None
-        self._validate = True  # how it was exported, and whom it trusts: what a grown chunk is exported with
-        self._trusted = []
-        self._remote_trusted = []
-        self._own(_free_quietly, handle)  # inherited by a forked child: imported again there on first use
+        # inherited by a forked child: imported again there on first use
+        self._finalizer = Finalizer(self, _free_quietly, handle)
         return self
 
     def _import_in_child(self) -> None:
@@ -162,6 +162,11 @@ class PhysicalMemory(Owned):
     def device(self) -> int:
         """The device it belongs to (0 for host memory)."""
         return self._device
+
+    @property
+    def location(self) -> dict[str, int]:
+        """Where it lives, as an aclrtMemLocation dict ({"id": ..., "type": ...})."""
+        return self._location.as_dict()
 
     @property
     def on_gpu(self) -> bool:
@@ -205,7 +210,7 @@ class PhysicalMemory(Owned):
                                     "exports it): add processes to its trustlist with allow()")
         # the trustlist rides on the export
         self._shareable = runtime().sharing.export(self._live(), st, validate, trust)
-        self._validate, self._trusted = validate, list(trust)
+        self._validate, self._trusted = validate, tuple(trust)
         return self._shareable
 
     def allow(self, pids: Iterable[int], server: int | None = None) -> None:
@@ -216,11 +221,11 @@ class PhysicalMemory(Owned):
         listed = _pids(pids, allow_empty=False)
         if server is None:
             runtime().sharing.set_pids(self._shareable, listed)
-            self._trusted.extend(listed)
+            self._trusted += tuple(listed)
         else:
             srv = check_int("server", server, 0, 0xFFFFFFFF)
             runtime().sharing.set_remote_pids(self._shareable, srv, listed)
-            self._remote_trusted.append((srv, listed))
+            self._remote_trusted += ((srv, listed),)
 
     def _export_like(self, other: PhysicalMemory) -> None:
         """Export as `other` was, trusting whom it trusts (a chunk a grown mapping adds to its first)."""

@@ -120,6 +120,7 @@ class NotAnIntError(InvalidParamError, TypeError):
 
 _TEXT = re.compile(r"^vmm:(default|fabric):([0-9a-f]+)$", re.IGNORECASE)
 _INT_TEXT = re.compile(r"^(0x[0-9a-f]+|[0-9]+)$", re.IGNORECASE)
+_DEFAULT_TEXT = re.compile(r"vmm:default:([0-9a-f]{16})", re.IGNORECASE)  # `_TEXT`'s DEFAULT form, whole
 
 
 @dataclass(frozen=True)
@@ -206,19 +207,19 @@ class ShareableHandle:
         if not isinstance(text, str):
             raise InvalidParamError(f"not a shareable handle text: {text!r}")
         stripped = text.strip()
-        if _INT_TEXT.match(stripped):
-            return cls.default(int(stripped, 0))
-        m = _TEXT.match(stripped)
-        kind = m.group(1).lower() if m else ""
-        if not m or len(m.group(2)) != {"default": 16, "fabric": 256}[kind]:
-            raise InvalidParamError(f"not a shareable handle text: {text!r} (expected vmm:default:<16 hex digits>, "
-                                    "vmm:fabric:<256 hex digits>, or the DEFAULT value as an int)")
-        if kind == "default":
-            value = int(m.group(2), 16)
+        m = _DEFAULT_TEXT.fullmatch(stripped)  # what str(h) prints for a DEFAULT handle: looked for first
+        if m is not None:
+            value = int(m[1], 16)
             if value == 0:
                 raise InvalidParamError("a DEFAULT shareable handle is 8 bytes, not all zero")
             return cls._default_of(value)
-        return cls(kind, bytes.fromhex(m.group(2)))
+        if _INT_TEXT.match(stripped):
+            return cls.default(int(stripped, 0))
+        m = _TEXT.match(stripped)
+        if not m or m.group(1).lower() != "fabric" or len(m.group(2)) != 256:
+            raise InvalidParamError(f"not a shareable handle text: {text!r} (expected vmm:default:<16 hex digits>, "
+                                    "vmm:fabric:<256 hex digits>, or the DEFAULT value as an int)")
+        return cls("fabric", bytes.fromhex(m.group(2)))
 
     def __int__(self) -> int:
         if self.share_type is not ShareType.DEFAULT:

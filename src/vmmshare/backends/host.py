@@ -210,7 +210,7 @@ class HostBackend:
         return mem
 
     def adopt(self, fd: int, size: int, device: int) -> HostMemory:
-        return adopt(fd, size)
+        return HostMemory(fd, size, "normal")  # (`adopt`'s)
 
     def export_fd(self, mem: Memory) -> int:
         assert isinstance(mem, HostMemory)

@@ -322,16 +322,15 @@ class BrokerClient:
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
         secret = secret.ljust(32, b"\0")
-        try:  # values that do not fit (struct.error): the codec's error says which
+        try:  # values that do not fit (struct.error, before anything is sent): the codec's error says which
             if len(secret) != 32:  # (the struct would cut it)
                 raise struct.error
-            IMPORT.struct.pack(IMPORT.start, 0, IMPORT.length, shareable, share_type, secret)
+            fields, fds = self._hot_request(
+                lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),
+                P.Msg.IMPORT, IMPORTED)
         except struct.error:
             encode(P.Import(shareable, share_type, secret), 1)
             raise
-        fields, fds = self._hot_request(
-            lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),
-            P.Msg.IMPORT, IMPORTED)
         _, _, _, hold, size, kind, *prop = fields
         token = next(self._tokens)
         self._holds[token] = hold

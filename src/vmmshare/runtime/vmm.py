@@ -38,7 +38,7 @@ class Vmm:
         self.allocs: set[Allocation] = set()  # live, with or without a handle (a freed one stays while mapped)
         self.reservations: Intervals[Reservation] = Intervals()
         self.mappings: Intervals[MappingEntry] = Intervals()
-        self._ids = itertools.count(1)
+        self._handles = itertools.count(0x7A00_0000_0040, 0x40)  # the aclrtDrvMemHandles given out, in order
 
     # ------------------------------------------------------------ physical memory
 
@@ -139,11 +139,15 @@ class Vmm:
     def register(self, alloc: Allocation) -> int:
         """Record an allocation; one without an owner gets a handle the caller can name (aclrtDrvMemHandle)."""
         with self.s.lock:
-            alloc.handle = 0x7A00_0000_0000 + (next(self._ids) << 6)
-            if not alloc.owner:
-                self.handles[alloc.handle] = alloc
-            self.allocs.add(alloc)
-            return alloc.handle
+            return self.register_locked(alloc)
+
+    def register_locked(self, alloc: Allocation) -> int:
+        """`register`, for a caller that holds the lock already (an import records it with its own tables)."""
+        alloc.handle = handle = next(self._handles)
+        if not alloc.owner:
+            self.handles[handle] = alloc
+        self.allocs.add(alloc)
+        return handle
 
     def allocation(self, handle: int) -> Allocation:
         alloc = self.handles.get(handle)

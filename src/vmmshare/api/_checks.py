@@ -38,6 +38,11 @@ def _attr(attr: str | int) -> int:
 
 
 def _access(access: object) -> int:
+    """An access argument ("none", "r", "rw") as its ACL flags; a plain str is looked up at once."""
+    if type(access) is str:
+        flags = _ACCESS.get(access)
+        if flags is not None:
+            return flags
     return int(_choice("access", access, _ACCESS))
 
 

@@ -254,18 +254,17 @@ class PhysicalMemory(Owned):
     ) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both. With `max_size`,
         the range is reserved that large, so that the mapping can `grow()` in place up to it."""
-        from .mapping import Mapping, VirtualRange  # (mapping imports this module)
-
         flags = _access(access)
         populate = _flag("prepopulate", prepopulate, allow_none=True)
         rt = runtime()
+        Mapping = _mapping.Mapping
         if max_size is not None:
             wanted = _size(max_size)
             room = -(-wanted // self._prop.granularity) * self._prop.granularity
             if wanted < self.size:
                 raise InvalidParamError(f"max_size {max_size} is smaller than this {self.size}-byte memory")
             self._live()
-            rng = VirtualRange(room, gpu=self.on_gpu)
+            rng = _mapping.VirtualRange(room, gpu=self.on_gpu)
             try:
                 rt.memory.map(rng.ptr, self.size, 0, self._live(), flags, populate)
             except BaseException:
@@ -278,10 +277,8 @@ class PhysicalMemory(Owned):
 
     def close(self) -> None:
         """Free this handle; mappings of it stay valid until they are closed."""
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            if not self._forked:
-                runtime().memory.free_physical(self._handle)
+        if self._finalizer.cancel() and not self._forked:
+            runtime().memory.free_physical(self._handle)
 
 
 @dataclass(frozen=True)
@@ -383,3 +380,6 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
     except BaseException:
         rt.memory.free_physical(imported)
         raise
+
+
+from . import mapping as _mapping  # noqa: E402  (mapping imports this module: bound once both are, not on each map)

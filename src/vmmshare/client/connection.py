@@ -292,7 +292,7 @@ class BrokerClient:
             return
         try:
             self._hot_request(lambda req: RELEASE.struct.pack(RELEASE.start, req, RELEASE.length,
-                                                              self._hold_of(token)), P.Msg.RELEASE, OK)
+                                                              self._holds.get(token, 0)), P.Msg.RELEASE, OK)
         finally:
             self._holds.pop(token, None)
 

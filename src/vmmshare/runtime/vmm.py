@@ -158,26 +158,35 @@ class Vmm:
     def free_physical(self, handle: int) -> None:
         self.s.run_deferred()
         with self.s.lock:
-            self.drop(self.allocation(handle))
+            self._drop(self.allocation(handle))
 
     def drop(self, alloc: Allocation) -> None:
         """One handle reference fewer; at the last, its export is revoked and, once unmapped, the memory goes."""
         with self.s.lock:
-            alloc.refs -= 1
-            if alloc.refs:
-                return
-            self.handles.pop(alloc.handle, None)
-            self._forget_exports(alloc)
-            self.maybe_destroy(alloc)
+            self._drop(alloc)
+
+    def _drop(self, alloc: Allocation) -> None:
+        """`drop`, under the lock."""
+        alloc.refs -= 1
+        if alloc.refs:
+            return
+        self.handles.pop(alloc.handle, None)
+        self._forget_exports(alloc)
+        if not alloc.maps:
+            self._destroy(alloc)
 
     def maybe_destroy(self, alloc: Allocation) -> None:
-        if alloc.refs or alloc.maps:
-            return
+        """Destroy an allocation no handle and no mapping holds any more."""
+        if not (alloc.refs or alloc.maps):
+            self._destroy(alloc)
+
+    def _destroy(self, alloc: Allocation) -> None:
         self.allocs.discard(alloc)
+        s = self.s
         try:
             alloc.mem.close()
         finally:  # the node's hold goes even if the memory would not close (a driver error): it is not ours any more
-            self.s.safe_node_call(self.s.node.release, alloc.node_ref)
+            s.safe_node_call(s.node.release, alloc.node_ref)
 
     def retain(self, ptr: int) -> int:
         with self.s.lock:
@@ -303,17 +312,19 @@ class Vmm:
                     self.unmap(ptr, owner)
                 self.release(ptr, owner)  # (unmapped already, e.g. by acl.rt.unmap_mem: the range still goes)
                 return
-            if m.alloc.owner != owner:
+            alloc = m.alloc
+            if alloc.owner != owner:
                 raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)"
-                                        + _owned_by(m.alloc.owner))
+                                        + _owned_by(alloc.owner))
             try:
                 r.backend.release_mapped(ptr, r.size)
             except OSError as exc:
                 raise InternalError(f"cannot unmap {ptr:#x}: {exc.strerror}") from None
             self.mappings.remove(ptr)
             self.reservations.remove(ptr)
-            m.alloc.maps -= 1
-            self.maybe_destroy(m.alloc)
+            alloc.maps -= 1
+            if not (alloc.maps or alloc.refs):
+                self._destroy(alloc)
 
     def mapping_at(self, ptr: int) -> MappingEntry:
         hit = self.mappings.at(ptr)

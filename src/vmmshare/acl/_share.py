@@ -89,7 +89,7 @@ def mem_import_from_shareable_handle(shareable_handle: int, device_id: int) -> i
     value = check_int("shareableHandle", shareable_handle)
     device = check_int("deviceId", device_id, -(1 << 31), (1 << 31) - 1)
     rt = runtime()
-    return rt.sharing.import_handle(_default(value), rt.device_id(device))
+    return rt.sharing.import_handle(_default(value), rt.device_id(device)).handle
 
 
 @acl_call(0)
@@ -123,8 +123,8 @@ def mem_import_from_shareable_handle_v2(shareable_handle: int | bytes, share_typ
     if f != 0:
         raise AclInvalidParamError(f"flags={f}: reserved, must be 0")
     rt = runtime()
-    device = rt.devices.current()
-    return rt.sharing.import_handle(_shareable(raw, _share_type(st)), device)
+    device = rt.devices.current()  # (a context's device is one this process has)
+    return rt.sharing.import_handle(_shareable(raw, _share_type(st)), device).handle
 
 
 @acl_call(0)

@@ -25,6 +25,7 @@ from ._finalize import Finalizer
 from ._owned import Owned
 
 if TYPE_CHECKING:
+    from ..runtime.tables import Allocation
     from .mapping import Mapping
 
 __all__ = ["Device", "PhysicalMemory", "ShareableHandle", "import_handle"]
@@ -109,10 +110,16 @@ class PhysicalMemory(Owned):
         raise TypeError("PhysicalMemory cannot be instantiated directly: use Device.allocate() or import_handle()")
 
     @classmethod
-    def _make(cls, handle: int, origin: ShareableHandle | None = None) -> PhysicalMemory:
-        """The object owning `handle`, a live allocation of this runtime (`origin`: the handle it was imported from)."""
+    def _make(cls, handle: int) -> PhysicalMemory:
+        """The object owning `handle`, a live allocation of this runtime."""
+        return cls._of(runtime().memory.allocation(handle))
+
+    @classmethod
+    def _of(cls, alloc: Allocation, origin: ShareableHandle | None = None) -> PhysicalMemory:
+        """The object owning a live, registered allocation of this runtime (`origin`: the handle it was imported
+        from)."""
         self = cls.__new__(cls)
-        alloc = runtime().memory.allocation(handle)
+        handle = alloc.handle
         prop, backend = alloc.prop, alloc.backend
         location = prop.location
         self._handle = handle
@@ -188,7 +195,7 @@ class PhysicalMemory(Owned):
         return f"<PhysicalMemory {self.size} bytes on device {self.device}, {state}>"
 
     def _live(self) -> int:
-        if self.closed:
+        if not self._finalizer.alive:  # (closed)
             raise InvalidParamError("this PhysicalMemory is closed")
         if self._forked:
             self._import_in_child()
@@ -365,8 +372,8 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
     each object is closed on its own, and the memory stays until the last is."""
     h = ShareableHandle.from_value(handle)
     rt = runtime()
-    # this thread's device, else 0 (whether the device exists is the runtime's import's check, 107001)
-    dev = rt.devices.current_or(0) if device is None else check_device(device)
+    devices = rt.devices  # this thread's device, else 0
+    dev = devices.device_id(devices.current_or(0) if device is None else check_device(device))
     try:
         imported = rt.sharing.import_handle(h, dev)
     except InvalidHandleError as exc:
@@ -376,9 +383,9 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
             f"handle {h.value:#x} cannot be imported: it is unknown on this node, or revoked (its exporter closed "
             "the memory, or exited)") from None
     try:
-        return PhysicalMemory._make(imported, h)
+        return PhysicalMemory._of(imported, h)
     except BaseException:
-        rt.memory.free_physical(imported)
+        rt.memory.free_physical(imported.handle)
         raise
 
 

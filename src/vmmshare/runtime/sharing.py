@@ -77,12 +77,12 @@ class Sharing:
         else:
             self.s.node.set_remote_pids(shareable.value, shareable.share_type, server, pids)
 
-    def import_handle(self, shareable: ShareableHandle, device: int) -> int:
-        """Import a shareable handle as memory of `device`; returns its handle (rule 13). An import in the exporting
+    def import_handle(self, shareable: ShareableHandle, device: int) -> Allocation:
+        """Import a shareable handle as memory of `device` (one this process has: its callers check that, 107001);
+        returns the allocation, registered: its `handle` is the caller's (rule 13). An import in the exporting
         process gives a second handle to the same memory; importing a handle this process holds an import of
-        already returns that handle with a reference added, which needs its own free_physical."""
+        already returns that allocation with a reference added, which needs its own free_physical."""
         s = self.s
-        s.devices.device_id(device)
         value, imports = shareable.value, self.imports
         lock = s.lock  # (the condition's lock: `_settled` is waited on and notified under it)
         with lock:
@@ -105,15 +105,15 @@ class Sharing:
             except BaseException:
                 self.memory.drop(done)
                 raise
-            return done.handle
+            return done
         try:
             alloc = self._import_any(shareable, device, "")
             with lock:
-                handle = self.memory.register_locked(alloc)
+                self.memory.register_locked(alloc)
                 imports[value] = alloc
                 if self._waiting:
                     self._settled.notify_all()
-            return handle
+            return alloc
         except BaseException:
             with lock:
                 imports.pop(value, None)
@@ -202,8 +202,9 @@ class Sharing:
 
     def forget(self, alloc: Allocation) -> None:
         """The last handle to `alloc` was freed: an export of it is revoked, an import of it may come again."""
-        if alloc.imported_from and self.imports.get(alloc.imported_from) is alloc:
-            del self.imports[alloc.imported_from]
+        imported = alloc.imported_from
+        if imported and self.imports.get(imported) is alloc:
+            del self.imports[imported]
         elif alloc.exported is not None:
             self.exported.discard(alloc.exported.value)
             if alloc.maps:  # still mapped here: revoke now (unmapped, the node's release revokes it too)

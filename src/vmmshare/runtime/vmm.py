@@ -279,8 +279,8 @@ class Vmm:
     def map_new(self, alloc: Allocation, access: int, prepopulate: bool | None = None, owner: str = "") -> int:
         """Reserve a range of the allocation's size and map it there (in one system call for host memory): what
         the Pythonic `map()`, aclrtMalloc blocks and IPC imports do, without a range of their own to reuse."""
-        size = alloc.size
-        if alloc.backend.remote:  # its range is a host reservation the CPU cannot touch
+        size, backend = alloc.size, alloc.backend
+        if backend.remote:  # its range is a host reservation the CPU cannot touch
             ptr = self.reserve(size, 0, 0, on_device=False, owner=owner)
             try:
                 self.map_alloc(ptr, size, alloc, access, prepopulate)
@@ -290,15 +290,16 @@ class Vmm:
             return ptr
         _check_range_size(size)
         align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else C.MIN_GRANULARITY
-        populate = self.s.config.prepopulate if prepopulate is None else prepopulate
-        with self.s.lock:
+        s = self.s
+        populate = s.config.prepopulate if prepopulate is None else prepopulate
+        with s.lock:
             if alloc.refs == 0 and alloc.maps == 0:
                 raise InvalidParamError("this allocation was freed")
             try:
-                ptr = alloc.backend.reserve_mapped(size, align, alloc.mem, access, populate)
+                ptr = backend.reserve_mapped(size, align, alloc.mem, access, populate)
             except OSError as exc:
                 raise MemoryAllocationError(f"cannot reserve and map {size} bytes: {exc.strerror}") from None
-            self.reservations.add(ptr, size, Reservation(ptr, size, alloc.backend, owner))
+            self.reservations.add(ptr, size, Reservation(ptr, size, backend, owner))
             self.mappings.add(ptr, size, MappingEntry(ptr, size, alloc, {}, access))
             alloc.maps += 1
         return ptr

@@ -184,10 +184,10 @@ class ShareableHandle:
     @classmethod
     def from_value(cls, value: int | bytes | bytearray | memoryview | str | ShareableHandle) -> ShareableHandle:
         """From an int (DEFAULT), 8 bytes (DEFAULT) or 128 bytes (FABRIC), any text form, or a ShareableHandle."""
+        if isinstance(value, str):  # (first: the text form is what users pass)
+            return cls.parse(value)
         if isinstance(value, ShareableHandle):
             return value
-        if isinstance(value, str):
-            return cls.parse(value)
         if isinstance(value, (bytes, bytearray, memoryview)):
             raw = bytes(value)
             if len(raw) == 8:

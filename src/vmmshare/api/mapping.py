@@ -245,7 +245,8 @@ class Mapping(MemoryViews):
         with _VIEWS_LOCK:  # (as `_start_close`: no view is counted after the check)
             if not finalizer.alive:
                 return
-            self._check_closable()
+            if self._views:
+                self._check_closable()
             finalizer.cancel()
         if self._forked:
             return  # the parent's: it stays mapped here until this process exits

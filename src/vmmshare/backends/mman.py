@@ -143,7 +143,8 @@ class Arena:
     def release(self, addr: int, size: int) -> None:
         """Give a reservation back to the system."""
         with self._lock:
-            unmap(addr, size)
+            if libc.munmap(addr, size) != 0:  # (`unmap`)
+                raise oserror("munmap")
             starts = self._starts
             i = bisect_left(starts, addr)
             if i < len(starts) and starts[i] == addr:

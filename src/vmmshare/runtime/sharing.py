@@ -107,7 +107,10 @@ class Sharing:
                 raise
             return done
         try:
-            alloc = self._import_any(shareable, device, "")
+            if shareable.fabric is None:  # (`_import_any`'s first case, asked here: most imports)
+                alloc = self._import_here(shareable, b"", device, "")
+            else:
+                alloc = self._import_any(shareable, device, "")
             with lock:
                 self.memory.register_locked(alloc)
                 imports[value] = alloc

@@ -185,7 +185,7 @@ class ShareableHandle:
     def from_value(cls, value: int | bytes | bytearray | memoryview | str | ShareableHandle) -> ShareableHandle:
         """From an int (DEFAULT), 8 bytes (DEFAULT) or 128 bytes (FABRIC), any text form, or a ShareableHandle."""
         if isinstance(value, str):  # (first: the text form is what users pass)
-            return cls.parse(value)
+            return cls._parse(value)
         if isinstance(value, ShareableHandle):
             return value
         if isinstance(value, (bytes, bytearray, memoryview)):
@@ -206,6 +206,11 @@ class ShareableHandle:
         value as an int in decimal or ``0x`` hex (what ``vmmshare ls`` and pyACL programs print); any case."""
         if not isinstance(text, str):
             raise InvalidParamError(f"not a shareable handle text: {text!r}")
+        return cls._parse(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> ShareableHandle:
+        """`parse` of a str."""
         stripped = text.strip()
         m = _DEFAULT_TEXT.fullmatch(stripped)  # what str(h) prints for a DEFAULT handle: looked for first
         if m is not None:

@@ -2,50 +2,52 @@
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, bisect_right, insort
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class Intervals(Generic[T]):
-    """Maps disjoint ranges ``[start, end)`` to values; lookup by any address inside (O(log n))."""
+    """Maps disjoint ranges ``[start, end)`` to values; lookup by any address inside (O(log n)), and by a range's
+    start (what adding, removing and `exact` do) in one dict operation."""
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._values: list[T] = []
+        self._starts: list[int] = []  # sorted, for the lookups by an address inside
+        self._ranges: dict[int, tuple[int, T]] = {}  # start -> (end, value)
 
     def __len__(self) -> int:
         return len(self._starts)
 
     def add(self, start: int, size: int, value: T) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        self._starts.insert(i, start)
-        self._ends.insert(i, start + size)
-        self._values.insert(i, value)
+        """Record `[start, start + size)` (the caller knows it overlaps none: `overlaps`)."""
+        insort(self._starts, start)
+        self._ranges[start] = (start + size, value)
 
     def remove(self, start: int) -> T:
-        i = bisect.bisect_left(self._starts, start)
-        if i == len(self._starts) or self._starts[i] != start:
-            raise KeyError(start)
-        del self._starts[i], self._ends[i]
-        return self._values.pop(i)
+        """Drop the range that begins exactly at `start` (KeyError if none does); its value."""
+        value = self._ranges.pop(start)[1]
+        starts = self._starts
+        del starts[bisect_left(starts, start)]
+        return value
 
     def at(self, addr: int) -> tuple[int, int, T] | None:
         """The (start, end, value) whose range holds `addr`, or None."""
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0 and addr < self._ends[i]:
-            return self._starts[i], self._ends[i], self._values[i]
+        starts = self._starts
+        i = bisect_right(starts, addr)
+        if i:
+            start = starts[i - 1]
+            end, value = self._ranges[start]
+            if addr < end:
+                return start, end, value
         return None
 
     def exact(self, start: int) -> T | None:
         """The value of the range that begins exactly at `start`, or None."""
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] == start:
-            return self._values[i]
-        return None
+        hit = self._ranges.get(start)
+        return None if hit is None else hit[1]
 
     def overlaps(self, start: int, size: int) -> bool:
-        i = bisect.bisect_left(self._starts, start + size)
-        return i > 0 and self._ends[i - 1] > start
+        starts = self._starts
+        i = bisect_left(starts, start + size)
+        return i > 0 and self._ranges[starts[i - 1]][0] > start

@@ -21,6 +21,8 @@ def acl_call(*defaults: Any) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
     exception also becomes a code (107000 / 507000) with a message, as the C API would report.
     """
 
+    ok, many = C.ACL_SUCCESS, len(defaults) > 1
+
     def wrap(fn: Callable[P, Any]) -> Callable[P, Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -39,8 +41,8 @@ def acl_call(*defaults: Any) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
                 code, message = C.ACL_ERROR_RT_INTERNAL_ERROR, f"internal error in {fn.__name__}: {exc!r}"
             else:
                 if not defaults:
-                    return C.ACL_SUCCESS
-                return (*out, C.ACL_SUCCESS) if len(defaults) > 1 else (out, C.ACL_SUCCESS)
+                    return ok
+                return (*out, ok) if many else (out, ok)
             set_recent_error(f"{fn.__name__}: {message}", code)
             if not defaults:
                 return code

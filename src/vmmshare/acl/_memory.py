@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import constants as C
 from .._process import runtime
-from ..errors import InvalidMemoryTypeError, InvalidParamError
+from ..errors import AclInvalidParamError, InvalidMemoryTypeError, InvalidParamError
 from ..wire.props import (
     U32,
     acl_require,
@@ -71,7 +71,8 @@ def malloc_physical(size: int, prop: dict[str, Any], flags: int) -> int:
 @acl_call()
 def free_physical(handle: int) -> None:
     h = check_ptr("handle", handle)
-    acl_require(h != 0, "handle is NULL")
+    if h == 0:
+        raise AclInvalidParamError("handle is NULL")
     runtime().memory.free_physical(h)
 
 

@@ -41,6 +41,8 @@ def _share_type(st: int) -> ShareType:
 
 def _read_shareable(shareable: object) -> int | bytes | None:
     """A V2 shareable handle argument: an int (DEFAULT), bytes-like (FABRIC) or None (NULL)."""
+    if type(shareable) is int and 0 <= shareable <= U64:  # the common case, as check_int has it
+        return shareable
     if shareable is None:
         return None
     if isinstance(shareable, (bytes, bytearray, memoryview)):
@@ -48,14 +50,17 @@ def _read_shareable(shareable: object) -> int | bytes | None:
     return check_int("shareableHandle", shareable, 0, U64)
 
 
-def _shareable(raw: int | bytes, st: ShareType) -> ShareableHandle:
-    if st is ShareType.DEFAULT:
+def _shareable(raw: int | bytes, st: int) -> ShareableHandle:
+    """The handle `raw` of share type `st`: 107000 for a type that is not DEFAULT or FABRIC (first), or a value
+    that is not of its type."""
+    if st == C.ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT:
         if not isinstance(raw, int):
             raise InvalidParamError(f"a DEFAULT shareable handle is an int, got {type(raw).__name__}")
         return _default(raw)
+    share = _share_type(st)
     if not isinstance(raw, bytes):
         raise InvalidParamError(f"a FABRIC shareable handle is 128 bytes, got {type(raw).__name__}")
-    return ShareableHandle.of(st, raw)
+    return ShareableHandle.of(share, raw)
 
 
 def _export_flags(flags: int) -> bool:
@@ -89,7 +94,7 @@ def mem_import_from_shareable_handle(shareable_handle: int, device_id: int) -> i
     value = check_int("shareableHandle", shareable_handle)
     device = check_int("deviceId", device_id, -(1 << 31), (1 << 31) - 1)
     rt = runtime()
-    return rt.sharing.import_handle(_default(value), rt.device_id(device))
+    return rt.sharing.import_handle(_default(value), rt.device_id(device)).handle
 
 
 @acl_call(0)
@@ -111,7 +116,7 @@ def mem_set_pid_to_shareable_handle_v2(shareable_handle: int | bytes, share_type
     acl_require(pids is not None, "pid_list is NULL")
     acl_require(bool(pids), "pid_list is empty")
     assert raw is not None and pids is not None
-    runtime().sharing.set_pids(_shareable(raw, _share_type(st)), check_pids(pids))
+    runtime().sharing.set_pids(_shareable(raw, st), check_pids(pids))
 
 
 @acl_call(0)
@@ -123,8 +128,8 @@ def mem_import_from_shareable_handle_v2(shareable_handle: int | bytes, share_typ
     if f != 0:
         raise AclInvalidParamError(f"flags={f}: reserved, must be 0")
     rt = runtime()
-    device = rt.devices.current()
-    return rt.sharing.import_handle(_shareable(raw, _share_type(st)), device)
+    device = rt.devices.current()  # (a context's device is one this process has)
+    return rt.sharing.import_handle(_shareable(raw, st), device).handle
 
 
 @acl_call(0)

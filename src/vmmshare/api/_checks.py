@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import constants as C
 from .._process import runtime
-from ..errors import AclInvalidParamError, ContextNullError, InvalidParamError
+from ..errors import AclInvalidParamError, InvalidParamError
 from ..wire.handles import ShareType
 from ..wire.props import U64, check_device, check_int, pid_list
 
@@ -38,6 +38,11 @@ def _attr(attr: str | int) -> int:
 
 
 def _access(access: object) -> int:
+    """An access argument ("none", "r", "rw") as its ACL flags; a plain str is looked up at once."""
+    if type(access) is str:
+        flags = _ACCESS.get(access)
+        if flags is not None:
+            return flags
     return int(_choice("access", access, _ACCESS))
 
 
@@ -66,9 +71,4 @@ def _pids(pids: Iterable[int], allow_empty: bool) -> list[int]:
 def _device(device: object) -> int:
     """A device argument as the runtime numbers it: `device`, or (None) this thread's device, else 0."""
     rt = runtime()
-    if device is None:
-        try:
-            device = rt.devices.current()
-        except ContextNullError:
-            device = 0
-    return rt.device_id(check_device(device))
+    return rt.device_id(rt.devices.current_or(0) if device is None else check_device(device))

@@ -47,6 +47,11 @@ class Finalizer:
             return obj, self.func, self.args, {}
         return None
 
+    def cancel(self) -> bool:
+        """`detach()` for its object's own close() (the object is alive): whether it was alive, with nothing built
+        for the answer."""
+        return _live.pop(self, None) is not None
+
     @property
     def alive(self) -> bool:
         """Whether it has yet to run (or be detached)."""

@@ -12,9 +12,10 @@ from .._process import runtime
 from ..errors import InvalidParamError
 from ..wire.props import check_int, check_ptr
 from ._checks import _access, _flag, _pids, _size
+from ._finalize import Finalizer
 from ._owned import Owned
 from .memory import PhysicalMemory, _arrived_lock, _hold, _let_go, _quietly, _receive, _Ticket
-from .views import MemoryViews
+from .views import _VIEWS_LOCK, MemoryViews
 
 __all__ = ["Mapping", "VirtualRange"]
 
@@ -107,6 +108,7 @@ class Mapping(MemoryViews):
     as its chunks' handles: the receiver imports them and maps them back to back (at an address of its own).
     """
 
+    _finalizer: Finalizer
     _parts: list[tuple[int, PhysicalMemory]]
     _access: str
     _range: VirtualRange | None
@@ -125,25 +127,27 @@ class Mapping(MemoryViews):
         own_range: bool = False, growable: bool = False, owned: list[PhysicalMemory] | None = None,
         held: list[PhysicalMemory] | None = None,
     ) -> Mapping:
-        """The mapping of `parts` (address, memory mapped there, back to back); `rng`: a VirtualRange it closes
-        with it; `own_range`: its one part was reserved and mapped in one step (map_new); `growable`: it may map
-        more chunks into the rest of `rng`; `owned`: memory it closes with it (the chunks it grew); `held`: imports that
-        arrived here, which it lets go of (`_let_go`) when it closes."""
+        """The mapping of `parts` (address, memory mapped there, back to back: a new list, the mapping's from now on);
+        `rng`: a VirtualRange it closes with it; `own_range`: its one part was reserved and mapped in one step
+        (map_new); `growable`: it may map more chunks into the rest of `rng`; `owned`: memory it closes with it (the
+        chunks it grew); `held`: imports that arrived here, which it lets go of (`_let_go`) when it closes."""
         self = cls.__new__(cls)
-        first = parts[0][1]
-        self._ptr = parts[0][0]
-        self._size = sum(m.size for _, m in parts)
-        self._on_gpu, self._remote, self._device = first.on_gpu, first.remote, first.device
-        self._parts = list(parts)
+        ptr, first = parts[0]
+        size = 0
+        for _, memory in parts:
+            size += memory._size
+        self._ptr, self._size = ptr, size
+        self._on_gpu, self._remote, self._device = first._on_gpu, first._remote, first._device
+        self._parts = parts
         self._access = access
         self._range = rng
         self._own_range = own_range
         self._growable = growable
-        self._owned = list(owned or [])
-        self._held = list(held or [])
+        self._owned = [] if owned is None else list(owned)
+        self._held = [] if held is None else list(held)
         self._lock = threading.Lock()
         self._init_views()
-        self._own(_unmap_quietly, self._parts, rng, own_range, self._owned, self._held)
+        self._finalizer = Finalizer(self, _unmap_quietly, parts, rng, own_range, self._owned, self._held)
         return self
 
     def __repr__(self) -> str:
@@ -237,13 +241,18 @@ class Mapping(MemoryViews):
 
     def close(self) -> None:
         """Unmap (and release the range it owns); BufferError while views of it are alive."""
-        if self._start_close() is None:
-            return
+        finalizer = self._finalizer
+        with _VIEWS_LOCK:  # (as `_start_close`: no view is counted after the check)
+            if not finalizer.alive:
+                return
+            if self._views:
+                self._check_closable()
+            finalizer.cancel()
         if self._forked:
             return  # the parent's: it stays mapped here until this process exits
         rt = runtime()
         if self._own_range:
-            rt.memory.unmap_release(self.ptr)
+            rt.memory.unmap_release(self._ptr)
         else:
             for ptr, _ in reversed(self._parts):
                 rt.memory.unmap(ptr)

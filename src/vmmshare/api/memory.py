@@ -20,11 +20,12 @@ from .._process import runtime
 from ..errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle
 from ..wire.props import U64, Location, PhysicalProp, check_device, check_int, check_prop
-from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _device, _flag, _pids, _size
+from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _flag, _pids, _size
 from ._finalize import Finalizer
 from ._owned import Owned
 
 if TYPE_CHECKING:
+    from ..runtime.tables import Allocation
     from .mapping import Mapping
 
 __all__ = ["Device", "PhysicalMemory", "ShareableHandle", "import_handle"]
@@ -85,22 +86,23 @@ class PhysicalMemory(Owned):
     multiprocessing Queue, Pipe or Process argument), it is exported if it was not yet, and the receiver imports it.
     """
 
+    _finalizer: Finalizer
     _handle: int
     _size: int
     _device: int
     _on_gpu: bool
     _remote: bool
-    numa_node: int | None
-    location: dict[str, int]
-    imported: bool
+    numa_node: int | None = None  # the NUMA node of HOST_NUMA memory
+    imported = False  # imported here (not allocated by this process)
     pages: str
     _location: Location
     _prop: PhysicalProp
     _origin: ShareableHandle | None
-    _shareable: ShareableHandle | None
-    _validate: bool
-    _trusted: list[int]
-    _remote_trusted: list[tuple[int, list[int]]]
+    # how it was exported, and whom it trusts: what a grown chunk is exported with (replaced, never changed in place)
+    _shareable: ShareableHandle | None = None
+    _validate = True
+    _trusted: tuple[int, ...] = ()
+    _remote_trusted: tuple[tuple[int, list[int]], ...] = ()
     _holders = 0  # arrived here: the mappings (and pools) that hold this import
     _handed_out = False  # arrived here as itself: its receiver closes it, not the mappings that share it
 
@@ -108,28 +110,33 @@ class PhysicalMemory(Owned):
         raise TypeError("PhysicalMemory cannot be instantiated directly: use Device.allocate() or import_handle()")
 
     @classmethod
-    def _make(cls, handle: int, origin: ShareableHandle | None = None) -> PhysicalMemory:
-        """The object owning `handle`, a live allocation of this runtime (`origin`: the handle it was imported from)."""
+    def _make(cls, handle: int) -> PhysicalMemory:
+        """The object owning `handle`, a live allocation of this runtime."""
+        return cls._of(runtime().memory.allocation(handle))
+
+    @classmethod
+    def _of(cls, alloc: Allocation, origin: ShareableHandle | None = None) -> PhysicalMemory:
+        """The object owning a live, registered allocation of this runtime (`origin`: the handle it was imported
+        from)."""
         self = cls.__new__(cls)
-        alloc = runtime().memory.allocation(check_int("handle", handle))
+        handle = alloc.handle
+        prop, backend = alloc.prop, alloc.backend
+        location = prop.location
         self._handle = handle
         self._size = alloc.size
-        self._device = alloc.device
-        location = alloc.prop.location
-        self.numa_node = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
-        self._location = alloc.prop.location  # outlives close()
-        self._prop = alloc.prop
-        self.location = alloc.prop.location.as_dict()
-        self.imported = bool(alloc.imported_from)
+        self._device = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0  # (Allocation.device)
+        if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA:
+            self.numa_node = location.id
+        self._location = location  # outlives close()
+        self._prop = prop
+        if alloc.imported_from:
+            self.imported = True
         self.pages = alloc.mem.pages
-        self._on_gpu = alloc.backend.on_gpu
-        self._remote = alloc.backend.remote  # another server's: copies only (SPEC §8)
+        self._on_gpu = backend.on_gpu
+        self._remote = backend.remote  # another server's: copies only (SPEC §8)
         self._origin = origin
-        self._shareable = None
-        self._validate = True  # how it was exported, and whom it trusts: what a grown chunk is exported with
-        self._trusted = []
-        self._remote_trusted = []
-        self._own(_free_quietly, handle)  # inherited by a forked child: imported again there on first use
+        # inherited by a forked child: imported again there on first use
+        self._finalizer = Finalizer(self, _free_quietly, handle)
         return self
 
     def _import_in_child(self) -> None:
@@ -164,6 +171,11 @@ class PhysicalMemory(Owned):
         return self._device
 
     @property
+    def location(self) -> dict[str, int]:
+        """Where it lives, as an aclrtMemLocation dict ({"id": ..., "type": ...})."""
+        return self._location.as_dict()
+
+    @property
     def on_gpu(self) -> bool:
         """GPU memory (the CUDA backend's), viewed through DLPack."""
         return self._on_gpu
@@ -183,7 +195,7 @@ class PhysicalMemory(Owned):
         return f"<PhysicalMemory {self.size} bytes on device {self.device}, {state}>"
 
     def _live(self) -> int:
-        if self.closed:
+        if not self._finalizer.alive:  # (closed)
             raise InvalidParamError("this PhysicalMemory is closed")
         if self._forked:
             self._import_in_child()
@@ -205,7 +217,7 @@ class PhysicalMemory(Owned):
                                     "exports it): add processes to its trustlist with allow()")
         # the trustlist rides on the export
         self._shareable = runtime().sharing.export(self._live(), st, validate, trust)
-        self._validate, self._trusted = validate, list(trust)
+        self._validate, self._trusted = validate, tuple(trust)
         return self._shareable
 
     def allow(self, pids: Iterable[int], server: int | None = None) -> None:
@@ -216,11 +228,11 @@ class PhysicalMemory(Owned):
         listed = _pids(pids, allow_empty=False)
         if server is None:
             runtime().sharing.set_pids(self._shareable, listed)
-            self._trusted.extend(listed)
+            self._trusted += tuple(listed)
         else:
             srv = check_int("server", server, 0, 0xFFFFFFFF)
             runtime().sharing.set_remote_pids(self._shareable, srv, listed)
-            self._remote_trusted.append((srv, listed))
+            self._remote_trusted += ((srv, listed),)
 
     def _export_like(self, other: PhysicalMemory) -> None:
         """Export as `other` was, trusting whom it trusts (a chunk a grown mapping adds to its first)."""
@@ -249,18 +261,17 @@ class PhysicalMemory(Owned):
     ) -> Mapping:
         """Reserve a range of this allocation's size and map it there; the Mapping owns both. With `max_size`,
         the range is reserved that large, so that the mapping can `grow()` in place up to it."""
-        from .mapping import Mapping, VirtualRange  # (mapping imports this module)
-
         flags = _access(access)
         populate = _flag("prepopulate", prepopulate, allow_none=True)
         rt = runtime()
+        Mapping = _mapping.Mapping
         if max_size is not None:
             wanted = _size(max_size)
             room = -(-wanted // self._prop.granularity) * self._prop.granularity
             if wanted < self.size:
                 raise InvalidParamError(f"max_size {max_size} is smaller than this {self.size}-byte memory")
             self._live()
-            rng = VirtualRange(room, gpu=self.on_gpu)
+            rng = _mapping.VirtualRange(room, gpu=self.on_gpu)
             try:
                 rt.memory.map(rng.ptr, self.size, 0, self._live(), flags, populate)
             except BaseException:
@@ -273,10 +284,8 @@ class PhysicalMemory(Owned):
 
     def close(self) -> None:
         """Free this handle; mappings of it stay valid until they are closed."""
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            if not self._forked:
-                runtime().memory.free_physical(self._handle)
+        if self._finalizer.cancel() and not self._forked:
+            runtime().memory.free_physical(self._handle)
 
 
 @dataclass(frozen=True)
@@ -363,7 +372,8 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
     each object is closed on its own, and the memory stays until the last is."""
     h = ShareableHandle.from_value(handle)
     rt = runtime()
-    dev = _device(device)
+    devices = rt.devices  # this thread's device, else 0
+    dev = devices.device_id(devices.current_or(0) if device is None else check_device(device))
     try:
         imported = rt.sharing.import_handle(h, dev)
     except InvalidHandleError as exc:
@@ -373,7 +383,10 @@ def import_handle(handle: int | bytes | str | ShareableHandle, device: int | Non
             f"handle {h.value:#x} cannot be imported: it is unknown on this node, or revoked (its exporter closed "
             "the memory, or exited)") from None
     try:
-        return PhysicalMemory._make(imported, h)
+        return PhysicalMemory._of(imported, h)
     except BaseException:
-        rt.memory.free_physical(imported)
+        rt.memory.free_physical(imported.handle)
         raise
+
+
+from . import mapping as _mapping  # noqa: E402  (mapping imports this module: bound once both are, not on each map)

@@ -210,7 +210,7 @@ class HostBackend:
         return mem
 
     def adopt(self, fd: int, size: int, device: int) -> HostMemory:
-        return adopt(fd, size)
+        return HostMemory(fd, size, "normal")  # (`adopt`'s)
 
     def export_fd(self, mem: Memory) -> int:
         assert isinstance(mem, HostMemory)
@@ -234,7 +234,8 @@ class HostBackend:
         """A new range with `mem` mapped over it: reserve and map in one system call."""
         assert isinstance(mem, HostMemory)
         ptr = self.arena.reserve(size, alignment, 0, mem.fd, ACCESS_PROT[access])
-        self._advise(ptr, size, mem, access, prepopulate)
+        if mem.pages == "thp" or (access and prepopulate):
+            self._advise(ptr, size, mem, access, prepopulate)
         return ptr
 
     def release_mapped(self, ptr: int, size: int) -> None:

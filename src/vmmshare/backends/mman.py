@@ -6,12 +6,12 @@ is usually free in every process and `expect_ptr` can be honoured.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import mmap as _mmap
 import os
 import threading
+from bisect import bisect_left, bisect_right
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -79,41 +79,44 @@ class Arena:
         With `fd`, the range is that file mapped shared with `prot` instead, reserved and mapped in one call.
         """
         with self._lock:
+            starts, ends = self._starts, self._ends
             if expect_ptr:
-                ptr = self._try(expect_ptr, size, fd, prot)
-                if ptr is None:
+                if not self._try(expect_ptr, size, fd, prot):
                     raise OSError(errno.EEXIST, f"the range at {expect_ptr:#x} of {size:#x} bytes is in use")
-                return ptr
+                self._add(expect_ptr, size)
+                return expect_ptr
             addr = ARENA_START
             tries = 0
             while addr + size <= ARENA_END and tries < 4096:
-                i = bisect.bisect_right(self._starts, addr)
-                if i > 0 and self._ends[i - 1] > addr:  # inside one of ours: skip past it
-                    addr = _align_up(self._ends[i - 1], alignment)
+                i = bisect_right(starts, addr)
+                if i > 0 and ends[i - 1] > addr:  # inside one of ours: skip past it
+                    addr = _align_up(ends[i - 1], alignment)
                     continue
-                if i < len(self._starts) and self._starts[i] < addr + size:
-                    addr = _align_up(self._ends[i], alignment)
+                if i < len(starts) and starts[i] < addr + size:
+                    addr = _align_up(ends[i], alignment)
                     continue
                 tries += 1
-                ptr = self._try(addr, size, fd, prot)
-                if ptr is not None:
-                    return ptr
+                if self._try(addr, size, fd, prot):
+                    starts.insert(i, addr)  # (where `_add` would put it: no start of ours is `addr`)
+                    ends.insert(i, addr + size)
+                    return addr
                 addr += _align_up(size, alignment)  # something foreign is there: move on
             # the arena is full or foreign: let the kernel choose, aligned by over-reserving
             return self._anywhere(size, alignment, fd, prot)
 
-    def _try(self, addr: int, size: int, fd: int, prot: int) -> int | None:
+    @staticmethod
+    def _try(addr: int, size: int, fd: int, prot: int) -> bool:
+        """Map `size` bytes at `addr` exactly (not yet recorded: the caller adds it); False where something is."""
         flags = (MAP_SHARED if fd >= 0 else _RESERVE_FLAGS) | MAP_FIXED_NOREPLACE
         ptr = libc.mmap(addr, size, prot, flags, fd, 0)
         if ptr is None or ptr == MAP_FAILED:
             if ctypes.get_errno() == errno.EEXIST:
-                return None
+                return False
             raise oserror("mmap(reserve)")
         if ptr != addr:  # very old kernels ignore MAP_FIXED_NOREPLACE and treat it as a hint
             libc.munmap(ptr, size)
-            return None
-        self._add(addr, size)
-        return addr
+            return False
+        return True
 
     def _anywhere(self, size: int, alignment: int, fd: int, prot: int) -> int:
         raw = mmap_call(0, size + alignment, PROT_NONE, _RESERVE_FLAGS)
@@ -133,18 +136,19 @@ class Arena:
         return ptr
 
     def _add(self, addr: int, size: int) -> None:
-        i = bisect.bisect_left(self._starts, addr)
+        i = bisect_left(self._starts, addr)
         self._starts.insert(i, addr)
         self._ends.insert(i, addr + size)
 
     def release(self, addr: int, size: int) -> None:
         """Give a reservation back to the system."""
         with self._lock:
-            unmap(addr, size)
-            i = bisect.bisect_left(self._starts, addr)
-            if i < len(self._starts) and self._starts[i] == addr:
-                del self._starts[i]
-                del self._ends[i]
+            if libc.munmap(addr, size) != 0:  # (`unmap`)
+                raise oserror("munmap")
+            starts = self._starts
+            i = bisect_left(starts, addr)
+            if i < len(starts) and starts[i] == addr:
+                del starts[i], self._ends[i]
 
 
 def _align_up(value: int, alignment: int) -> int:

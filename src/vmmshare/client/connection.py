@@ -290,7 +290,7 @@ class BrokerClient:
             return
         try:
             self._hot_request(lambda req: RELEASE.struct.pack(RELEASE.start, req, RELEASE.length,
-                                                              self._hold_of(token)), P.Msg.RELEASE, OK)
+                                                              self._holds.get(token, 0)), P.Msg.RELEASE, OK)
         finally:
             self._holds.pop(token, None)
 
@@ -320,16 +320,15 @@ class BrokerClient:
 
     def import_handle(self, shareable: int, share_type: int, secret: bytes) -> Imported:
         secret = secret.ljust(32, b"\0")
-        try:  # values that do not fit (struct.error): the codec's error says which
+        try:  # values that do not fit (struct.error, before anything is sent): the codec's error says which
             if len(secret) != 32:  # (the struct would cut it)
                 raise struct.error
-            IMPORT.struct.pack(IMPORT.start, 0, IMPORT.length, shareable, share_type, secret)
+            fields, fds = self._hot_request(
+                lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),
+                P.Msg.IMPORT, IMPORTED)
         except struct.error:
             encode(P.Import(shareable, share_type, secret), 1)
             raise
-        fields, fds = self._hot_request(
-            lambda req: IMPORT.struct.pack(IMPORT.start, req, IMPORT.length, shareable, share_type, secret),
-            P.Msg.IMPORT, IMPORTED)
         _, _, _, hold, size, kind, *prop = fields
         token = next(self._tokens)
         self._holds[token] = hold

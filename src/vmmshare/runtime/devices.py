@@ -202,6 +202,13 @@ class Devices:
         """This thread's device, else ContextNullError."""
         return self.context().device
 
+    def current_or(self, default: int) -> int:
+        """This thread's device, else `default` (as `current` would find it, with no error made and caught)."""
+        ctx: Context | None = getattr(self._tls, "context", None)
+        if ctx is None or self._contexts.get(ctx.handle) is not ctx:
+            return default
+        return ctx.device
+
     def set(self, device: int) -> None:
         d = self.device_id(device)
         with self._lock:

@@ -77,49 +77,52 @@ class Sharing:
         else:
             self.s.node.set_remote_pids(shareable.value, shareable.share_type, server, pids)
 
-    def import_handle(self, shareable: ShareableHandle, device: int) -> int:
-        """Import a shareable handle as memory of `device`; returns its handle (rule 13). An import in the exporting
+    def import_handle(self, shareable: ShareableHandle, device: int) -> Allocation:
+        """Import a shareable handle as memory of `device` (one this process has: its callers check that, 107001);
+        returns the allocation, registered: its `handle` is the caller's (rule 13). An import in the exporting
         process gives a second handle to the same memory; importing a handle this process holds an import of
-        already returns that handle with a reference added, which needs its own free_physical."""
+        already returns that allocation with a reference added, which needs its own free_physical."""
         s = self.s
-        s.devices.device_id(device)
-        value = shareable.value
-        lock = self.s.lock  # (the condition's lock: `_settled` is waited on and notified under it)
+        value, imports = shareable.value, self.imports
+        lock = s.lock  # (the condition's lock: `_settled` is waited on and notified under it)
         with lock:
-            done = self.imports.get(value)
+            done = imports.get(value)
             while done is _PENDING:  # another thread's import of it: wait for its outcome
                 self._waiting += 1
                 try:
                     self._settled.wait()
                 finally:
                     self._waiting -= 1
-                done = self.imports.get(value)
+                done = imports.get(value)
             if done is not None and done.refs > 0:
                 done.refs += 1  # the reference this import adds, held while the broker is asked again
             else:
                 done = None
-                self.imports[value] = _PENDING
+                imports[value] = _PENDING
         if done is not None:
             try:
                 self._still_admitted(shareable)  # as the driver checks the handle on each import (not under the lock)
             except BaseException:
                 self.memory.drop(done)
                 raise
-            return done.handle
+            return done
         try:
-            alloc = self._import_any(shareable, device, "")
-            handle = self.memory.register(alloc)
+            if shareable.fabric is None:  # (`_import_any`'s first case, asked here: most imports)
+                alloc = self._import_here(shareable, b"", device, "")
+            else:
+                alloc = self._import_any(shareable, device, "")
+            with lock:
+                self.memory.register_locked(alloc)
+                imports[value] = alloc
+                if self._waiting:
+                    self._settled.notify_all()
+            return alloc
         except BaseException:
             with lock:
-                self.imports.pop(value, None)
+                imports.pop(value, None)
                 if self._waiting:
                     self._settled.notify_all()
             raise
-        with lock:
-            self.imports[value] = alloc
-            if self._waiting:
-                self._settled.notify_all()
-        return handle
 
     def import_alloc(self, shareable: ShareableHandle, device: int, owner: str = "") -> Allocation:
         """A new import of a shareable handle as memory of `device` (not yet registered), for memory behind a
@@ -145,26 +148,33 @@ class Sharing:
     def _import_any(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
         """Of this node through its broker, or of another server through the cross-server transport (SPEC §8)."""
         fabric = shareable.fabric
-        if fabric is not None and fabric.server_id != self.s.config.server_id:
+        if fabric is None:
+            return self._import_here(shareable, b"", device, owner)
+        if fabric.server_id != self.s.config.server_id:
             return self._import_remote(shareable, device, owner)
-        return self._import_here(shareable, device, owner)
+        return self._import_here(shareable, fabric.secret, device, owner)
 
-    def _import_here(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
+    def _import_here(self, shareable: ShareableHandle, secret: bytes, device: int, owner: str) -> Allocation:
+        """Of this node: the broker's memfd (a FABRIC handle presents its `secret`, and its size must be the
+        memory's, rule 16), adopted by the backend of the memory's kind."""
         s = self.s
-        secret = shareable.fabric.secret if shareable.fabric is not None else b""
         got = s.node.import_handle(shareable.value, shareable.share_type, secret)
-        if shareable.fabric is not None and shareable.fabric.size != got.size:
+        fabric = shareable.fabric
+        if fabric is not None and fabric.size != got.size:
             os.close(got.fd)  # not adopted: nothing else holds it
             s.safe_node_call(s.node.release, got.node_ref)
-            raise _altered(shareable.fabric.size, got.size)
-        prop = _on_device(got.prop, device)
-        backend = s.device_backend if got.gpu else s.host
+            raise _altered(fabric.size, got.size)
+        node_device = s.devices.logical(device)  # the backends address the node's devices
         try:
-            mem = self._adopt(got, device)
+            if got.gpu:
+                backend, mem = s.device_backend, self._adopt_gpu(got, node_device)
+            else:
+                backend, mem = s.host, s.host.adopt(got.fd, got.size, node_device)
         except BaseException:
             s.safe_node_call(s.node.release, got.node_ref)
             raise
-        return Allocation(0, mem, backend, prop, got.size, got.node_ref, imported_from=shareable.value, owner=owner)
+        return Allocation(0, mem, backend, _on_device(got.prop, device), got.size, got.node_ref,
+                          imported_from=shareable.value, owner=owner)
 
     def _import_remote(self, shareable: ShareableHandle, device: int, owner: str) -> Allocation:
         """Another server's memory: its broker serves it to this process's transfer engine, one-sided."""
@@ -178,16 +188,14 @@ class Sharing:
         return Allocation(0, mem, s.remote, _on_device(got.prop, device), got.size, got.node_ref,
                           imported_from=shareable.value, owner=owner)
 
-    def _adopt(self, got: Imported, device: int) -> Memory:
-        device = self.s.devices.logical(device)  # the backends address the node's devices
-        if not got.gpu:
-            return self.s.host.adopt(got.fd, got.size, device)
+    def _adopt_gpu(self, got: Imported, node_device: int) -> Memory:
+        """GPU memory, adopted by the CUDA backend (refused, its fd closed, in a process without it)."""
         if not self.s.device_backend.on_gpu:
-            self.s.host.adopt(got.fd, got.size, device).close()
+            self.s.host.adopt(got.fd, got.size, node_device).close()
             raise FeatureNotSupportedError(
                 "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda"
             )
-        return self.s.device_backend.adopt(got.fd, got.size, device)
+        return self.s.device_backend.adopt(got.fd, got.size, node_device)
 
     def revoke(self, alloc: Allocation) -> None:
         """Stop new imports of `alloc`'s export (those made keep their memory); the allocation stays exported."""
@@ -197,8 +205,9 @@ class Sharing:
 
     def forget(self, alloc: Allocation) -> None:
         """The last handle to `alloc` was freed: an export of it is revoked, an import of it may come again."""
-        if alloc.imported_from and self.imports.get(alloc.imported_from) is alloc:
-            del self.imports[alloc.imported_from]
+        imported = alloc.imported_from
+        if imported and self.imports.get(imported) is alloc:
+            del self.imports[imported]
         elif alloc.exported is not None:
             self.exported.discard(alloc.exported.value)
             if alloc.maps:  # still mapped here: revoke now (unmapped, the node's release revokes it too)

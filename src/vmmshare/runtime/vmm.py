@@ -38,7 +38,7 @@ class Vmm:
         self.allocs: set[Allocation] = set()  # live, with or without a handle (a freed one stays while mapped)
         self.reservations: Intervals[Reservation] = Intervals()
         self.mappings: Intervals[MappingEntry] = Intervals()
-        self._ids = itertools.count(1)
+        self._handles = itertools.count(0x7A00_0000_0040, 0x40)  # the aclrtDrvMemHandles given out, in order
 
     # ------------------------------------------------------------ physical memory
 
@@ -139,11 +139,15 @@ class Vmm:
     def register(self, alloc: Allocation) -> int:
         """Record an allocation; one without an owner gets a handle the caller can name (aclrtDrvMemHandle)."""
         with self.s.lock:
-            alloc.handle = 0x7A00_0000_0000 + (next(self._ids) << 6)
-            if not alloc.owner:
-                self.handles[alloc.handle] = alloc
-            self.allocs.add(alloc)
-            return alloc.handle
+            return self.register_locked(alloc)
+
+    def register_locked(self, alloc: Allocation) -> int:
+        """`register`, for a caller that holds the lock already (an import records it with its own tables)."""
+        alloc.handle = handle = next(self._handles)
+        if not alloc.owner:
+            self.handles[handle] = alloc
+        self.allocs.add(alloc)
+        return handle
 
     def allocation(self, handle: int) -> Allocation:
         alloc = self.handles.get(handle)
@@ -154,26 +158,35 @@ class Vmm:
     def free_physical(self, handle: int) -> None:
         self.s.run_deferred()
         with self.s.lock:
-            self.drop(self.allocation(handle))
+            self._drop(self.allocation(handle))
 
     def drop(self, alloc: Allocation) -> None:
         """One handle reference fewer; at the last, its export is revoked and, once unmapped, the memory goes."""
         with self.s.lock:
-            alloc.refs -= 1
-            if alloc.refs:
-                return
-            self.handles.pop(alloc.handle, None)
-            self._forget_exports(alloc)
-            self.maybe_destroy(alloc)
+            self._drop(alloc)
+
+    def _drop(self, alloc: Allocation) -> None:
+        """`drop`, under the lock."""
+        alloc.refs -= 1
+        if alloc.refs:
+            return
+        self.handles.pop(alloc.handle, None)
+        self._forget_exports(alloc)
+        if not alloc.maps:
+            self._destroy(alloc)
 
     def maybe_destroy(self, alloc: Allocation) -> None:
-        if alloc.refs or alloc.maps:
-            return
+        """Destroy an allocation no handle and no mapping holds any more."""
+        if not (alloc.refs or alloc.maps):
+            self._destroy(alloc)
+
+    def _destroy(self, alloc: Allocation) -> None:
         self.allocs.discard(alloc)
+        s = self.s
         try:
             alloc.mem.close()
         finally:  # the node's hold goes even if the memory would not close (a driver error): it is not ours any more
-            self.s.safe_node_call(self.s.node.release, alloc.node_ref)
+            s.safe_node_call(s.node.release, alloc.node_ref)
 
     def retain(self, ptr: int) -> int:
         with self.s.lock:
@@ -266,8 +279,8 @@ class Vmm:
     def map_new(self, alloc: Allocation, access: int, prepopulate: bool | None = None, owner: str = "") -> int:
         """Reserve a range of the allocation's size and map it there (in one system call for host memory): what
         the Pythonic `map()`, aclrtMalloc blocks and IPC imports do, without a range of their own to reuse."""
-        size = alloc.size
-        if alloc.backend.remote:  # its range is a host reservation the CPU cannot touch
+        size, backend = alloc.size, alloc.backend
+        if backend.remote:  # its range is a host reservation the CPU cannot touch
             ptr = self.reserve(size, 0, 0, on_device=False, owner=owner)
             try:
                 self.map_alloc(ptr, size, alloc, access, prepopulate)
@@ -277,15 +290,16 @@ class Vmm:
             return ptr
         _check_range_size(size)
         align = C.HUGE1G_GRANULARITY if size % C.HUGE1G_GRANULARITY == 0 else C.MIN_GRANULARITY
-        populate = self.s.config.prepopulate if prepopulate is None else prepopulate
-        with self.s.lock:
+        s = self.s
+        populate = s.config.prepopulate if prepopulate is None else prepopulate
+        with s.lock:
             if alloc.refs == 0 and alloc.maps == 0:
                 raise InvalidParamError("this allocation was freed")
             try:
-                ptr = alloc.backend.reserve_mapped(size, align, alloc.mem, access, populate)
+                ptr = backend.reserve_mapped(size, align, alloc.mem, access, populate)
             except OSError as exc:
                 raise MemoryAllocationError(f"cannot reserve and map {size} bytes: {exc.strerror}") from None
-            self.reservations.add(ptr, size, Reservation(ptr, size, alloc.backend, owner))
+            self.reservations.add(ptr, size, Reservation(ptr, size, backend, owner))
             self.mappings.add(ptr, size, MappingEntry(ptr, size, alloc, {}, access))
             alloc.maps += 1
         return ptr
@@ -299,17 +313,19 @@ class Vmm:
                     self.unmap(ptr, owner)
                 self.release(ptr, owner)  # (unmapped already, e.g. by acl.rt.unmap_mem: the range still goes)
                 return
-            if m.alloc.owner != owner:
+            alloc = m.alloc
+            if alloc.owner != owner:
                 raise InvalidParamError(f"{ptr:#x} is not the start of a mapping (map_mem returns none there)"
-                                        + _owned_by(m.alloc.owner))
+                                        + _owned_by(alloc.owner))
             try:
                 r.backend.release_mapped(ptr, r.size)
             except OSError as exc:
                 raise InternalError(f"cannot unmap {ptr:#x}: {exc.strerror}") from None
             self.mappings.remove(ptr)
             self.reservations.remove(ptr)
-            m.alloc.maps -= 1
-            self.maybe_destroy(m.alloc)
+            alloc.maps -= 1
+            if not (alloc.maps or alloc.refs):
+                self._destroy(alloc)
 
     def mapping_at(self, ptr: int) -> MappingEntry:
         hit = self.mappings.at(ptr)

@@ -120,6 +120,7 @@ class NotAnIntError(InvalidParamError, TypeError):
 
 _TEXT = re.compile(r"^vmm:(default|fabric):([0-9a-f]+)$", re.IGNORECASE)
 _INT_TEXT = re.compile(r"^(0x[0-9a-f]+|[0-9]+)$", re.IGNORECASE)
+_DEFAULT_TEXT = re.compile(r"vmm:default:([0-9a-f]{16})", re.IGNORECASE)  # `_TEXT`'s DEFAULT form, whole
 
 
 @dataclass(frozen=True)
@@ -183,10 +184,10 @@ class ShareableHandle:
     @classmethod
     def from_value(cls, value: int | bytes | bytearray | memoryview | str | ShareableHandle) -> ShareableHandle:
         """From an int (DEFAULT), 8 bytes (DEFAULT) or 128 bytes (FABRIC), any text form, or a ShareableHandle."""
+        if isinstance(value, str):  # (first: the text form is what users pass)
+            return cls._parse(value)
         if isinstance(value, ShareableHandle):
             return value
-        if isinstance(value, str):
-            return cls.parse(value)
         if isinstance(value, (bytes, bytearray, memoryview)):
             raw = bytes(value)
             if len(raw) == 8:
@@ -205,20 +206,25 @@ class ShareableHandle:
         value as an int in decimal or ``0x`` hex (what ``vmmshare ls`` and pyACL programs print); any case."""
         if not isinstance(text, str):
             raise InvalidParamError(f"not a shareable handle text: {text!r}")
+        return cls._parse(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> ShareableHandle:
+        """`parse` of a str."""
         stripped = text.strip()
-        if _INT_TEXT.match(stripped):
-            return cls.default(int(stripped, 0))
-        m = _TEXT.match(stripped)
-        kind = m.group(1).lower() if m else ""
-        if not m or len(m.group(2)) != {"default": 16, "fabric": 256}[kind]:
-            raise InvalidParamError(f"not a shareable handle text: {text!r} (expected vmm:default:<16 hex digits>, "
-                                    "vmm:fabric:<256 hex digits>, or the DEFAULT value as an int)")
-        if kind == "default":
-            value = int(m.group(2), 16)
+        m = _DEFAULT_TEXT.fullmatch(stripped)  # what str(h) prints for a DEFAULT handle: looked for first
+        if m is not None:
+            value = int(m[1], 16)
             if value == 0:
                 raise InvalidParamError("a DEFAULT shareable handle is 8 bytes, not all zero")
             return cls._default_of(value)
-        return cls(kind, bytes.fromhex(m.group(2)))
+        if _INT_TEXT.match(stripped):
+            return cls.default(int(stripped, 0))
+        m = _TEXT.match(stripped)
+        if not m or m.group(1).lower() != "fabric" or len(m.group(2)) != 256:
+            raise InvalidParamError(f"not a shareable handle text: {text!r} (expected vmm:default:<16 hex digits>, "
+                                    "vmm:fabric:<256 hex digits>, or the DEFAULT value as an int)")
+        return cls("fabric", bytes.fromhex(m.group(2)))
 
     def __int__(self) -> int:
         if self.share_type is not ShareType.DEFAULT:

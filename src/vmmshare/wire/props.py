@@ -35,6 +35,8 @@ def check_device(value: object) -> int:
 
 def check_ptr(name: str, value: object) -> int:
     """A pointer (or handle) argument: a non-negative int; None is NULL, as 0 is."""
+    if type(value) is int and 0 <= value <= U64:  # the common case, as check_int has it (without the call)
+        return value
     return 0 if value is None else check_int(name, value, 0, U64)
 
 

@@ -1,6 +1,7 @@
 """A turn of the broker's loop with one ready connection (`Broker._one`) keeps the same books as the general turn
 (`Broker._turn`'s queues): the process's finish time, its user's virtual time and the debt past the quantum
-(docs/security.md, T9), turn after turn."""
+(docs/security.md, T9), turn after turn; and neither turn keeps books for a process, or a user, whose last
+connection closed while it was served (the commonest turn of all when a process exits)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_a_turn_of_one_connection_keeps_the_books_the_general_turn_keeps(
         me = os.getpid()
         conn = Conn(mine, -1, broker.ledger.connect(me, os.getuid(), identity_of_pid(me)))
         broker.conns[conn.fd] = conn
+        broker.procs[conn.client.uid, conn.client.pid] += 1  # as _accept counts it
         served: list[float] = []
         sides.append(SimpleNamespace(broker=broker, conn=conn, theirs=theirs, served=served))
     ones: list[int] = []
@@ -72,6 +74,7 @@ def test_a_turn_of_one_connection_keeps_the_books_the_general_turn_keeps(
                 assert OTHER_UID not in side.broker.debt
                 books.append(_books(side.broker, os.getuid()))
             assert books[0] == books[1]
+            assert books[0][0] and books[0][1] is not None  # a finish time and a virtual time were kept
         assert sides[0].served == sides[1].served == costs
         assert ones, "the turn of one connection was never taken"
     finally:
@@ -93,4 +96,77 @@ def test_a_connection_gone_before_its_turn_is_not_served(tmp_path: Path, monkeyp
     finally:
         mine.close()
         theirs.close()
+        broker.close()
+
+
+def _connected(broker: Broker) -> tuple[Conn, socket.socket]:
+    """A connection of this process, registered as `_accept` registers one."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    me = os.getpid()
+    conn = Conn(mine, -1, broker.ledger.connect(me, os.getuid(), identity_of_pid(me)))
+    broker.conns[conn.fd] = conn
+    broker.procs[conn.client.uid, conn.client.pid] += 1
+    broker.sel.register(mine, selectors.EVENT_READ, conn)
+    return conn, theirs
+
+
+def _turn_of(broker: Broker, conn: Conn, general: bool) -> None:
+    if general:
+        broker.debt[OTHER_UID] = 1e-9  # paid off by this turn: the general turn
+    key = selectors.SelectorKey(conn.sock, conn.fd, selectors.EVENT_READ, conn)
+    broker._turn([(key, selectors.EVENT_READ)])
+    assert OTHER_UID not in broker.debt
+
+
+@pytest.mark.parametrize("general", [False, True], ids=["one", "general"])
+def test_a_user_whose_last_connection_closes_leaves_no_finish_books(tmp_path: Path, general: bool) -> None:
+    """The peer closed: `_readable` reads the end of the connection and drops it, and `_forget` clears the user's
+    fair-queuing books (the user has no connection left); the turn that served it must not make them anew."""
+    broker = Broker(tmp_path / "s", Config.from_env(broker=True))
+    try:
+        conn, theirs = _connected(broker)
+        uid = conn.client.uid
+        theirs.close()  # the process exited
+        _turn_of(broker, conn, general)
+        assert conn.fd not in broker.conns  # dropped by the turn, as a closed connection is
+        assert uid not in broker.finish, f"books of a gone user kept: {broker.finish!r}"
+    finally:
+        broker.close()
+
+
+def test_a_closing_connection_keeps_the_books_the_general_turn_keeps(tmp_path: Path) -> None:
+    """The same closing turn served both ways: the books that `_one` leaves for the user (which processes have a
+    finish time, whether the user has a virtual time and a debt) are those the general turn leaves."""
+    books = []
+    for general in (False, True):
+        broker = Broker(tmp_path / ("general" if general else "one"), Config.from_env(broker=True))
+        try:
+            conn, theirs = _connected(broker)
+            theirs.close()
+            _turn_of(broker, conn, general)
+            uid = conn.client.uid
+            books.append((sorted(broker.finish.get(uid, {})), uid in broker.finish, uid in broker.vclock,
+                          uid in broker.debt))
+        finally:
+            broker.close()
+    assert books[0] == books[1], f"one: {books[0]}, general: {books[1]}"
+
+
+@pytest.mark.parametrize("general", [False, True], ids=["one", "general"])
+def test_a_process_whose_last_connection_closes_leaves_no_finish_time(tmp_path: Path, general: bool) -> None:
+    """The user stays (another of its processes is connected), the process that closed does not: `_forget` drops
+    its finish time, and the turn that served the closing request must not write it back (a long-lived user would
+    leave one entry for every process of it that exited)."""
+    broker = Broker(tmp_path / "s", Config.from_env(broker=True))
+    try:
+        conn, theirs = _connected(broker)
+        parent = os.getppid()
+        other = broker.ledger.connect(parent, os.getuid(), identity_of_pid(parent))  # the user's other process
+        broker.procs[other.uid, other.pid] += 1
+        theirs.close()
+        _turn_of(broker, conn, general)
+        assert conn.fd not in broker.conns
+        assert conn.client.pid not in broker.finish.get(conn.client.uid, {}), \
+            f"finish time of an exited process kept: {broker.finish!r}"
+    finally:
         broker.close()

@@ -100,7 +100,6 @@ class Broker:
         self.listener: socket.socket | None = None
         self.sel = Poller()
         self._poll_now = functools.partial(self.sel.select, 0)  # what is ready now, without waiting
-        self.run_queue = RunQueue()  # read afresh before each spin (sockets/spinning.py)
         self.fabric = Agent(config, self.ledger, self.sel)  # the cross-server side (SPEC §8), on this loop
         self.idle_since = time.monotonic()
         self.stopping = False
@@ -108,6 +107,7 @@ class Broker:
         self.warn = RateLimitedLog(log)
         self.spare = system.spare_fd()  # given up to accept (and refuse) a client when the broker runs out of fds
         self.listen_paused_until = 0.0
+        self.run_queue = RunQueue()  # read afresh before each spin (sockets/spinning.py); opened last, as it can't fail
 
     # ------------------------------------------------------------ socket set-up
 
@@ -177,7 +177,7 @@ class Broker:
                 if debt[uid] <= 0:
                     del debt[uid]
         conns, clock, vclock, finishes = self.conns, time.perf_counter, self.vclock, self.finish
-        readable = self._readable
+        readable, procs, users = self._readable, self.procs, self.ledger.usage.users
         for uid, queue in ready.items():
             credit = QUANTUM - debt.pop(uid, 0.0) if debt else QUANTUM
             if credit > 0:
@@ -198,16 +198,18 @@ class Broker:
                         self._drop(conn)
                     spent = clock() - start
                     pid = conn.client.pid
-                    begun = finish.get(pid, 0.0)
-                    if begun < now:
-                        begun = now
-                    finish[pid] = begun + spent
-                    now = begun  # the later of the two: the user's virtual time moves on to this request's start
+                    if (uid, pid) in procs:  # not a process that left while served: _forget cleared its books
+                        begun = finish.get(pid, 0.0)
+                        if begun < now:
+                            begun = now
+                        finish[pid] = begun + spent
+                        now = begun  # the later of the two: the user's virtual time moves on to this request's start
                     credit -= spent
                     if credit <= 0:
                         break
-                vclock[uid] = now
-            if credit < 0:
+                if uid in users:  # nor a user whose last connection closed in this turn
+                    vclock[uid] = now
+            if credit < 0 and uid in users:
                 debt[uid] = -credit
         for key, mask in arrivals:
             self._dispatch(key, mask)
@@ -231,17 +233,19 @@ class Broker:
         spent = time.perf_counter() - start
         client = conn.client
         uid = client.uid
-        finish = self.finish.get(uid)
-        if finish is None:
-            finish = self.finish[uid] = {}
-        begun = finish.get(client.pid, 0.0)
-        now = self.vclock.get(uid, 0.0)
-        if begun < now:
-            begun = now
-        finish[client.pid] = begun + spent
-        self.vclock[uid] = begun
-        if spent > QUANTUM:
-            self.debt[uid] = spent - QUANTUM
+        if uid in self.ledger.usage.users:  # not a user whose last connection closed while served: no books left
+            begun = self.vclock.get(uid, 0.0)
+            if (uid, client.pid) in self.procs:  # nor a process that did: _forget cleared its finish time
+                finish = self.finish.get(uid)
+                if finish is None:
+                    finish = self.finish[uid] = {}
+                before = finish.get(client.pid, 0.0)
+                if begun < before:
+                    begun = before
+                finish[client.pid] = begun + spent
+            self.vclock[uid] = begun
+            if spent > QUANTUM:
+                self.debt[uid] = spent - QUANTUM
         if self.jobs.pending:
             self._run_jobs()
         if self.listen_paused_until:

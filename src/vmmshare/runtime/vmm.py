@@ -67,6 +67,12 @@ class Vmm:
             raise InvalidParamError(f"prop.memAttr={prop.mem_attr} is not an aclrtMemAttr")
         if prop.reserve:
             raise InvalidParamError(f"prop.reserve={prop.reserve}: it is reserved and must be 0")
+        self.check_placement(prop)
+
+    def check_placement(self, prop: PhysicalProp) -> None:
+        """`check_prop`'s checks of where the memory lives: the device (107001), the HOST id or NUMA node, and 1 GiB
+        pages on host memory; alone for a prop whose types and attribute are known good (`Device.allocate`'s)."""
+        loc = prop.location
         if loc.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
             self.s.devices.device_id(loc.id)
         elif loc.type == C.ACL_MEM_LOCATION_TYPE_HOST and loc.id != 0:
@@ -98,8 +104,9 @@ class Vmm:
 
     def allocate_rounded(self, size: int, prop: PhysicalProp) -> Allocation:
         """A registered physical allocation of at least `size` bytes (a positive size_t), rounded up to the
-        granularity: `granularity` and `malloc_physical` in one, the property checked and its device resolved once."""
-        self.check_prop(prop)
+        granularity: `granularity` and `malloc_physical` in one, its device resolved once. For a prop of the Pythonic
+        API (`Device._prop`): its types, location kind and attribute are checked there, so only its placement is."""
+        self.check_placement(prop)
         location = prop.location
         backend = self.backend_for(location)
         node_device = self._node_device(location)

@@ -132,7 +132,11 @@ class Framing(Generic[M, F]):
         layout = self.by_class.get(type(message))
         if layout is None:
             raise self.error(f"{type(message).__name__} is not a message of the {self.name}")
-        values = layout.values(message)
+        return self.encode_fields(layout, request_id, layout.values(message), layout.tail_of(message))
+
+    def encode_fields(self, layout: Layout, request_id: int, values: tuple[Any, ...], tail: Any = None) -> bytes:
+        """`encode` of a message given as its layout, fixed values (in wire order) and tail, for a caller that has
+        the values at hand: the same frame and the same errors, without a message object made to be read back."""
         for index, size in layout.sized:
             value = values[index]
             if not isinstance(value, (bytes, bytearray)) or len(value) != size:
@@ -144,7 +148,7 @@ class Framing(Generic[M, F]):
             body = layout.fixed.pack(*values)
         except struct.error as exc:
             raise self.error(f"{layout.name}: {exc}") from None
-        body += self._encode_tail(layout, layout.tail_of(message))
+        body += self._encode_tail(layout, tail)
         return HEADER.pack(self.magic, self.version, layout.kind, req, len(body)) + body
 
     def _encode_tail(self, layout: Layout, tail: Any) -> bytes:

@@ -19,7 +19,7 @@ from .. import constants as C
 from .._process import runtime
 from ..errors import InvalidHandleError, InvalidParamError, NoPermissionError
 from ..wire.handles import ShareableHandle
-from ..wire.props import U64, Location, PhysicalProp, check_device, check_int, check_prop
+from ..wire.props import Location, PhysicalProp, check_device, check_int, check_prop, prop_of
 from ._checks import _LOCATIONS, _SHARE_TYPES, _access, _attr, _choice, _flag, _pids, _size
 from ._finalize import Finalizer
 from ._owned import Owned
@@ -46,16 +46,19 @@ class Device:
         return hash(("Device", self.id))
 
     def _prop(self, attr: str | int, location: str, numa_node: int | None = None) -> PhysicalProp:
-        """The property of memory here; the acl layer's checks of it apply (100000), as for pyACL's."""
+        """The property of memory here; the acl layer's checks of it apply (100000), as for pyACL's.
+
+        Made once per value (props are immutable). Its handle and allocation types and its location kind are this
+        method's own, so of the acl layer's checks only those of the attribute apply (`for_malloc=False`)."""
         kind = _choice("location", location, _LOCATIONS)
         if numa_node is not None:
             if kind != C.ACL_MEM_LOCATION_TYPE_HOST:
                 raise InvalidParamError("numa_node places host memory: pass location='host' with it")
-            loc = Location(C.ACL_MEM_LOCATION_TYPE_HOST_NUMA, check_int("numa_node", numa_node, 0, (1 << 31) - 1))
+            kind, where = C.ACL_MEM_LOCATION_TYPE_HOST_NUMA, check_int("numa_node", numa_node, 0, (1 << 31) - 1)
         else:
-            loc = Location(kind, self.id if kind == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0)
-        prop = PhysicalProp(C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_ALLOCATION_TYPE_PINNED, _attr(attr), loc)
-        return check_prop(prop, for_malloc=True)
+            where = self.id if kind == C.ACL_MEM_LOCATION_TYPE_DEVICE else 0
+        prop = prop_of(C.ACL_MEM_HANDLE_TYPE_NONE, C.ACL_MEM_ALLOCATION_TYPE_PINNED, _attr(attr), kind, where)
+        return check_prop(prop, for_malloc=False)
 
     def granularity(self, attr: str | int = "normal", location: str = "device") -> int:
         return runtime().memory.granularity(self._prop(attr, location))
@@ -70,13 +73,7 @@ class Device:
         """Physical memory of at least `size` bytes (rounded up to the granularity); `location` "device" (this
         device's) or "host", on NUMA node `numa_node` when given (ACL_MEM_LOCATION_TYPE_HOST_NUMA)."""
         n = _size(size)
-        prop = self._prop(attr, location, numa_node)
-        rt = runtime()
-        g = rt.memory.granularity(prop)
-        rounded = -(-n // g) * g
-        if rounded > U64:
-            raise InvalidParamError(f"size {n} rounded up to the granularity {g} does not fit a size_t")
-        return PhysicalMemory._make(rt.memory.malloc_physical(rounded, prop))
+        return PhysicalMemory._of(runtime().memory.allocate_rounded(n, self._prop(attr, location, numa_node)))
 
 
 class PhysicalMemory(Owned):

@@ -302,14 +302,23 @@ class BrokerClient:
         self, token: int, fd: int, prop: PhysicalProp, size: int, flags: int, share_type: int, pids: list[int],
         gpu: bool = False,
     ) -> bytes:
-        loc, server, trust = prop.location, self.config.server_id, tuple(pids)
+        """Export a charge's memory (`fd` travels with it); the broker's shareable handle bytes.
 
-        def message() -> P.Export:
-            return P.Export(self._hold_of(token), size, flags, share_type, server, int(gpu), prop.handle_type,
-                            prop.allocation_type, prop.mem_attr, loc.type, loc.id, trust)
+        `request` and `_exchange` of an EXPORT, written out so that its frame is packed from these values (the
+        codec's `encode_fields`: the same bytes and errors as encoding a P.Export) without a message object made and
+        read back. The hold is read on each attempt: after a reconnection the new broker knows it by another."""
+        layout, loc = P.LAYOUTS[P.Msg.EXPORT], prop.location
+        fixed = (size, flags, share_type, self.config.server_id, int(gpu), prop.handle_type, prop.allocation_type,
+                 prop.mem_attr, loc.type, loc.id)
+        trust, fds = tuple(pids), (fd,)
 
-        reply, _ = self.request(message, P.Exported, (fd,))
-        return reply.shareable
+        def attempt(sock: socket.socket) -> P.Exported:
+            req = next(self._req) & 0xFFFFFFFF or next(self._req)  # 0 addresses the broker's refusal of a connection
+            frame = P.LOCAL.encode_fields(layout, req, (self._hold_of(token), *fixed), trust)
+            packet, got, truncated = self._send_and_wait(sock, frame, fds, None)
+            return self._reply(packet, got, truncated, req, P.Exported, layout.name)
+
+        return self._locked(attempt).shareable
 
     def revoke(self, token: int) -> None:
         if token in self._holds:

@@ -39,28 +39,33 @@ class Sharing:
                pids: list[int] | None = None) -> ShareableHandle:
         """Export an allocation made here, once; `pids` go on the trustlist in the same round trip."""
         with self.s.lock:
-            return self.export_alloc(self.memory.allocation(handle), share_type, pid_validation, pids)
+            return self._export_locked(self.memory.allocation(handle), share_type, pid_validation, pids)
 
     def export_alloc(self, alloc: Allocation, share_type: ShareType, pid_validation: bool = True,
                      pids: list[int] | None = None) -> ShareableHandle:
-        s = self.s
-        with s.lock:
-            if alloc.imported_from:
-                raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
-            if alloc.exported is not None:
-                raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
-            on_gpu = alloc.backend.on_gpu
-            if on_gpu and share_type is ShareType.FABRIC and not self._told_fabric.is_set():
-                self._told_fabric.set()
-                log.warning("FABRIC export of GPU memory: the handle is vmmshare's FABRIC format and the memory "
-                            "travels as a POSIX fd through the node broker, not as a CUDA fabric handle (those "
-                            "need an IMEX channel)")
-            fd = alloc.backend.export_fd(alloc.mem)
-            flags = 0 if pid_validation else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
-            raw = s.node.export(alloc.node_ref, fd, alloc.prop, alloc.size, flags, share_type, pids or [], on_gpu)
-            alloc.exported = ShareableHandle.of(share_type, raw)
-            self.exported.add(alloc.exported.value)
-            return alloc.exported
+        """`export` of an allocation the caller holds already."""
+        with self.s.lock:
+            return self._export_locked(alloc, share_type, pid_validation, pids)
+
+    def _export_locked(self, alloc: Allocation, share_type: ShareType, pid_validation: bool,
+                       pids: list[int] | None) -> ShareableHandle:
+        """`export_alloc`, under the lock (taken once per export)."""
+        if alloc.imported_from:
+            raise InvalidParamError("an imported allocation cannot be exported again; the exporter owns it")
+        if alloc.exported is not None:
+            raise InvalidParamError(f"handle {alloc.handle:#x} was exported already; a handle exports once")
+        on_gpu = alloc.backend.on_gpu
+        if on_gpu and share_type is ShareType.FABRIC and not self._told_fabric.is_set():
+            self._told_fabric.set()
+            log.warning("FABRIC export of GPU memory: the handle is vmmshare's FABRIC format and the memory "
+                        "travels as a POSIX fd through the node broker, not as a CUDA fabric handle (those "
+                        "need an IMEX channel)")
+        fd = alloc.backend.export_fd(alloc.mem)
+        flags = 0 if pid_validation else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
+        raw = self.s.node.export(alloc.node_ref, fd, alloc.prop, alloc.size, flags, share_type, pids or [], on_gpu)
+        alloc.exported = ShareableHandle.of(share_type, raw)
+        self.exported.add(alloc.exported.value)
+        return alloc.exported
 
     def set_pids(self, shareable: ShareableHandle, pids: list[int]) -> None:
         fabric = shareable.fabric

@@ -19,7 +19,7 @@ from ..errors import (
     MemoryAllocationError,
 )
 from ..intervals import Intervals
-from ..wire.props import HOST_LOCATIONS, LOCATION_TYPES, MEMORY_LOCATIONS, Location, PhysicalProp
+from ..wire.props import HOST_LOCATIONS, LOCATION_TYPES, MEMORY_LOCATIONS, U64, Location, PhysicalProp
 from .tables import Allocation, MappingEntry, Reservation
 
 if TYPE_CHECKING:
@@ -67,6 +67,12 @@ class Vmm:
             raise InvalidParamError(f"prop.memAttr={prop.mem_attr} is not an aclrtMemAttr")
         if prop.reserve:
             raise InvalidParamError(f"prop.reserve={prop.reserve}: it is reserved and must be 0")
+        self.check_placement(prop)
+
+    def check_placement(self, prop: PhysicalProp) -> None:
+        """`check_prop`'s checks of where the memory lives: the device (107001), the HOST id or NUMA node, and 1 GiB
+        pages on host memory; alone for a prop whose types and attribute are known good (`Device.allocate`'s)."""
+        loc = prop.location
         if loc.type == C.ACL_MEM_LOCATION_TYPE_DEVICE:
             self.s.devices.device_id(loc.id)
         elif loc.type == C.ACL_MEM_LOCATION_TYPE_HOST and loc.id != 0:
@@ -96,16 +102,39 @@ class Vmm:
     def malloc_physical(self, size: int, prop: PhysicalProp) -> int:
         return self.register(self.create(size, prop))
 
+    def allocate_rounded(self, size: int, prop: PhysicalProp) -> Allocation:
+        """A registered physical allocation of at least `size` bytes (a positive size_t), rounded up to the
+        granularity: `granularity` and `malloc_physical` in one, its device resolved once. For a prop of the Pythonic
+        API (`Device._prop`): its types, location kind and attribute are checked there, so only its placement is."""
+        self.check_placement(prop)
+        location = prop.location
+        backend = self.backend_for(location)
+        node_device = self._node_device(location)
+        g = max(prop.granularity, backend.granularity(node_device))
+        rounded = -(-size // g) * g
+        if rounded > U64:
+            raise InvalidParamError(f"size {size} rounded up to the granularity {g} does not fit a size_t")
+        self.s.run_deferred()
+        alloc = self._make(rounded, prop, backend, node_device)
+        self.register(alloc)
+        return alloc
+
     def create(self, size: int, prop: PhysicalProp, owner: str = "") -> Allocation:
         """A physical allocation of `size` bytes, charged to its device on the node (not yet registered)."""
         self.s.run_deferred()
         self.check_prop(prop)
         backend = self.backend_for(prop.location)
-        g = max(prop.granularity, backend.granularity(self._node_device(prop.location)))
+        node_device = self._node_device(prop.location)
+        g = max(prop.granularity, backend.granularity(node_device))
         if size == 0 or size % g:
             raise InvalidParamError(f"size {size} must be a positive multiple of the granularity {g} ({g >> 20} MiB)")
-        device = self._node_device(prop.location) if prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
-        numa = prop.location.id if prop.location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
+        return self._make(size, prop, backend, node_device, owner)
+
+    def _make(self, size: int, prop: PhysicalProp, backend: Backend, node_device: int, owner: str = "") -> Allocation:
+        """`create`'s allocation, of a checked property and size (`node_device`: its location's node number)."""
+        location = prop.location
+        device = node_device if location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE else -1
+        numa = location.id if location.type == C.ACL_MEM_LOCATION_TYPE_HOST_NUMA else None
         config = self.s.config
         if device >= 0 and not backend.on_gpu and size > config.device_memory:  # device memory the node counts
             raise MemoryAllocationError(

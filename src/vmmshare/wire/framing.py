@@ -81,6 +81,7 @@ class Layout:
         self.fixed = struct.Struct(fmt)
         self.whole = struct.Struct(HEADER.format + fmt.lstrip("<"))  # the header and the fixed fields as one
         self.tail, self.max_tail, self.fds, self.cut = tail, max_tail, fds, cut
+        self.most = self.whole.size + max_tail  # the longest frame of the type
         names = tuple(f.name for f in fields(message))
         self.fields = names[:-1] if tail is not Tail.NONE else names
         self.tail_field = names[-1] if tail is not Tail.NONE else ""
@@ -131,7 +132,11 @@ class Framing(Generic[M, F]):
         layout = self.by_class.get(type(message))
         if layout is None:
             raise self.error(f"{type(message).__name__} is not a message of the {self.name}")
-        values = layout.values(message)
+        return self.encode_fields(layout, request_id, layout.values(message), layout.tail_of(message))
+
+    def encode_fields(self, layout: Layout, request_id: int, values: tuple[Any, ...], tail: Any = None) -> bytes:
+        """`encode` of a message given as its layout, fixed values (in wire order) and tail, for a caller that has
+        the values at hand: the same frame and the same errors, without a message object made to be read back."""
         for index, size in layout.sized:
             value = values[index]
             if not isinstance(value, (bytes, bytearray)) or len(value) != size:
@@ -143,7 +148,7 @@ class Framing(Generic[M, F]):
             body = layout.fixed.pack(*values)
         except struct.error as exc:
             raise self.error(f"{layout.name}: {exc}") from None
-        body += self._encode_tail(layout, layout.tail_of(message))
+        body += self._encode_tail(layout, tail)
         return HEADER.pack(self.magic, self.version, layout.kind, req, len(body)) + body
 
     def _encode_tail(self, layout: Layout, tail: Any) -> bytes:
@@ -196,12 +201,19 @@ class Framing(Generic[M, F]):
         """Decode one whole frame that arrived with `nfds` file descriptors."""
         if len(packet) >= HEADER.size:
             layout = self.by_kind.get(packet[KIND_AT])
-            # the common case, a tail-less message of the right length: header and fields in one unpack
-            if (layout is not None and layout.tail is Tail.NONE and len(packet) == layout.whole.size
-                    and nfds == layout.fds):
-                got = layout.whole.unpack(packet)
-                if got[0] == self.magic and got[1] == self.version and got[4] == layout.fixed.size:
-                    return tuple.__new__(self._frame, (got[3], layout.new(*got[5:])))
+            if layout is not None and nfds == layout.fds:
+                # the common cases, a frame whose length its type takes: header and fields in one unpack
+                if layout.tail is Tail.NONE:
+                    if len(packet) == layout.whole.size:
+                        got = layout.whole.unpack(packet)
+                        if got[0] == self.magic and got[1] == self.version and got[4] == layout.fixed.size:
+                            return tuple.__new__(self._frame, (got[3], layout.new(*got[5:])))
+                elif layout.whole.size <= len(packet) <= layout.most:
+                    got = layout.whole.unpack_from(packet)
+                    if got[0] == self.magic and got[1] == self.version and got[4] == len(packet) - HEADER.size:
+                        # (every check `_decode_checked` makes before the tail holds: its tail's are the same)
+                        tail = self._read_tail(layout, packet[layout.whole.size :])
+                        return tuple.__new__(self._frame, (got[3], layout.new(*got[5:], tail)))
         return self._decode_checked(packet, nfds)
 
     def _decode_checked(self, packet: bytes, nfds: int) -> F:
@@ -218,20 +230,21 @@ class Framing(Generic[M, F]):
         values = layout.fixed.unpack_from(packet, HEADER.size)
         if layout.tail is Tail.NONE:
             return tuple.__new__(self._frame, (req, layout.new(*values)))
-        raw = packet[HEADER.size + layout.fixed.size :]
-        tail: bytes | str | tuple[int, ...]
+        tail = self._read_tail(layout, packet[HEADER.size + layout.fixed.size :])
+        return tuple.__new__(self._frame, (req, layout.new(*values, tail)))
+
+    def _read_tail(self, layout: Layout, raw: bytes) -> bytes | str | tuple[int, ...]:
+        """The tail of a frame whose header and length are checked: its bytes, u32s or UTF-8 text."""
         if layout.tail is Tail.U32:
             if len(raw) % 4:
                 raise self.error(f"{layout.name} tail of {len(raw)} bytes is not a whole number of u32s")
-            tail = _u32s(len(raw) // 4).unpack(raw)
-        elif layout.tail is Tail.TEXT:
+            return _u32s(len(raw) // 4).unpack(raw)
+        if layout.tail is Tail.TEXT:
             try:
-                tail = raw.decode("utf-8")
+                return raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise self.error(f"{layout.name} text is not UTF-8: {exc}") from None
-        else:
-            tail = bytes(raw)
-        return tuple.__new__(self._frame, (req, layout.new(*values, tail)))
+        return bytes(raw)
 
     def peek_request_id(self, packet: bytes) -> int:
         """The request id of a frame whose header at least parses (0 otherwise), for addressing error replies."""

@@ -111,7 +111,11 @@ class ShareType(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        """Its name in the handle text ("default", "fabric"): a table of the two, not Enum.name, read per export."""
+        return _LABELS[self]
+
+
+_LABELS = {ShareType.DEFAULT: "default", ShareType.FABRIC: "fabric"}
 
 
 class NotAnIntError(InvalidParamError, TypeError):
@@ -179,6 +183,8 @@ class ShareableHandle:
         """The handle `raw` of `share_type` (8 little-endian bytes for DEFAULT, 128 for FABRIC)."""
         if not isinstance(share_type, ShareType):
             raise InvalidParamError(f"share_type must be a ShareType, got {share_type!r}")
+        if share_type is ShareType.DEFAULT and type(raw) is bytes and len(raw) == 8 and any(raw):
+            return cls._default_of(int.from_bytes(raw, "little"))  # what `__post_init__` accepts of a DEFAULT handle
         return cls(share_type.label, raw)
 
     @classmethod

@@ -565,18 +565,26 @@ failed:
     return NULL;
 }
 
+/* The socket and the polling window of call (its arguments 0, 2 and 3 of 4) and wait (0, 1 and 2 of 3). */
+static int socket_and_window(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, int *fd,
+                             double *spin, double *timeout)
+{
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    *fd = sock_fd(args[0]);
+    if (*fd == -1 && PyErr_Occurred())
+        return -1;
+    return wait_args(args[want - 2], args[want - 1], spin, timeout);
+}
+
 static PyObject *fast_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "call takes (sock, data, spin, timeout)");
-        return NULL;
-    }
-    int fd = sock_fd(args[0]);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
+    int fd;
     double spin, timeout;
-    if (wait_args(args[2], args[3], &spin, &timeout) < 0)
+    if (socket_and_window(args, nargs, 4, "call takes (sock, data, spin, timeout)", &fd, &spin, &timeout) < 0)
         return NULL;
     PyObject *sent = send_plain(fd, args[1]);
     if (sent == NULL)
@@ -592,15 +600,9 @@ PyDoc_STRVAR(wait_doc, "wait(sock, spin, timeout) -> (data, fds, truncated, miss
 static PyObject *fast_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "wait takes (sock, spin, timeout)");
-        return NULL;
-    }
-    int fd = sock_fd(args[0]);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
+    int fd;
     double spin, timeout;
-    if (wait_args(args[1], args[2], &spin, &timeout) < 0)
+    if (socket_and_window(args, nargs, 3, "wait takes (sock, spin, timeout)", &fd, &spin, &timeout) < 0)
         return NULL;
     return await_reply(fd, spin, timeout);
 }

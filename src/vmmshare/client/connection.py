@@ -203,8 +203,8 @@ class BrokerClient:
         (wire/local.py's HotFrame): the reply's fields come back as the frame's struct unpacks them (its start, request
         id and length first), with no message object built; any other reply goes through the full checks.
 
-        One function for the frames of every import and free: `_locked`'s retries and `_send_and_wait`'s refusal
-        handling, written out here (the two must stay alike)."""
+        One function for the frames of every import and free: `_locked`'s retries (`_failed`) and `_send_and_wait`'s
+        refusal handling, written out here."""
         with self._lock:
             self._owner = get_ident()
             try:
@@ -230,13 +230,8 @@ class BrokerClient:
                         return self._hot_other(packet, got, truncated, req, asked, hot)
                     except AclError:
                         raise
-                    except TimeoutError as exc:  # as in _locked
-                        self._reset()
-                        raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
                     except OSError as exc:
-                        self._reset()
-                        if tries == RETRIES - 1:
-                            raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+                        self._failed(exc, tries)
                 raise AssertionError("unreachable")
             finally:
                 self._owner = None
@@ -257,16 +252,21 @@ class BrokerClient:
                         return attempt(self._sock or self._reconnect(), *args, **kwargs)
                     except AclError:
                         raise
-                    except TimeoutError as exc:  # a broker that does not answer is not gone: do not pile up retries
-                        self._reset()
-                        raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
-                    except OSError as exc:  # the broker went away (restart, idle exit, kill): reconnect
-                        self._reset()
-                        if tries == RETRIES - 1:
-                            raise IpcError(f"lost the broker at {self.path}: {exc}") from None
+                    except OSError as exc:
+                        self._failed(exc, tries)
                 raise AssertionError("unreachable")
             finally:
                 self._owner = None
+
+    def _failed(self, exc: OSError, tries: int) -> None:
+        """After attempt `tries` failed with `exc`: the connection reset, then IpcError for a broker that does not
+        answer (it is not gone: no retries pile up) or one lost on the last attempt; otherwise the caller retries on
+        a fresh connection (the broker went away: a restart, an idle exit, a kill)."""
+        self._reset()
+        if isinstance(exc, TimeoutError):
+            raise IpcError(f"no reply from the broker at {self.path}: {exc}") from None
+        if tries == RETRIES - 1:
+            raise IpcError(f"lost the broker at {self.path}: {exc}") from None
 
     def _hold_of(self, token: int) -> int:
         """The broker's hold id for a token (0, which no hold has, when the broker that gave it is gone)."""

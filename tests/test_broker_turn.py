@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import selectors
 import socket
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ from vmmshare.broker import server
 from vmmshare.broker.identity import identity_of_pid
 from vmmshare.broker.server import QUANTUM, Broker, Conn
 from vmmshare.config import Config
+from vmmshare.wire import local as P
 
 OTHER_UID = 0x7FFF0000  # a user with no connection, whose debt makes the loop take the general turn
 
@@ -168,5 +170,38 @@ def test_a_process_whose_last_connection_closes_leaves_no_finish_time(tmp_path: 
         assert conn.fd not in broker.conns
         assert conn.client.pid not in broker.finish.get(conn.client.uid, {}), \
             f"finish time of an exited process kept: {broker.finish!r}"
+    finally:
+        broker.close()
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_connection_closed_while_its_user_is_in_debt_does_not_count_against_the_next(
+        tmp_path: Path, closed: bool) -> None:
+    """A user in debt has its ready connections left for a later turn, while new connections are taken at the end
+    of every turn: a process that closed its connection and opened another at its quota of connections would be
+    refused for the one it closed. Before refusing, the broker drops the user's connections it finds closed; one
+    still open still counts (docs/security.md, T8)."""
+    config = Config.from_env(broker=True)
+    broker = Broker(tmp_path / "s", config, limits=replace(config.quotas, connections=1))
+    try:
+        conn, theirs = _connected(broker)
+        broker.debt[conn.client.uid] = 1.0  # its next turns are spent paying this back
+        if closed:
+            theirs.close()  # the process closed it: the end is there to read
+        mine, new = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            broker._admit(mine)
+            if closed:
+                assert conn.fd not in broker.conns and len(broker.conns) == 1  # the new one, admitted
+                with pytest.raises(BlockingIOError):  # and told nothing: no refusal was sent
+                    new.recv(4096, socket.MSG_DONTWAIT)
+            else:
+                assert list(broker.conns) == [conn.fd]  # refused: the open one still counts
+                refusal = P.decode(new.recv(4096))
+                assert isinstance(refusal.message, P.Error) and "VMMSHARE_QUOTA_CONNECTIONS" in refusal.message.message
+        finally:
+            new.close()
+            if not closed:
+                theirs.close()
     finally:
         broker.close()

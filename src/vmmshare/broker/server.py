@@ -47,6 +47,7 @@ from .socketfile import bind_socket, retire_socket
 log = logging.getLogger("vmmshare.broker")
 WAKE = object()  # selector data of the socket a signal writes to (daemon.py): it wakes the loop
 QUANTUM = 0.0005  # seconds of serving each user's requests gets per turn of the loop (the last one may overrun it)
+REAP_AT_REFUSAL = 16  # ready connections of a user looked at for a closed one before it is refused another
 INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; more are pinned (jobs.py)
 PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
 LONG_FRAME = P.HEADER.size + 64 + 4 * INLINE_LOOKUPS  # a request this long may carry more pids than that
@@ -363,7 +364,12 @@ class Broker:
             identity = identity_of_pidfd(pid, pidfd)
             if pidfd >= 0 and packets.wait_readable(pidfd, 0):  # exited already: its pid may be reused
                 raise ProcessLookupError
-            client = self.ledger.connect(pid, uid, identity)
+            try:
+                client = self.ledger.connect(pid, uid, identity)
+            except LedgerError:
+                if not self._drop_closed(uid):
+                    raise
+                client = self.ledger.connect(pid, uid, identity)
         except ProcessLookupError:
             self._close_pidfd(pidfd)
             sock.close()
@@ -385,6 +391,31 @@ class Broker:
         if pidfd >= 0:
             self.sel.register(pidfd, selectors.EVENT_READ, _Exit(conn))
         log.debug("pid %d connected", pid)
+
+    def _drop_closed(self, uid: int) -> bool:
+        """Before a connection of `uid` is refused (its quota): drop those of its connections whose peer has closed
+        but whose end the loop has not read yet (a turn the user spent in debt leaves them for the next, and new
+        connections are taken at the end of every turn), so that a process that closes a connection and opens
+        another is not refused for the one it closed. Only connections the selector reports ready are looked at, at
+        most REAP_AT_REFUSAL of them: a refusal costs a few peeks at most. Whether any was dropped."""
+        looked, dropped = 0, False
+        for key, _ in self._poll_now():
+            conn = key.data
+            if type(conn) is not Conn or conn.client.uid != uid:
+                continue
+            try:
+                gone = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                self._drop(conn)
+                dropped = True
+            looked += 1
+            if looked >= REAP_AT_REFUSAL:
+                break
+        return dropped
 
     def _shed(self, exc: OSError) -> None:
         """Out of fds: accept one waiting client with the spare fd and tell it why it is refused; pause listening

@@ -205,3 +205,31 @@ def test_a_connection_closed_while_its_user_is_in_debt_does_not_count_against_th
                 theirs.close()
     finally:
         broker.close()
+
+
+def test_the_broker_looks_for_closed_connections_once_a_turn_at_most(tmp_path: Path) -> None:
+    """A flood of connections past the quota costs one look a turn, not one a connection: a second refusal in the
+    same turn does not look again (the closed connection is found in the next turn's look)."""
+    config = Config.from_env(broker=True)
+    broker = Broker(tmp_path / "s", config, limits=replace(config.quotas, connections=1))
+    try:
+        conn, theirs = _connected(broker)
+        broker._turn([])  # a turn begins
+        refused = []
+        for close_first in (False, True):
+            if close_first:
+                theirs.close()
+            mine, new = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            broker._admit(mine)
+            refused.append(isinstance(P.decode(new.recv(4096)).message, P.Error))
+            new.close()
+        assert refused == [True, True] and conn.fd in broker.conns  # looked once, before the close
+        broker._turn([])  # the next turn
+        mine, new = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            broker._admit(mine)
+            assert conn.fd not in broker.conns and len(broker.conns) == 1
+        finally:
+            new.close()
+    finally:
+        broker.close()

@@ -108,6 +108,7 @@ class Broker:
         self.warn = RateLimitedLog(log)
         self.spare = system.spare_fd()  # given up to accept (and refuse) a client when the broker runs out of fds
         self.listen_paused_until = 0.0
+        self.reaped = False  # whether `_drop_closed` looked in this turn of the loop
         self.run_queue = RunQueue()  # read afresh before each spin (sockets/spinning.py); opened last, as it can't fail
 
     # ------------------------------------------------------------ socket set-up
@@ -151,6 +152,7 @@ class Broker:
         paid back over the next turns. Among one user's processes, the one that has been served least (fair
         queuing on the time their requests took) goes first, so a process of the user gets its share of the
         user's time whatever its neighbour floods the broker with."""
+        self.reaped = False  # `_drop_closed` has not looked in this turn
         if len(events) == 1 and not self.debt:
             conn = events[0][0].data
             if type(conn) is Conn:
@@ -396,8 +398,12 @@ class Broker:
         """Before a connection of `uid` is refused (its quota): drop those of its connections whose peer has closed
         but whose end the loop has not read yet (a turn the user spent in debt leaves them for the next, and new
         connections are taken at the end of every turn), so that a process that closes a connection and opens
-        another is not refused for the one it closed. Only connections the selector reports ready are looked at, at
-        most REAP_AT_REFUSAL of them: a refusal costs a few peeks at most. Whether any was dropped."""
+        another is not refused for the one it closed. It looks once a turn at most, at connections the selector
+        reports ready, and at no more than REAP_AT_REFUSAL of them: a flood of refused connections costs no more than
+        the turns themselves do. Whether any was dropped."""
+        if self.reaped:
+            return False
+        self.reaped = True
         looked, dropped = 0, False
         for key, _ in self._poll_now():
             conn = key.data

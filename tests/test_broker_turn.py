@@ -130,7 +130,7 @@ def test_a_user_whose_last_connection_closes_leaves_no_finish_books(tmp_path: Pa
         uid = conn.client.uid
         theirs.close()  # the process exited
         _turn_of(broker, conn, general)
-        assert conn.fd not in broker.conns  # dropped by the turn, as a closed connection is
+        assert broker.conns.get(conn.fd) is not conn  # dropped by the turn, as a closed connection is
         assert uid not in broker.finish, f"books of a gone user kept: {broker.finish!r}"
     finally:
         broker.close()
@@ -167,7 +167,7 @@ def test_a_process_whose_last_connection_closes_leaves_no_finish_time(tmp_path: 
         broker.procs[other.uid, other.pid] += 1
         theirs.close()
         _turn_of(broker, conn, general)
-        assert conn.fd not in broker.conns
+        assert broker.conns.get(conn.fd) is not conn
         assert conn.client.pid not in broker.finish.get(conn.client.uid, {}), \
             f"finish time of an exited process kept: {broker.finish!r}"
     finally:
@@ -192,7 +192,7 @@ def test_a_connection_closed_while_its_user_is_in_debt_does_not_count_against_th
         try:
             broker._admit(mine)
             if closed:
-                assert conn.fd not in broker.conns and len(broker.conns) == 1  # the new one, admitted
+                assert broker.conns.get(conn.fd) is not conn and len(broker.conns) == 1  # the new one, admitted
                 with pytest.raises(BlockingIOError):  # and told nothing: no refusal was sent
                     new.recv(4096, socket.MSG_DONTWAIT)
             else:
@@ -228,8 +228,38 @@ def test_the_broker_looks_for_closed_connections_once_a_turn_at_most(tmp_path: P
         mine, new = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             broker._admit(mine)
-            assert conn.fd not in broker.conns and len(broker.conns) == 1
+            assert broker.conns.get(conn.fd) is not conn and len(broker.conns) == 1
         finally:
             new.close()
+    finally:
+        broker.close()
+
+
+def test_after_a_refusal_for_the_quota_the_next_connection_waits_for_the_next_turn(tmp_path: Path) -> None:
+    """Connections queued on the listener are taken one after another in a turn, but not past a refusal by the
+    books: a process that was refused, closed one of its connections and connected again must not be taken in the
+    same turn, before the loop has seen the close (it is, in the next turn, after the close is served)."""
+    config = Config.from_env(broker=True)
+    broker = Broker(tmp_path / "run" / "s", config, limits=replace(config.quotas, connections=1))
+    broker.bind()
+    try:
+        conn, theirs = _connected(broker)
+        first, second = (socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2))
+        try:
+            for client in (first, second):
+                client.connect(str(broker.path))  # both wait in the listener's queue
+            broker._turn([])
+            broker._accept()
+            assert isinstance(P.decode(first.recv(4096)).message, P.Error)  # refused: the quota
+            with pytest.raises(BlockingIOError):
+                second.recv(4096, socket.MSG_DONTWAIT)  # not taken yet
+            theirs.close()  # the one that counted closes
+            broker._turn(broker._poll_now())  # the next turn: the close, then the listener
+            assert broker.conns.get(conn.fd) is not conn and len(broker.conns) == 1
+            with pytest.raises(BlockingIOError):
+                second.recv(4096, socket.MSG_DONTWAIT)  # admitted: told nothing
+        finally:
+            first.close()
+            second.close()
     finally:
         broker.close()

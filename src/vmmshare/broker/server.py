@@ -346,19 +346,21 @@ class Broker:
                 # the listener's SO_PASSCRED reaches only connections made after it was set: one queued on a socket
                 # the service manager passed before this broker started would carry no credentials without this
                 packets.pass_credentials(sock)
-                self._admit(sock)
+                if not self._admit(sock):  # refused by the books (a quota): the next waits for the next turn, so a
+                    return  # close that came before it is served first (_drop_closed looks once a turn)
             except Exception:
                 sock.close()
                 raise
 
-    def _admit(self, sock: socket.socket) -> None:
-        """Name a new connection's process by its kernel credentials and hand it to the ledger, or refuse it."""
+    def _admit(self, sock: socket.socket) -> bool:
+        """Name a new connection's process by its kernel credentials and hand it to the ledger, or refuse it; False
+        when the ledger refused it (its user's quota), and nothing more is to be accepted in this turn."""
         pid, uid, _gid = packets.peer_credentials(sock)
         if not self.multi_user and uid not in (self.uid, 0):
             self.warn.log(logging.WARNING, "uid", "refused pid %d of uid %d: not this broker's user (start it with "
                           "--multi-user)", pid, uid)
             sock.close()
-            return
+            return True
         pidfd = packets.peer_pidfd(sock) if pid > 0 else -1
         try:
             if PIDFS and pid > 0 and pidfd < 0:
@@ -375,7 +377,7 @@ class Broker:
         except ProcessLookupError:
             self._close_pidfd(pidfd)
             sock.close()
-            return
+            return True
         except (OSError, LedgerError) as exc:
             self._close_pidfd(pidfd)
             if isinstance(exc, LedgerError):
@@ -385,7 +387,7 @@ class Broker:
                 why = f"the broker could not tell which process connected ({exc.strerror or exc}): try again"
             self.warn.log(logging.WARNING, f"refuse:{code}", "refused pid %d of uid %d: %s", pid, uid, why)
             system.refuse(sock, code, why)
-            return
+            return not isinstance(exc, LedgerError)
         conn = Conn(sock, pidfd, client)
         self.conns[conn.fd] = conn
         self.procs[client.uid, client.pid] += 1
@@ -393,6 +395,7 @@ class Broker:
         if pidfd >= 0:
             self.sel.register(pidfd, selectors.EVENT_READ, _Exit(conn))
         log.debug("pid %d connected", pid)
+        return True
 
     def _drop_closed(self, uid: int) -> bool:
         """Before a connection of `uid` is refused (its quota): drop those of its connections whose peer has closed

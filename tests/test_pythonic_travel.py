@@ -7,10 +7,13 @@ The children are real spawned (and forkserver) processes on this test session's 
 
 from __future__ import annotations
 
+import dis
 import gc
 import multiprocessing as mp
 import os
 import pickle
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -321,6 +324,70 @@ def test_a_grown_chunk_is_exported_as_the_first_was() -> None:
     assert second.shareable is not None and second._validate is False
     m.close()
     mem.close()
+
+
+def _pause_before_storing_trusted(reached: threading.Event, go_on: threading.Event) -> Any:
+    """A trace function for the calling thread: inside PhysicalMemory.allow, just before each instruction that stores
+    `self._trusted` (where an update made of a read, an add and a store would end), it says so (`reached`) and
+    waits for `go_on` (at most 10 s); an allow() that makes no such store is never paused (`reached` at once)."""
+    code = vmmshare.PhysicalMemory.allow.__code__
+    stores = {i.offset for i in dis.get_instructions(code) if i.opname == "STORE_ATTR" and i.argval == "_trusted"}
+    if not stores:
+        reached.set()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode" and frame.f_lasti in stores and not reached.is_set():
+            reached.set()
+            go_on.wait(10)
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    return tracer
+
+
+def test_pids_allowed_by_two_threads_at_once_are_both_trusted_by_the_chunks_a_mapping_grows() -> None:
+    """Two threads allow a pid each on one memory, the second while the first is inside its update of the memory's
+    record of whom it trusts (the switch is forced there by a trace function, not waited for): a chunk the mapping
+    grows afterwards is exported trusting both, as `Mapping.allow` promises for the chunks it grows later."""
+    first_pid, second_pid = os.getppid(), 1  # live processes
+    mem = vmmshare.Device(0).allocate(2 * MiB)
+    m = mem.map(max_size=4 * MiB)
+    try:
+        mem.export()
+        reached, go_on = threading.Event(), threading.Event()
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            sys.settrace(_pause_before_storing_trusted(reached, go_on))
+            try:
+                mem.allow([first_pid])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+            finally:
+                sys.settrace(None)
+
+        one = threading.Thread(target=first)
+        one.start()
+        try:
+            assert reached.wait(30)
+            mem.allow([second_pid])
+        finally:
+            go_on.set()
+            one.join(30)
+        assert not errors, errors
+        m.grow(4 * MiB)
+        value = f"{m.chunks[1].shareable.value:#018x}"
+        rows = [row for row in runtime().node.listing()["exports"] if row["handle"] == value]
+        assert len(rows) == 1, rows
+        assert {first_pid, second_pid} <= set(rows[0]["trustlist"]), rows[0]["trustlist"]
+    finally:
+        m.close()
+        mem.close()
 
 
 def test_an_object_passed_on_through_a_third_process_imports_from_the_exporter(ctx: Any) -> None:

@@ -95,11 +95,12 @@ class PhysicalMemory(Owned):
     _location: Location
     _prop: PhysicalProp
     _origin: ShareableHandle | None
-    # how it was exported, and whom it trusts: what a grown chunk is exported with (replaced, never changed in place)
+    # how it was exported, and whom it trusts (set by export: what a grown chunk is exported with); allow() adds to
+    # the lists in one step each (extend, append), so that two threads allowing pids at once both stay
     _shareable: ShareableHandle | None = None
     _validate = True
-    _trusted: tuple[int, ...] = ()
-    _remote_trusted: tuple[tuple[int, list[int]], ...] = ()
+    _trusted: list[int]
+    _remote_trusted: list[tuple[int, list[int]]]
     _holders = 0  # arrived here: the mappings (and pools) that hold this import
     _handed_out = False  # arrived here as itself: its receiver closes it, not the mappings that share it
 
@@ -214,7 +215,7 @@ class PhysicalMemory(Owned):
                                     "exports it): add processes to its trustlist with allow()")
         # the trustlist rides on the export
         self._shareable = runtime().sharing.export(self._live(), st, validate, trust)
-        self._validate, self._trusted = validate, tuple(trust)
+        self._validate, self._trusted, self._remote_trusted = validate, trust, []
         return self._shareable
 
     def allow(self, pids: Iterable[int], server: int | None = None) -> None:
@@ -225,11 +226,11 @@ class PhysicalMemory(Owned):
         listed = _pids(pids, allow_empty=False)
         if server is None:
             runtime().sharing.set_pids(self._shareable, listed)
-            self._trusted += tuple(listed)
+            self._trusted.extend(listed)
         else:
             srv = check_int("server", server, 0, 0xFFFFFFFF)
             runtime().sharing.set_remote_pids(self._shareable, srv, listed)
-            self._remote_trusted += ((srv, listed),)
+            self._remote_trusted.append((srv, listed))
 
     def _export_like(self, other: PhysicalMemory) -> None:
         """Export as `other` was, trusting whom it trusts (a chunk a grown mapping adds to its first)."""

@@ -226,3 +226,41 @@ def test_the_broker_spins_after_serving_only_when_its_fresh_reading_finds_a_core
         assert (len(looks) > 1) is free, f"{len(looks)} looks"
     finally:
         broker.close()
+
+
+def test_a_client_skips_polling_after_a_miss_for_twice_as_long_each_miss_in_a_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's waiter: a miss skips the next 1, then 3, 7, 15 and at most 16 polls; a poll that finds its
+    reply starts the count over, so one busy moment costs one request's poll and a busy machine one in 17."""
+    from vmmshare.client import connection
+
+    windows: list[float] = []
+    outcomes: list[bool] = []  # each poll's `missed`, in turn
+
+    def fake_call(sock: object, frame: bytes, spin: float, timeout: float) -> tuple[bytes, list[int], bool, bool]:
+        windows.append(spin)
+        return b"", [], False, outcomes.pop(0) if spin else False
+
+    monkeypatch.setattr(connection.packets, "call", fake_call)
+    waiter = connection._Waiter(1e-4)
+
+    def polls_after(misses: int) -> list[int]:
+        """Run requests until `misses` polls have missed, then one that finds its reply: the requests skipped
+        between polls."""
+        outcomes[:] = [True] * misses + [False]
+        windows.clear()
+        while outcomes:
+            waiter.call(None, b"")  # type: ignore[arg-type]
+        gaps, run = [], 0
+        for w in windows:
+            if w:
+                gaps.append(run)
+                run = 0
+            else:
+                run += 1
+        return gaps[1:]
+
+    assert polls_after(6) == [1, 3, 7, 15, 16, 16]  # doubling, then one poll in 17 requests while it keeps missing
+    assert polls_after(1) == [1]  # after a poll that found its reply, the next miss skips one request only
+    assert polls_after(2) == [1, 3]
+    assert waiter.misses == 0  # (the last poll found its reply)

@@ -221,7 +221,9 @@ class BrokerClient:
                             self._raise_refusal(sock)
                             raise
                         if missed:
-                            waiter.skip = waiter.SKIP_AFTER_MISS
+                            waiter.missed()
+                        elif spin:
+                            waiter.misses = 0
                         if len(packet) == hot.size and len(got) == hot.fds and not truncated:
                             fields = hot.struct.unpack(packet)
                             if fields[0] == hot.start and fields[1] == req and fields[2] == hot.length:
@@ -420,15 +422,19 @@ class _Waiter:
     on most machines than the broker takes to answer), then sleeps in poll(2), up to REPLY_TIMEOUT.
 
     Polling pays only while a core is free for it (`spin` gives up as soon as another task wants the core) and
-    replies come quickly: after a reply that outlasted the polling window (a busy broker, many clients on few
-    cores), the next requests wait without polling, leaving the cores to others.
+    replies come quickly. After a poll that missed (the reply outlasted the window, or every core was busy when the
+    poll would start), the next requests wait without polling: 1, then 3, 7, 15 and at most SKIP_AFTER_MISS after
+    each further miss in a row, and the count starts over once a poll finds its reply. A machine that stays busy (a
+    busy broker, many clients on few cores) is looked at once in 17 requests; one busy moment (the process that
+    handed this one a handle, still running for a few microseconds) costs only the next request's poll.
     """
 
     SKIP_AFTER_MISS = 16
 
     def __init__(self, spin: float) -> None:
         self.spin = spin  # seconds (the Config's, from VMMSHARE_SPIN_US)
-        self.skip = 0
+        self.skip = 0  # requests left to wait for without polling
+        self.misses = 0  # how many the last miss made skip: doubled (plus one) by the next miss in a row
 
     def window(self) -> float:
         """Seconds the next wait may poll: none for a while after a poll that missed. Whether a core is free is for
@@ -438,16 +444,26 @@ class _Waiter:
             return 0.0
         return self.spin
 
+    def missed(self) -> None:
+        """A poll missed its reply: skip polling for the next requests, twice as many (and one) as the last miss."""
+        self.skip = self.misses = min(2 * self.misses + 1, self.SKIP_AFTER_MISS)
+
+    def _after(self, spin: float, missed: bool) -> None:
+        if missed:
+            self.missed()
+        elif spin:
+            self.misses = 0
+
     def call(self, sock: socket.socket, frame: bytes) -> tuple[bytes, list[int], bool]:
         """Send `frame` (no fds) and wait for the reply as `wait` does, in one call (`packets.call`)."""
-        packet, got, truncated, missed = packets.call(sock, frame, self.window(), REPLY_TIMEOUT)
-        if missed:
-            self.skip = self.SKIP_AFTER_MISS
+        spin = self.window()
+        packet, got, truncated, missed = packets.call(sock, frame, spin, REPLY_TIMEOUT)
+        self._after(spin, missed)
         return packet, got, truncated
 
     def wait(self, sock: socket.socket) -> tuple[bytes, list[int], bool]:
         """The reply to a request already sent (`packets.wait`)."""
-        packet, got, truncated, missed = packets.wait(sock, self.window(), REPLY_TIMEOUT)
-        if missed:
-            self.skip = self.SKIP_AFTER_MISS
+        spin = self.window()
+        packet, got, truncated, missed = packets.wait(sock, spin, REPLY_TIMEOUT)
+        self._after(spin, missed)
         return packet, got, truncated

@@ -29,19 +29,15 @@ def _tp_client(text: str, seconds: float, start: Any, conn: Connection) -> None:
     conn.send("ready")
     start.wait()
     n = 0
-    cpu0 = _cpu_self()
+    t0 = os.times()
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         handle, ret = rt.mem_import_from_shareable_handle_v2(value, 1, 0)
         if ret or rt.free_physical(handle):
             raise SystemExit(f"import+free failed: {vmmshare.acl.get_recent_err_msg()}")
         n += 1
-    conn.send((n, _cpu_self() - cpu0))
-
-
-def _cpu_self() -> float:
-    t = os.times()
-    return t.user + t.system
+    t1 = os.times()
+    conn.send((n, t1.user - t0.user, t1.system - t0.system))
 
 
 def cpu_of(pid: int) -> float:
@@ -70,29 +66,37 @@ def throughput(clients: list[int], seconds: float, step: Step = quiet) -> dict[s
     out: dict[str, Any] = {}
     for n in clients:
         step(f"broker throughput, {n} client(s)")
-        start = ctx.Event()
-        pipes, procs = [], []
-        for _ in range(n):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=quiet_child, args=(_tp_client, str(h), seconds, start, b))
-            start_child(p)
-            pipes.append(a)
-            procs.append(p)
-        for a in pipes:
-            a.recv()
-        broker_cpu = cpu_of(broker)
-        t0 = time.perf_counter()
-        start.set()
-        done = [a.recv() for a in pipes]
-        elapsed = max(time.perf_counter() - t0, seconds)
-        broker_cpu = cpu_of(broker) - broker_cpu
-        for p in procs:
-            p.join()
-        ops = sum(d[0] for d in done)
-        out[str(n)] = {"ops_per_s": ops / elapsed, "client_cpu_us": sum(d[1] for d in done) / max(ops, 1) * 1e6,
-                       "broker_cpu_us": broker_cpu / max(ops, 1) * 1e6}
+        out[str(n)] = clients_point(ctx, str(h), n, seconds, broker)
     mem.close()
     return out
+
+
+def clients_point(ctx: Any, text: str, n: int, seconds: float, broker: int) -> dict[str, float]:
+    """One throughput point: `n` client processes of the multiprocessing context `ctx` import and free the handle
+    `text` for `seconds`, all started together; round trips per second and the CPU one costs (µs): the clients'
+    (with its user and system parts) and the broker's (`broker`, its pid)."""
+    start = ctx.Event()
+    pipes, procs = [], []
+    for _ in range(n):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=quiet_child, args=(_tp_client, text, seconds, start, b))
+        start_child(p)
+        pipes.append(a)
+        procs.append(p)
+    for a in pipes:
+        a.recv()
+    broker_cpu = cpu_of(broker)
+    t0 = time.perf_counter()
+    start.set()
+    done = [a.recv() for a in pipes]
+    elapsed = max(time.perf_counter() - t0, seconds)
+    broker_cpu = cpu_of(broker) - broker_cpu
+    for p in procs:
+        p.join()
+    ops = max(sum(d[0] for d in done), 1)
+    user, system = sum(d[1] for d in done) / ops * 1e6, sum(d[2] for d in done) / ops * 1e6
+    return {"ops_per_s": sum(d[0] for d in done) / elapsed, "client_cpu_us": user + system, "client_user_us": user,
+            "client_system_us": system, "broker_cpu_us": broker_cpu / ops * 1e6}
 
 
 def idle_cpu(seconds: float = 2.0) -> float:

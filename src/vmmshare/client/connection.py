@@ -203,9 +203,9 @@ class BrokerClient:
         (wire/local.py's HotFrame): the reply's fields come back as the frame's struct unpacks them (its start, request
         id and length first), with no message object built; any other reply goes through the full checks.
 
-        One function for the frames of every import and free: `_locked`'s loop (its retries are `_failed`'s) and
-        `_send_and_wait`'s plain branch, written out here: calling them costs about 34 more bytecodes a request (a
-        pyACL import and free: 1,135 against 1,067)."""
+        One function for the frames of every import and free: `_locked`'s loop (its retries are `_failed`'s),
+        `_send_and_wait`'s plain branch and the waiter's note of the poll (`_Waiter._after`), written out here:
+        calling them costs about 34 more bytecodes a request (a pyACL import and free: 1,135 against 1,067)."""
         with self._lock:
             self._owner = get_ident()
             try:

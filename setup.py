@@ -1,10 +1,59 @@
-"""The compiled fast path of vmmshare.sockets.packets, built with the system compiler where there is one.
+"""Compiled parts of vmmshare, built with the system C compiler where there is one.
 
-Optional: without a compiler (or Python's headers) the build skips it and the package installs all the same,
-using the pure-Python packets.
+- `vmmshare.sockets._fastpackets`: the compiled fast path of vmmshare.sockets.packets (optional: without a compiler
+  or Python's headers the package installs all the same and uses the pure-Python packets).
+- The C library (`src/vmmshare/clib/`): `libascendcl.so` and `libacl_rt.so`, the runtime's C interface, built into
+  the CANN-like root `vmmshare prefix` prints (`vmmshare/sdk/lib64/`). Without a C compiler the package installs
+  without them, and `vmmshare prefix` says so.
 """
 
-from setuptools import Extension, setup
+from __future__ import annotations
 
-setup(ext_modules=[Extension("vmmshare.sockets._fastpackets", ["src/vmmshare/sockets/_fastpackets.c"],
-                             extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True)])
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+CLIB = Path("src/vmmshare/clib")
+LIBRARIES = ("libascendcl.so", "libacl_rt.so")
+
+
+def c_library_command(out: Path, sanitize: bool = False) -> list[str]:
+    """The compiler line that builds the C library at `out`, named by its file name (its SONAME, unversioned)."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    sources = sorted(str(HERE / CLIB / name) for name in os.listdir(HERE / CLIB) if name.endswith(".c"))
+    flags = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread",
+             "-Wall", "-Wextra", "-Werror", f"-I{HERE / 'src/vmmshare/sdk/include'}",
+             f'-DVS_PYTHON="{sys.executable}"', f"-Wl,--version-script={HERE / CLIB / 'exports.map'}", f"-Wl,-soname,{out.name}"]
+    if sanitize:
+        flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    else:
+        flags += ["-Wl,--no-undefined"]
+    return [*cc.split()[:1], *flags, *sources, "-o", str(out)]
+
+
+class BuildWithCLibrary(build_ext):
+    """build_ext, then the C library into the package's sdk/lib64 (in place for an editable install)."""
+
+    def run(self) -> None:
+        super().run()
+        root = HERE / "src" if self.inplace else Path(self.build_lib)
+        lib64 = root / "vmmshare" / "sdk" / "lib64"
+        lib64.mkdir(parents=True, exist_ok=True)
+        try:
+            for name in LIBRARIES:  # the same calls under both names, each its own SONAME
+                subprocess.run(c_library_command(lib64 / name), check=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            print(f"warning: the C library was not built ({exc}); `vmmshare prefix` will say so", file=sys.stderr)
+
+
+setup(
+    ext_modules=[Extension("vmmshare.sockets._fastpackets", ["src/vmmshare/sockets/_fastpackets.c"],
+                           extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True)],
+    cmdclass={"build_ext": BuildWithCLibrary},
+)

@@ -1,4 +1,4 @@
-"""The ``vmmshare`` command line: broker, ls, demo, bench, stress, doctor, cluster, version.
+"""The ``vmmshare`` command line: broker, ls, demo, bench, stress, doctor, cluster, prefix, version.
 
 Every command except doctor first checks the VMMSHARE_* variables (doctor reports them as findings); exit codes
 are those of `console` (0 done, 1 failed, 2 usage or configuration, 3 another broker serves the path).
@@ -160,6 +160,21 @@ def _stress(argv: list[str]) -> int:
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 
+# ---------------------------------------------------------------- prefix
+
+
+def _prefix() -> int:
+    """Print the CANN-like root of the C interface (headers, libascendcl.so, CMake and pkg-config, set_env.sh)."""
+    from ..sdk import SdkError, root
+
+    try:
+        print(root())
+    except SdkError as exc:
+        say_error("vmmshare prefix", str(exc))
+        return FAILED
+    return OK
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -185,6 +200,7 @@ def _parser() -> Parser:
     sub.add_parser("cluster", help="a test cluster of servers on this machine, for the fabric (up|down|status|exec)")
     doc = sub.add_parser("doctor", help="what this machine offers, what each slower path costs, and the fix")
     doc.add_argument("--json", action="store_true", help="print the findings as JSON")
+    sub.add_parser("prefix", help="print the root to build C programs against (source its set_env.sh; see docs/c.md)")
     ls = sub.add_parser("ls", help="list the exports on this node")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -219,6 +235,8 @@ def _main(argv: list[str]) -> int:
         from .doctor import run as doctor_run
 
         return doctor_run(args.json)
+    if args.command == "prefix":  # needs no configuration: it only names files
+        return _prefix()
     prog = f"vmmshare {args.command}" if args.command else "vmmshare"
     if not environment_ok(prog):
         return USAGE

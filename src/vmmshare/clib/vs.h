@@ -1,0 +1,261 @@
+/*
+ * vmmshare's C library: what its files share (the process's runtime state, its tables and helpers).
+ *
+ * One runtime per process, as in the Python package: the configuration read once from the environment, a
+ * connection to the node's broker (broker.c), and tables of this process's allocations, reservations, mappings,
+ * blocks, IPC keys, devices, contexts and streams, all under one recursive lock (`vs_lock`). Calls check their
+ * arguments in the acl layer's order (100000), then the runtime's (107000 ...), and every failure leaves a message
+ * for aclGetRecentErrMsg() in the calling thread (errors.c).
+ */
+#ifndef VMMSHARE_CLIB_VS_H
+#define VMMSHARE_CLIB_VS_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "acl/acl.h"
+
+#define VS_API ACL_FUNC_VISIBILITY
+
+#define VS_MIN_GRANULARITY ((size_t)2 << 20)
+#define VS_HUGE1G_GRANULARITY ((size_t)1 << 30)
+#define VS_ARENA_START ((uintptr_t)16 << 40)
+#define VS_ARENA_END ((uintptr_t)24 << 40)
+#define VS_MAX_TRUSTLIST 4096
+#define VS_FABRIC_SIZE 128
+#define VS_SECRET_SIZE 32
+#define VS_KEY_BUFFER 65      /* an IPC key buffer holds at least this many characters */
+#define VS_KEY_CHARS 24       /* an IPC key: 16 hex digits of the handle, 8 of the server id */
+#define VS_IPC_MAX_PIDS 31    /* pids in one aclrtIpcMemSetImportPid */
+#define VS_MAX_DEVICES 1024
+
+/* Who holds an allocation or a range: the VMM calls, an aclrtMalloc block, or an IPC import. */
+enum vs_owner { VS_VMM = 0, VS_MALLOC = 1, VS_IPC = 2 };
+
+typedef struct vs_prop {
+    uint32_t handle_type, allocation_type, mem_attr, loc_type;
+    int64_t loc_id;
+    uint64_t reserve;
+} vs_prop;
+
+typedef struct vs_alloc {
+    uint64_t handle;         /* the aclrtDrvMemHandle this process names it by */
+    int fd;                  /* its memfd (-1 once closed) */
+    size_t size;
+    vs_prop prop;
+    uint64_t token;          /* the broker connection's name for its hold (broker.c) */
+    int refs;                /* handle references: malloc/import + each retain */
+    int maps;                /* live mappings in this process */
+    uint64_t imported_from;  /* the shareable value it came from (0: made here) */
+    bool exported;           /* exported once (a handle exports once) */
+    bool export_live;        /* its export is still open to imports */
+    uint64_t exported_value;
+    bool in_imports;         /* the import table names it for `imported_from` */
+    bool registered;         /* aclrtDrvMemHandle lookups find it (refs > 0, VMM-owned) */
+    enum vs_owner owner;
+    struct vs_alloc *next;
+} vs_alloc;
+
+typedef struct vs_range {
+    uintptr_t base;
+    size_t size;
+    enum vs_owner owner;
+} vs_range;
+
+typedef struct vs_access {
+    uint32_t loc_type;
+    int64_t loc_id;
+    uint64_t flags;
+} vs_access;
+
+typedef struct vs_mapping {
+    uintptr_t ptr;
+    size_t size;
+    vs_alloc *alloc;
+    uint64_t effective;      /* the flags in force */
+    vs_access *access;       /* flags set per location (aclrtMemSetAccess) */
+    size_t naccess;
+} vs_mapping;
+
+typedef struct vs_block {    /* an aclrtMalloc block or an IPC import, by pointer */
+    uintptr_t ptr;
+    size_t size;             /* what the caller asked for */
+    vs_alloc *alloc;
+} vs_block;
+
+typedef struct vs_hostblock {
+    uintptr_t ptr;
+    size_t size;
+} vs_hostblock;
+
+typedef struct vs_ipc_export {
+    uint64_t value;
+    vs_alloc *alloc;
+    bool pid_validation;
+    int refs;
+} vs_ipc_export;
+
+typedef struct vs_ipc_import {
+    uint64_t value;
+    uintptr_t ptr;
+    int count;
+} vs_ipc_import;
+
+typedef struct vs_stream {
+    uint64_t handle;
+    uint64_t context;
+    int device;
+    int failed;              /* the first failure of work queued on it, reported by synchronize */
+    char message[512];
+} vs_stream;
+
+typedef struct vs_context {
+    uint64_t handle;
+    int device;
+    bool is_default;
+    vs_stream *stream;       /* its default stream (stream 0), made on first use */
+} vs_context;
+
+/* A growable array of fixed-size records. */
+typedef struct vs_vec {
+    void *items;
+    size_t count, cap, size;
+} vs_vec;
+
+typedef struct vs_config {
+    int devices;
+    uint64_t device_memory;
+    char socket[108];
+    uint32_t server_id;
+    bool prepopulate;
+    bool cuda;               /* VMMSHARE_BACKEND=cuda */
+    long broker_user;        /* -1: none */
+    int visible[VS_MAX_DEVICES];
+    int nvisible;            /* -1: ASCEND_RT_VISIBLE_DEVICES unset */
+    char visible_text[160];
+    char visible_error[96];
+    char error[512];         /* a variable that cannot be used: every call fails with this (107000) */
+} vs_config;
+
+typedef struct vs_runtime {
+    pthread_mutex_t lock;    /* recursive: over every table */
+    vs_config config;
+    bool initialized;        /* aclInit called, aclFinalize not yet */
+    uint64_t next_handle;
+    uint64_t next_id;
+    vs_alloc *allocs;        /* every live allocation (with or without a handle) */
+    vs_vec reservations;     /* vs_range, by base */
+    vs_vec mappings;         /* vs_mapping, by ptr */
+    vs_vec blocks;           /* vs_block */
+    vs_vec host_blocks;      /* vs_hostblock */
+    vs_vec ipc_exports;      /* vs_ipc_export */
+    vs_vec ipc_imports;      /* vs_ipc_import */
+    vs_vec ipc_attrs;        /* uint64_t: key values with an attribute set */
+    vs_vec contexts;         /* vs_context * */
+    vs_vec streams;          /* vs_stream * */
+    int device_refs[VS_MAX_DEVICES];
+    pthread_mutex_t import_lock; /* one import of a handle at a time (rule 13's shared import) */
+} vs_runtime;
+
+extern vs_runtime vs_rt;
+
+/* ---------------------------------------------------------------- errors.c */
+
+/* Record `code` and a message ("<call>: <text>") for this thread; returns `code`. */
+aclError vs_fail(aclError code, const char *call, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* An error a helper returns to its caller, which adds the call's name (vs_raise). */
+typedef struct vs_err {
+    aclError code;
+    char message[640];
+} vs_err;
+aclError vs_set(vs_err *err, aclError code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+aclError vs_raise(const vs_err *err, const char *call);
+
+/* ---------------------------------------------------------------- runtime.c */
+
+/* The runtime, set up on first use (the configuration read); 0 or the configuration's error. */
+aclError vs_start(vs_err *err);
+void vs_lock(void);
+void vs_unlock(void);
+void *vs_vec_push(vs_vec *v, size_t size);
+void vs_vec_remove(vs_vec *v, size_t index);
+#define VS_AT(vec, type, i) (((type *)(vec).items)[i])
+
+vs_range *vs_reservation_at(uintptr_t ptr);
+vs_range *vs_reservation_exact(uintptr_t ptr);
+vs_mapping *vs_mapping_at(uintptr_t ptr);
+vs_mapping *vs_mapping_exact(uintptr_t ptr);
+bool vs_mappings_overlap(uintptr_t ptr, size_t size);
+void vs_add_reservation(uintptr_t base, size_t size, enum vs_owner owner);
+void vs_remove_reservation(uintptr_t base);
+void vs_add_mapping(uintptr_t ptr, size_t size, vs_alloc *alloc, uint64_t access);
+void vs_remove_mapping(uintptr_t ptr);
+
+/* The arena (address space): reserve [size] bytes PROT_NONE, at `want` exactly when non-zero. */
+int vs_arena_reserve(size_t size, size_t align, uintptr_t want, int fd, int prot, uintptr_t *out);
+int vs_prot_of(uint64_t access);
+
+/* Allocations. */
+uint64_t vs_new_handle(void);
+vs_alloc *vs_allocation(uint64_t handle);
+aclError vs_make_alloc(vs_err *err, size_t size, const vs_prop *prop, enum vs_owner owner, vs_alloc **out);
+void vs_register(vs_alloc *a);
+void vs_drop(vs_alloc *a);          /* one handle reference fewer */
+void vs_maybe_destroy(vs_alloc *a); /* gone when no handle and no mapping holds it */
+void vs_forget_exports(vs_alloc *a);
+
+/* Properties and checks shared by several calls (memory.c). */
+size_t vs_prop_granularity(const vs_prop *p);
+size_t vs_prop_huge_page(const vs_prop *p);
+aclError vs_check_prop_acl(vs_err *err, const vs_prop *p, bool for_malloc);
+aclError vs_check_prop_rt(vs_err *err, const vs_prop *p);
+vs_prop vs_prop_from(const aclrtPhysicalMemProp *p);
+aclError vs_map_alloc(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, uint64_t access);
+aclError vs_map_new(vs_err *err, vs_alloc *a, uint64_t access, enum vs_owner owner, uintptr_t *out);
+aclError vs_unmap_release(vs_err *err, uintptr_t ptr, enum vs_owner owner);
+
+/* ---------------------------------------------------------------- device.c */
+
+aclError vs_current_device(vs_err *err, int *device);   /* 107002 without a current context */
+aclError vs_device_id(vs_err *err, int64_t device);     /* 107001 for a device this process does not see */
+int vs_logical(int device);                             /* the node's number for a user device id */
+vs_stream *vs_stream_of(vs_err *err, uint64_t stream, bool here);
+void vs_devices_after_fork(void);
+
+/* ---------------------------------------------------------------- broker.c (the node) */
+
+aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token);
+void vs_node_release(uint64_t token);
+aclError vs_node_mem_info(vs_err *err, int device, uint64_t *free_bytes, uint64_t *total);
+aclError vs_node_export(vs_err *err, uint64_t token, int fd, const vs_prop *prop, uint64_t size, uint32_t flags,
+                        uint32_t share_type, uint8_t *out, size_t *outlen);
+aclError vs_node_revoke(vs_err *err, uint64_t token);
+aclError vs_node_set_pids(vs_err *err, uint64_t shareable, uint32_t share_type, const uint32_t *pids, size_t n);
+aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, const uint8_t *secret, int *fd,
+                        uint64_t *token, uint64_t *size, vs_prop *prop, bool *gpu);
+aclError vs_node_bare_tgid(vs_err *err, uint32_t *pid);
+aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
+                                 const uint32_t *pids, size_t n);
+void vs_node_after_fork(void);
+
+/* ---------------------------------------------------------------- sharing (share.c) and others */
+
+aclError vs_export_alloc(vs_err *err, vs_alloc *a, uint32_t share_type, bool pid_validation, uint8_t *out,
+                         size_t *outlen);
+aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const uint8_t *secret, int device,
+                         enum vs_owner owner, size_t fabric_size, vs_alloc **out);
+void vs_revoke_alloc(vs_alloc *a);
+aclError vs_set_pids(vs_err *err, uint64_t value, uint32_t share_type, const uint32_t *pids, size_t n);
+void vs_ipc_forget_block(vs_alloc *a);
+aclError vs_free_block(vs_err *err, uintptr_t ptr, enum vs_owner owner);
+aclError vs_map_block(vs_err *err, vs_alloc *a, size_t size, uintptr_t *out);
+
+/* sha.c */
+void vs_sha256(const void *data, size_t n, uint8_t out[32]);
+void vs_sha1(const void *data, size_t n, uint8_t out[20]);
+
+#endif /* VMMSHARE_CLIB_VS_H */

@@ -44,6 +44,7 @@ for _var in ("VMMSHARE_DEVICE_MEMORY", "VMMSHARE_PREPOPULATE", "VMMSHARE_BACKEND
     os.environ.pop(_var, None)
 
 import vmmshare.acl as _acl  # noqa: E402
+from cacl import c_name  # noqa: E402
 from procs import start_zygote, stop_zygote, zygote_for  # noqa: E402
 from vmmshare._process import runtime  # noqa: E402
 from vmmshare.errors import set_recent_error  # noqa: E402
@@ -278,8 +279,16 @@ def desc(flags: int, dev: int = 0, loc_type: int = DEVICE) -> dict[str, Any]:
 # ---------------------------------------------------------------- checking results
 
 
+# The surface the running test's `acl` fixture gave (vmmshare.acl, or the C library through `cacl`): the helpers
+# below read its recent message.
+SURFACE: list[Any] = [_acl]
+
+
 def clear_err() -> None:
-    set_recent_error("")
+    if SURFACE[-1] is _acl:
+        set_recent_error("")
+    else:  # the C library keeps the last message until another call fails: a call that fails for certain
+        SURFACE[-1].lib.aclrtGetDevice(None)
 
 
 def ret_of(result: Any) -> int:
@@ -292,10 +301,11 @@ def expect_fail(code: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     clear_err()
     result = fn(*args, **kwargs)
     assert ret_of(result) == code, f"{fn.__name__}{args!r} returned {result!r}, expected code {code}"
-    msg = _acl.get_recent_err_msg()
+    msg = SURFACE[-1].get_recent_err_msg()
     assert isinstance(msg, str) and msg.strip(), f"{fn.__name__}{args!r} failed with {code} but left no message"
     assert len(msg) >= 15, f"message too short to act on: {msg!r}"
-    assert fn.__name__ in msg, f"message {msg!r} does not say which call failed ({fn.__name__})"
+    assert fn.__name__ in msg or c_name(fn.__name__) in msg, f"message {msg!r} does not say which call failed " \
+        f"({fn.__name__})"
     if isinstance(result, tuple):  # failed outputs are the neutral defaults, never half-made objects
         assert all(v in (0, None, "") for v in result[:-1]), f"{fn.__name__} failed but returned outputs {result!r}"
     return msg
@@ -303,7 +313,7 @@ def expect_fail(code: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 def ok(result: Any) -> Any:
     """Assert a pyACL call succeeded; return its outputs (one value, a tuple, or None)."""
-    assert ret_of(result) == 0, f"call failed with {result!r}: {_acl.get_recent_err_msg()}"
+    assert ret_of(result) == 0, f"call failed with {result!r}: {SURFACE[-1].get_recent_err_msg()}"
     if not isinstance(result, tuple):
         return None
     return result[0] if len(result) == 2 else result[:-1]
@@ -374,14 +384,48 @@ def child_ok(code: str, env: dict[str, str] | None = None) -> str:
 @pytest.fixture
 def acl():
     """`vmmshare.acl` with device 0 set in this thread; teardown asserts the runtime tables are back where they were."""
-    rt = runtime()
-    assert _acl.rt.set_device(0) == 0
-    gc.collect()  # an earlier test's garbage, collected during this one, would read as this test's doing
-    before = rt.counts()
-    yield _acl
-    after = rt.counts()
-    _acl.rt.reset_device(0)
-    assert after == before, f"the test left runtime objects behind: {before} -> {after}"
+    yield from surface_acl("python")
+
+
+def c_counts() -> dict[str, int]:
+    """What the C library's objects hold in this process, as the system shows it: open fds (memfds among them) and
+    mappings in the arena (reservations, mappings, blocks)."""
+    arena = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start = int(line.split("-", 1)[0], 16)
+            arena += ARENA_START <= start < ARENA_END
+    return {"fds": len(os.listdir("/proc/self/fd")), "arena mappings": arena}
+
+
+def surface_acl(surface: str) -> Iterator[Any]:
+    """The `acl` of a surface ("python": vmmshare.acl; "c": the C library through `cacl`) with device 0 set in
+    this thread; teardown asserts that what the test made is gone again."""
+    if surface == "python":
+        rt = runtime()
+        assert _acl.rt.set_device(0) == 0
+        gc.collect()  # an earlier test's garbage, collected during this one, would read as this test's doing
+        before = rt.counts()
+        yield _acl
+        after = rt.counts()
+        _acl.rt.reset_device(0)
+        assert after == before, f"the test left runtime objects behind: {before} -> {after}"
+        return
+    import cacl
+
+    lib = cacl.load()
+    assert lib.rt.set_device(0) == 0, lib.get_recent_err_msg()
+    ok(lib.rt.get_mem_info(0))  # the broker connection is made before the count (it stays for the process)
+    gc.collect()
+    before = c_counts()
+    SURFACE.append(lib)
+    try:
+        yield lib
+    finally:
+        SURFACE.pop()
+    after = c_counts()
+    lib.rt.reset_device(0)
+    assert after == before, f"the test left C library objects behind: {before} -> {after}"
 
 
 class Vmm:

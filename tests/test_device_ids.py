@@ -22,10 +22,12 @@ CONVERSIONS = ("rt.get_logic_dev_id_by_user_dev_id", "rt.get_user_dev_id_by_logi
 MakeActor = Callable[..., Actor]
 
 
-@pytest.fixture
-def actor(tmp_path: Path) -> Iterator[MakeActor]:
+@pytest.fixture(params=["python", "c"])
+def actor(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MakeActor]:
+    """Actors on a broker of their own, on each surface in turn: vmmshare.acl, and the C library through `cacl`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VMMSHARE_", "ASCEND_RT_"))}
     env["VMMSHARE_DEVICES"] = "8"
+    env["VMMSHARE_ACTOR_SURFACE"] = request.param
     broker = BrokerProc(tmp_path, env=env)
     made: list[Actor] = []
 

@@ -39,12 +39,13 @@ def broker_env() -> dict[str, str]:
     return clean_env(VMMSHARE_SERVER_ID=hex(SERVER_ID))
 
 
-@pytest.fixture
-def actor(broker: BrokerProc) -> Iterator[MakeActor]:
+@pytest.fixture(params=["python", "c"])
+def actor(broker: BrokerProc, request: pytest.FixtureRequest) -> Iterator[MakeActor]:
+    """Actors on this test's broker, on each surface in turn: vmmshare.acl, and the C library through `cacl`."""
     made: list[Actor] = []
 
     def make(device: int | None = 0, **env_over: str) -> Actor:
-        a = Actor({**broker.env, **env_over}, device=device)
+        a = Actor({**broker.env, "VMMSHARE_ACTOR_SURFACE": request.param, **env_over}, device=device)
         made.append(a)
         return a
 

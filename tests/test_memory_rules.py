@@ -38,11 +38,18 @@ from conftest import (
     read,
     rss_kb,
     run_child,
+    surface_acl,
     write,
 )
 from vmmshare.constants import DDR_MEM_ATTRS, HUGE1G_ATTRS, PHYSICAL_MEM_ATTRS
 
 DEVICE_ATTRS = sorted(PHYSICAL_MEM_ATTRS - DDR_MEM_ATTRS)  # the attributes a DEVICE location takes (SPEC §4a)
+
+
+@pytest.fixture(params=["python", "c"])
+def acl(request):
+    """Each rule runs on both surfaces: vmmshare.acl, and the C library (libascendcl.so) through `cacl`."""
+    yield from surface_acl(request.param)
 
 
 # ---------------------------------------------------------------- rule 1: granularity
@@ -657,6 +664,7 @@ def test_rule_7_a_copy_into_an_unmapped_gap_fails_and_writes_nothing(vmm):
     assert f"{lone + G2M:#x}" in expect_fail(PARAM, vmm.rt.memset, lone + G2M - 8, 16, 0, 16)
 
 
+@pytest.mark.parametrize("acl", ["python"], indirect=True)  # acl.util is pyACL's own module, not a C call
 def test_rule_7_cpu_views_run_across_mappings_end_to_end(vmm):
     """acl.util's views check the range as the copies do: across host mappings end to end they work; into a gap
     they refuse (None, a message naming the address)."""

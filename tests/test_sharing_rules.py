@@ -49,13 +49,21 @@ def broker_env() -> dict[str, str]:
     return clean_env(VMMSHARE_SERVER_ID=hex(SERVER_ID))
 
 
+@pytest.fixture(params=["python", "c"])
+def surface(request: pytest.FixtureRequest) -> str:
+    """Each rule runs on both surfaces: vmmshare.acl, and the C library (libascendcl.so) through `cacl`."""
+    return str(request.param)
+
+
 @pytest.fixture
-def actor(broker: BrokerProc) -> Iterator[MakeActor]:
-    """`actor(**env_overrides, prefix=..., device=...)` starts an Actor on this test's broker."""
+def actor(broker: BrokerProc, surface: str) -> Iterator[MakeActor]:
+    """`actor(**env_overrides, prefix=..., device=...)` starts an Actor on this test's broker, on the test's
+    surface."""
     made: list[Actor] = []
 
     def make(prefix: list[str] | None = None, device: int | None = 0, **env_over: str) -> Actor:
         env = dict(broker.env)
+        env["VMMSHARE_ACTOR_SURFACE"] = surface
         env.update(env_over)
         a = Actor(env, prefix=prefix, device=device)
         made.append(a)

@@ -520,7 +520,7 @@ static aclError node_device(int32_t device, const char *name, const char *call)
 static aclError non_negative(int32_t v, const char *name, const char *call)
 {
     if (v < 0)
-        return vs_fail(ACL_ERROR_RT_INVALID_DEVICEID, call, "%s=%d must be greater than or equal to 0", name, v);
+        return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "%s=%d must be greater than or equal to 0", name, v);
     return ACL_SUCCESS;
 }
 

@@ -389,8 +389,8 @@ VS_API aclError aclrtIpcMemSetAttr(const char *keyText, aclrtIpcMemAttrType type
     if (keyText == NULL)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key is NULL");
     if (type != ACL_RT_IPC_MEM_ATTR_ACCESS_LINK)
-        return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "type=%d: the attribute is ACL_RT_IPC_MEM_ATTR_ACCESS_LINK (0)",
-                       (int)type);
+        return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "type=%u: the attribute is ACL_RT_IPC_MEM_ATTR_ACCESS_LINK (0)",
+                       (unsigned)type);
     if (attr > ACL_RT_IPC_MEM_ATTR_ACCESS_LINK_UB_MULTI_PORT_PATH)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "attr=%llu: use ACL_RT_IPC_MEM_ATTR_ACCESS_LINK_SIO (0), HCCS "
                        "(1), UB_ONE_PORT_PATH (2) or UB_MULTI_PORT_PATH (3)", (unsigned long long)attr);

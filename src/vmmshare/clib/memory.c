@@ -101,15 +101,20 @@ aclError vs_check_prop_acl(vs_err *err, const vs_prop *p, bool for_malloc)
     return ACL_SUCCESS;
 }
 
-static bool numa_node_online(int64_t node)
+/* Whether NUMA node `node` is online (the kernel's node list in `text`, "0" on a kernel without NUMA). */
+static bool numa_node_online(int64_t node, char *text, size_t cap)
 {
     FILE *f = fopen("/sys/devices/system/node/online", "re");
-    if (f == NULL)
-        return node == 0;
-    char text[256];
-    size_t n = fread(text, 1, sizeof text - 1, f);
-    fclose(f);
+    size_t n = 0;
+    if (f != NULL) {
+        n = fread(text, 1, cap - 1, f);
+        fclose(f);
+    }
+    while (n && (text[n - 1] == '\n' || text[n - 1] == ' '))
+        n--;
     text[n] = '\0';
+    if (n == 0)
+        snprintf(text, cap, "0");
     char *p = text;
     bool any = false;
     while (*p) {
@@ -163,9 +168,11 @@ aclError vs_check_prop_rt(vs_err *err, const vs_prop *p)
         return vs_set(err, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
                       "a HOST location's id is 0, not %lld: to place host memory on a NUMA node, use "
                       "ACL_MEM_LOCATION_TYPE_HOST_NUMA (4) with the node's id", (long long)p->loc_id);
-    } else if (p->loc_type == ACL_MEM_LOCATION_TYPE_HOST_NUMA && !numa_node_online(p->loc_id)) {
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "NUMA node %lld does not exist on this machine",
-                      (long long)p->loc_id);
+    } else if (p->loc_type == ACL_MEM_LOCATION_TYPE_HOST_NUMA) {
+        char nodes[256];
+        if (!numa_node_online(p->loc_id, nodes, sizeof nodes))
+            return vs_set(err, ACL_ERROR_RT_PARAM_INVALID,
+                          "NUMA node %lld does not exist on this machine: its nodes are %s", (long long)p->loc_id, nodes);
     }
     if (huge1g(p->mem_attr) && host_location(p->loc_type))
         return vs_set(err, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
@@ -208,7 +215,7 @@ VS_API aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, acl
         return vs_raise(&err, call);
     if (option != ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM && option != ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call,
-                       "option=%d: use ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM (0) or RECOMMENDED (1)", (int)option);
+                       "option=%u: use ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM (0) or RECOMMENDED (1)", (unsigned)option);
     if (vs_check_prop_rt(&err, &p))
         return vs_raise(&err, call);
     *granularity = vs_prop_granularity(&p);
@@ -347,7 +354,7 @@ static aclError release(vs_err *err, uintptr_t ptr, enum vs_owner owner)
                       (unsigned long)ptr, owned_by(r != NULL ? r->owner : VS_VMM));
     if (vs_mappings_overlap(ptr, r->size))
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID,
-                      "the reservation at %#lx still holds mappings: aclrtUnmapMem them first", (unsigned long)ptr);
+                      "the reservation at %#lx still holds mappings: unmap them first (aclrtUnmapMem)", (unsigned long)ptr);
     if (munmap((void *)ptr, r->size) != 0)
         return vs_set(err, ACL_ERROR_RT_INTERNAL_ERROR, "munmap: %s", strerror(errno));
     vs_remove_reservation(ptr);

@@ -166,8 +166,8 @@ VS_API aclError aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtM
     START(call);
     ACL_REQUIRE(shareableHandle != NULL, call, "shareableHandle is NULL");
     ACL_REQUIRE(handle != NULL, call, "handle is NULL");
-    ACL_REQUIRE(handleType == ACL_MEM_HANDLE_TYPE_NONE, call, "handleType=%d: use ACL_MEM_HANDLE_TYPE_NONE (0)",
-                (int)handleType);
+    ACL_REQUIRE(handleType == ACL_MEM_HANDLE_TYPE_NONE, call, "handleType=%u: use ACL_MEM_HANDLE_TYPE_NONE (0)",
+                (unsigned)handleType);
     uint8_t out[VS_FABRIC_SIZE];
     size_t n;
     aclError rc = export((uintptr_t)handle, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, flags, out, &n, call);

@@ -1,6 +1,7 @@
 """A second process driven over stdin/stdout: each line is a JSON call into ``vmmshare.acl``, answered by JSON.
 
-Run as ``python actor.py``; the test side is `procs.py`.
+Run as ``python actor.py``; the test side is `procs.py`. With VMMSHARE_ACTOR_SURFACE=c the calls go to the C
+library instead (libascendcl.so through the pyACL-shaped binding of `cacl.py`), so one test drives either surface.
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ def _special(name: str, args: list[Any]) -> Any:
         start = threading.Barrier(args[2])
         got: list[Any] = [None] * args[2]
 
+        api = surface()
+
         def one(k: int) -> None:
-            acl.rt.set_device(0)
+            api.rt.set_device(0)
             start.wait()
-            got[k] = acl.rt.mem_import_from_shareable_handle_v2(args[0], args[1], 0)[0]
+            got[k] = api.rt.mem_import_from_shareable_handle_v2(args[0], args[1], 0)[0]
 
         threads = [threading.Thread(target=one, args=(k,)) for k in range(args[2])]
         for t in threads:
@@ -86,7 +89,17 @@ def _special(name: str, args: list[Any]) -> Any:
     raise ValueError(f"unknown special call {name}")
 
 
+def surface() -> Any:
+    """The calls' surface: vmmshare.acl, or the C library (VMMSHARE_ACTOR_SURFACE=c)."""
+    if os.environ.get("VMMSHARE_ACTOR_SURFACE", "python") == "c":
+        import cacl
+
+        return cacl.load()
+    return acl
+
+
 def main() -> None:
+    api = surface()
     for line in sys.stdin:
         req = json.loads(line)
         name, args = req["call"], decode(req.get("args", []))
@@ -94,11 +107,11 @@ def main() -> None:
             if name.startswith("!"):
                 result = _special(name[1:], args)
             else:
-                fn: Any = acl
+                fn: Any = api
                 for part in name.split("."):
                     fn = getattr(fn, part)
                 result = fn(*args)
-            out = {"ok": encode(result), "err": acl.get_recent_err_msg()}
+            out = {"ok": encode(result), "err": api.get_recent_err_msg()}
         except Exception as exc:  # report, keep serving
             out = {"exc": repr(exc)}
         sys.stdout.write(json.dumps(out) + "\n")

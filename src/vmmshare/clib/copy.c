@@ -46,7 +46,7 @@ static aclError malloc_block(void **devPtr, size_t size, aclrtMemMallocPolicy po
     ACL_REQUIRE(devPtr != NULL, call, "devPtr is NULL");
     ACL_REQUIRE(size != 0, call, "size is 0");
     ACL_REQUIRE(size <= MAX_MALLOC, call, "size=%zu overflows when rounded up to the page size", size);
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     vs_prop p = {ACL_MEM_HANDLE_TYPE_NONE, ACL_MEM_ALLOCATION_TYPE_PINNED, policy_attr((uint32_t)policy),

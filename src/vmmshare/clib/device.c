@@ -183,7 +183,7 @@ VS_API aclError aclrtGetDevice(int32_t *deviceId)
     START("aclrtGetDevice");
     if (deviceId == NULL)
         return vs_fail(ACL_ERROR_INVALID_PARAM, "aclrtGetDevice", "deviceId is NULL");
-    int d;
+    int d = 0;
     if (vs_current_device(&err, &d))
         return vs_raise(&err, "aclrtGetDevice");
     *deviceId = d;
@@ -433,7 +433,7 @@ VS_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
 static aclError sync_device(const char *call)
 {
     START(call);
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     vs_lock();
@@ -485,7 +485,7 @@ static aclError peer_access(int32_t peer, const char *call)
     START(call);
     if (vs_device_id(&err, peer))
         return vs_raise(&err, call);
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     if (device == peer)

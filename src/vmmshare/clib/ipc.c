@@ -150,7 +150,7 @@ VS_API aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *keyOut,
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                        "flags=%llu: use ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT (0) or DISABLE_PID_VALIDATION (1)",
                        (unsigned long long)flags);
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     if (len < VS_KEY_BUFFER)
@@ -240,7 +240,7 @@ VS_API aclError aclrtIpcMemSetImportPid(const char *keyText, int32_t *pid, size_
     ACL_REQUIRE(pid != NULL, call, "pid_list is NULL");
     if (num == 0)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "pid_list is empty");
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     uint32_t *pids = malloc(sizeof(uint32_t) * num);
@@ -275,7 +275,7 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
                            serverPids[i].num, VS_MAX_TRUSTLIST);
         total += serverPids[i].num;
     }
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     key k;
@@ -330,7 +330,7 @@ VS_API aclError aclrtIpcMemImportByKey(void **devPtr, const char *keyText, uint6
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                        "flags=%llu: use ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT (0) or ENABLE_PEER_ACCESS (1)",
                        (unsigned long long)flags);
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     key k;

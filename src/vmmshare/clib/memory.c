@@ -192,7 +192,7 @@ VS_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *t
     if ((unsigned)attr >= 18)
         return vs_fail(ACL_ERROR_RT_INVALID_MEMORY_TYPE, call,
                        "attr=%d is not an aclrtMemAttr (0 ACL_DDR_MEM .. 17 ACL_MEM_P2P_HUGE1G)", (int)attr);
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device) || vs_device_id(&err, device))
         return vs_raise(&err, call);
     uint64_t f, t;
@@ -236,7 +236,7 @@ VS_API aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, cons
     vs_prop p = vs_prop_from(prop);
     if (vs_check_prop_acl(&err, &p, true))
         return vs_raise(&err, call);
-    int device;
+    int device = 0;
     if (p.loc_type == ACL_MEM_LOCATION_TYPE_HOST_NUMA && vs_current_device(&err, &device))
         return vs_raise(&err, call);
     if (vs_check_prop_rt(&err, &p))
@@ -559,7 +559,8 @@ VS_API aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc 
         goto out;
     }
     size_t n = m->naccess;
-    memcpy(table, m->access, sizeof(vs_access) * n);
+    if (n)
+        memcpy(table, m->access, sizeof(vs_access) * n);
     for (size_t i = 0; i < count; i++) {
         uint32_t t = (uint32_t)desc[i].location.type;
         int64_t id = loc_id(&desc[i].location);

@@ -68,7 +68,9 @@ static const char *raw(const char *name)
 
 static int bad(vs_config *c, const char *fmt, const char *name, const char *value)
 {
-    snprintf(c->error, sizeof c->error, fmt, name, value);
+    char shown[201];
+    snprintf(shown, sizeof shown, "%s", value); /* a value is shown up to 200 bytes */
+    snprintf(c->error, sizeof c->error, fmt, name, shown);
     return -1;
 }
 
@@ -150,10 +152,11 @@ static int read_socket(vs_config *c)
         else
             snprintf(path, sizeof path, "/tmp/vmmshare-%u/broker.sock", (unsigned)getuid());
     }
-    if (strlen(path) > 107)
-        return bad(c, "%s: the socket path '%s' is longer than 107 bytes: choose a shorter one",
+    size_t n = strlen(path);
+    if (n > 107)
+        return bad(c, "%s: the socket path '%.200s' is longer than 107 bytes: choose a shorter one",
                    v != NULL && *v ? "VMMSHARE_SOCKET" : "XDG_RUNTIME_DIR", path);
-    snprintf(c->socket, sizeof c->socket, "%s", path);
+    memcpy(c->socket, path, n + 1);
     return 0;
 }
 

@@ -387,7 +387,7 @@ VS_API aclError aclrtMemImportFromShareableHandleV2(void *shareableHandle, aclrt
     ACL_REQUIRE(shareableHandle != NULL, call, "shareableHandle is NULL");
     ACL_REQUIRE(flags == 0, call, "flags=%llu: reserved, must be 0", (unsigned long long)flags);
     ACL_REQUIRE(handle != NULL, call, "handle is NULL");
-    int device;
+    int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
     shareable s;

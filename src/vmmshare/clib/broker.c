@@ -703,6 +703,19 @@ aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, co
     f.v[1] = share_type;
     f.bytes[0] = secret != NULL ? secret : none;
     aclError rc = request(err, VS_IMPORT, &f, -1, 0, NULL, 0, VS_IMPORTED, r);
+    struct stat st;
+    if (rc == ACL_SUCCESS && r->f.v[2] == 0 &&
+        (fstat(r->fds[0], &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != r->f.v[1])) {
+        /* host memory comes as a memfd of its size: anything else is not the memory asked for */
+        close(r->fds[0]);
+        uint64_t wrong = new_token(r->f.v[0], false, 0, 0);
+        rc = vs_set(err, ACL_ERROR_RT_IPC_ERROR,
+                    "bad reply from the broker: the memory it sent is not a shared-memory file of %llu bytes",
+                    (unsigned long long)r->f.v[1]);
+        end();
+        vs_node_release(wrong); /* the hold it took goes again */
+        return rc;
+    }
     if (rc == ACL_SUCCESS) {
         *fd = r->fds[0];
         *size = r->f.v[1];

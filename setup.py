@@ -28,8 +28,8 @@ def c_library_command(out: Path, sanitize: bool = False) -> list[str]:
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     sources = sorted(str(HERE / CLIB / name) for name in os.listdir(HERE / CLIB) if name.endswith(".c"))
     flags = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread",
-             "-Wall", "-Wextra", "-Werror", f"-I{HERE / 'src/vmmshare/sdk/include'}",
-             f'-DVS_PYTHON="{sys.executable}"', f"-Wl,--version-script={HERE / CLIB / 'exports.map'}", f"-Wl,-soname,{out.name}"]
+             "-Wall", "-Wextra", "-Werror", f"-I{HERE / 'src/vmmshare/sdk/include'}", f'-DVS_PYTHON="{sys.executable}"',
+             f"-Wl,--version-script={HERE / CLIB / 'exports.map'}", f"-Wl,-soname,{out.name}"]
     if sanitize:
         flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
     else:

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install vmmshare with its development and test tools into it. The install is skipped when
-# .venv already holds it for this pyproject.toml and this script (a stamp of their hash), so repeated runs are quick;
-# a fresh clone, or a change to either file, installs in full.
+# Create .venv (once) and install vmmshare with its development and test tools into it (the install builds the C
+# library too). The install is skipped when .venv already holds it for this pyproject.toml, this script, setup.py and
+# the C library's sources (a stamp of their hash), so repeated runs are quick; a fresh clone, or a change to any of
+# them, installs in full.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 stamp=.venv/.vmmshare-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh setup.py src/vmmshare/clib/* | sha256sum | cut -d' ' -f1)  # C: rebuilt
 here=$(.venv/bin/python -c 'import vmmshare, os; print(os.path.dirname(vmmshare.__file__))' 2>/dev/null || true)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ "$here" = "$PWD/src/vmmshare" ]; then
   exit 0

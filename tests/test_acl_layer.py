@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 import vmmshare.acl as _acl
-
 from conftest import (
     ACL_PARAM,
     BAD_DEVICE,
@@ -20,8 +19,8 @@ from conftest import (
     DEVICE,
     G2M,
     HOST,
-    NOT_SUPPORTED,
     NO_CONTEXT,
+    NOT_SUPPORTED,
     PARAM,
     GiB,
     expect_fail,

@@ -631,7 +631,7 @@ class _Calls:
                 lambda: (out.value or 0,))
 
     @_register(())
-    def ipc_mem_set_attr(key: object, type: object, attr: object) -> Any:  # noqa: A002  (the C parameter's name)
+    def ipc_mem_set_attr(key: object, type: object, attr: object) -> Any:
         return _none(_text("key", key), _u32("type", type), C.c_uint64(_u64("attr", attr)))
 
     @_register(())

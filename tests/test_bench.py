@@ -38,6 +38,11 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
         assert "blocking fd round trip in C, any core" in out.stdout
     else:
         assert set(res["floor_ratios"]) == python_ratios
+    c = res["c_share"]  # the C row: the C library's share and its anchors, measured in the same run
+    for key in ("c_importer", "c_exporter", "shm_attach", "shm_create", "floor"):
+        assert 0 < c[key]["p10"] <= c[key]["median"] <= c[key]["p90"], key
+    assert c["importer_vs_floor"] > 0 and {"c_importer_2MiB_vs_floor", "c_share_2MiB_vs_3_floors"} <= set(res["targets"])
+    assert "The C library: a 2 MiB share between two C processes" in out.stdout
     assert 0 <= res["idle_cpu"] < 1
     assert res["bandwidth"]["read_ratio"] > 0
     assert {"lazy", "prepopulated"} == set(res["bandwidth"]["first_touch"])

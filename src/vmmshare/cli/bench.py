@@ -8,6 +8,9 @@ Measured side by side (medians over repetitions, with the 10th–90th percentile
 - the floors: a raw request/reply with an fd between two Python processes (and the mmap of it), and the physical
   one, the same with both ends in C (on any core, and with both ends on one core), and each importer step's ratio
   to them;
+- the C library: a 2 MiB share between two C processes (the importer's import + reserve + map, the exporter's
+  allocate + map + export + trustlist), against C shm_open + mmap and the floor of one request and a reply with an
+  fd between the same two C processes (bench_c.c);
 - broker throughput: import+free round trips per second with 1, 4 and 16 client processes, the CPU time each
   round trip costs the clients and the broker, and the broker's CPU use when idle;
 - steady-state read bandwidth of an imported mapping against a private buffer of the same size;
@@ -30,6 +33,7 @@ from typing import Any
 
 from .bench_broker import c_floor, floor, idle_cpu, throughput
 from .bench_busy import LOADS, SPINS, PassError, waits
+from .bench_c import c_share
 from .bench_measures import (
     GiB,
     KiB,
@@ -89,6 +93,10 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
     s256, p256 = med(256 * MiB, "share"), med(256 * MiB, "pipe")
     if s256 and p256:
         t["pipe_256MiB_vs_share"] = {"value": p256 / s256, "target": ">= 1000"}
+    c = res.get("c_share")
+    if c:
+        t["c_importer_2MiB_vs_floor"] = {"value": c["importer_vs_floor"], "target": "<= 2.0"}
+        t["c_share_2MiB_vs_3_floors"] = {"value": c["exporter_vs_3_floors"], "target": "<= 2.0"}
     if "bandwidth" in res:
         t["read_bw_imported_vs_private"] = {"value": res["bandwidth"]["read_ratio"], "target": ">= 0.95"}
     if "throughput" in res and "16" in res["throughput"]:
@@ -132,6 +140,8 @@ TARGET_NAMES = {  # each target as the question it answers
     "broker_16_clients_ops": "broker round trips/s, 16 clients",
     "spins_win_idle": "spins win idle: importer, spins on vs off",
     "spins_do_not_lose_busy": "spins do not lose busy: importer, on vs off",
+    "c_importer_2MiB_vs_floor": "C importer at 2 MiB, vs the C floor (request + fd reply)",
+    "c_share_2MiB_vs_3_floors": "C exporter's share at 2 MiB, vs three C floors",
 }
 
 
@@ -194,6 +204,15 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
         rows += [(name, "", f"{v:.2f}x") for name, v in res.get("floor_ratios", {}).items()]
         _table("The floors: what two Python processes, and two C ones, pay to pass an fd; µs, median (p10–p90)",
                ("", "µs", "vs floor"), rows, out)
+    if res.get("c_share"):
+        c = res["c_share"]
+        _table("The C library: a 2 MiB share between two C processes; µs, median (p10–p90)", ("", "µs", "ratio"),
+               [("importer: import + reserve + map", _cell(c["c_importer"]), f"{c['importer_vs_floor']:.2f}x floor"),
+                ("exporter: allocate + map + export + trustlist", _cell(c["c_exporter"]),
+                 f"{c['exporter_vs_3_floors']:.2f}x 3 floors"),
+                ("shm_open + mmap (attach)", _cell(c["shm_attach"]), ""),
+                ("shm_open + ftruncate + mmap (create)", _cell(c["shm_create"]), ""),
+                ("request + fd reply, C to C (the floor)", _cell(c["floor"]), "floor")], out)
     if "throughput" in res:
         _table("How many import+free round trips a broker serves", ("clients", "round trips/s", "client CPU µs",
                                                                      "broker CPU µs"),
@@ -404,6 +423,7 @@ def run(
     res["floor"] = floor(reps_override or (300 if quick else 3000), step)
     res["c_floor"] = c_floor(reps_override or (1000 if quick else 10000), step)
     res["floor_ratios"] = floor_ratios(res)
+    res["c_share"] = c_share(reps_override or (200 if quick else 1000), step)
     res["throughput"] = throughput(clients, seconds, step)
     step("the broker's CPU while idle")
     res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,6 +66,9 @@ typedef struct reply {
     unsigned kind;
     vs_fields f;
 } reply;
+
+static int spin_skip, spin_misses; /* requests left to wait for without polling; the last miss's count */
+static int loadavg_fd = -1;
 
 static reply scratch; /* the reply being read (under conn_lock) */
 static reply *scratch_reply = &scratch;
@@ -174,6 +178,63 @@ static int recv_packet(int fd, reply *r, int flags)
     }
     r->truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || r->n > VS_WIRE_MAX_FRAME;
     return 0;
+}
+
+/* ---------------------------------------------------------------- waiting for a reply */
+
+/* Whether a core is free to poll on: fewer tasks runnable than cores (the kernel's count in /proc/loadavg). */
+static bool core_free(void)
+{
+    static long cores;
+    if (cores == 0)
+        cores = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cores < 2)
+        return false;
+    if (loadavg_fd < 0)
+        loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    char text[128];
+    ssize_t n = loadavg_fd >= 0 ? pread(loadavg_fd, text, sizeof text - 1, 0) : -1;
+    if (n <= 0)
+        return false;
+    text[n] = '\0';
+    char *slash = strchr(text, '/'); /* "0.00 0.01 0.05 R/T ...": R runnable, this process among them */
+    if (slash == NULL)
+        return false;
+    char *start = slash;
+    while (start > text && start[-1] >= '0' && start[-1] <= '9')
+        start--;
+    return strtol(start, NULL, 10) <= cores;
+}
+
+/* Wait until `fd` has the reply: polled for up to VMMSHARE_SPIN_US while a core is free (a wake-up from sleep
+ * costs more than the broker takes to answer), then in poll(2); 1 when readable, 0 at the timeout. After a poll
+ * that missed, the next requests wait without polling (1, 3, 7, 15, at most 16 in a row), as the Python client's. */
+static int wait_reply(int fd)
+{
+    long spin = vs_rt.config.spin_us;
+    if (spin > 0 && spin_skip > 0) {
+        spin_skip--;
+    } else if (spin > 0 && core_free()) {
+        double deadline = now() + (double)spin / 1e6;
+        struct pollfd p = {fd, POLLIN, 0};
+        for (;;) {
+            if (poll(&p, 1, 0) > 0) {
+                spin_misses = 0;
+                return 1;
+            }
+            if (now() >= deadline)
+                break;
+            sched_yield();
+        }
+        spin_misses = spin_misses * 2 + 1 > 16 ? 16 : spin_misses * 2 + 1;
+        spin_skip = spin_misses;
+    }
+    struct pollfd p = {fd, POLLIN, 0};
+    int ready;
+    do
+        ready = poll(&p, 1, REPLY_TIMEOUT_MS);
+    while (ready < 0 && errno == EINTR);
+    return ready > 0;
 }
 
 /* ---------------------------------------------------------------- reaching the broker */
@@ -443,12 +504,7 @@ static int attempt(vs_err *err, int fd, const uint8_t *frame, size_t n, const in
         vs_set(err, ACL_ERROR_RT_IPC_ERROR, "lost the broker at %s: %s", vs_rt.config.socket, strerror(e));
         return ATTEMPT_RETRY;
     }
-    struct pollfd p = {fd, POLLIN, 0};
-    int ready;
-    do
-        ready = poll(&p, 1, REPLY_TIMEOUT_MS);
-    while (ready < 0 && errno == EINTR);
-    if (ready == 0) {
+    if (!wait_reply(fd)) {
         reset();
         return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "no reply from the broker at %s within %d s", vs_rt.config.socket,
                       REPLY_TIMEOUT_MS / 1000);
@@ -752,6 +808,7 @@ void vs_node_after_fork(void)
         conn = -1;
     }
     holds.count = 0;
+    spin_skip = spin_misses = 0;
 }
 
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,

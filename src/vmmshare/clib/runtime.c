@@ -233,6 +233,22 @@ static int read_backend(vs_config *c)
     return bad(c, "%s='%s': use 'host', 'cuda' or 'auto'", "VMMSHARE_BACKEND", v);
 }
 
+static int read_spin(vs_config *c)
+{
+    const char *v = raw("VMMSHARE_SPIN_US");
+    c->spin_us = 100;
+    if (v == NULL)
+        return 0;
+    char *end;
+    double us = strtod(v, &end);
+    while (*end == ' ' || *end == '\n')
+        end++;
+    if (end == v || *end || !(us >= 0) || us > 1e9)
+        return bad(c, "%s='%s' is not a number of microseconds (0 or more)", "VMMSHARE_SPIN_US", v);
+    c->spin_us = (long)us;
+    return 0;
+}
+
 static int read_broker_user(vs_config *c)
 {
     const char *v = raw("VMMSHARE_BROKER_USER");
@@ -333,7 +349,7 @@ static void start_once(void)
     c->broker_user = -1;
     c->nvisible = -1;
     if (read_devices(c) || read_memory(c) || read_socket(c) || read_server_id(c) || read_backend(c) ||
-        read_broker_user(c))
+        read_broker_user(c) || read_spin(c))
         return;
     c->prepopulate = read_flag("VMMSHARE_PREPOPULATE");
     read_visible(c);

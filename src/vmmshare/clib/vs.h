@@ -132,6 +132,7 @@ typedef struct vs_config {
     char socket[108];
     uint32_t server_id;
     bool prepopulate;
+    long spin_us;            /* VMMSHARE_SPIN_US: how long a request polls for its reply before it sleeps */
     bool cuda;               /* VMMSHARE_BACKEND=cuda */
     long broker_user;        /* -1: none */
     int visible[VS_MAX_DEVICES];

@@ -1,11 +1,11 @@
-"""IPC memory sharing without a trustlist, ported from the runtime's sample
-``example/1_basic_features/memory/11_ipc_memory_withoutpid`` to `vmmshare.acl`.
+"""IPC memory sharing without a trustlist, with `vmmshare.acl`: a program written for vmmshare from the runtime's
+API documentation, following the flow its documentation gives for the IPC sample without pid validation.
 
 Two processes on one device. Process A allocates device memory, writes 123 into it and exports an IPC key with
 ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION (1), so any process that can reach the node's broker may import
 it: A never needs B's pid. B imports the key, reads the value through its own pointer and signals completion;
-both close the key and release what they hold. The sample's two processes pass the key and the completion flag
-through files; here A starts B and they pass them through B's standard input and output (B's log goes to
+both close the key and release what they hold. Where the documented flow passes the key and the completion flag
+through files, here A starts B and they pass them through B's standard input and output (B's log goes to
 standard error). Run: ``python examples/ipc_memory_withoutpid.py``.
 """
 

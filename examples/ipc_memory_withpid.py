@@ -1,10 +1,10 @@
-"""IPC memory sharing with the pid trustlist on, ported from the runtime's sample
-``example/1_basic_features/memory/10_ipc_memory_withpid`` to `vmmshare.acl`.
+"""IPC memory sharing with the pid trustlist on, with `vmmshare.acl`: a program written for vmmshare from the
+runtime's API documentation, following the flow its documentation gives for the IPC sample with pid validation.
 
 Two processes on one device. Process B gives its bare tgid first; process A allocates device memory, writes 123
 into it, exports an IPC key (flags 0: pid validation on), puts B on the key's trustlist and hands B the key; B
 imports the key, reads the value through its own pointer and signals completion; both close the key and release
-what they hold. The sample's two processes pass the pid, the key and the completion flag through files; here A
+what they hold. Where the documented flow passes the pid, the key and the completion flag through files, here A
 starts B and they pass them through B's standard input and output (B's log goes to standard error). Run:
 ``python examples/ipc_memory_withpid.py``.
 """

@@ -1,4 +1,5 @@
-"""Device memory shared by IPC key (the runtime's aclrtIpcMem* sample flow), with `vmmshare.acl`.
+"""Device memory shared by IPC key (the aclrtIpcMem* flow the runtime documents), with `vmmshare.acl`; written
+for vmmshare from the runtime's API documentation.
 
 Process A allocates device memory with aclrtMalloc, fills it on a stream, exports an IPC key with the pid
 trustlist on, and trusts process B's bare tgid. Process B imports the key, reads the memory through the pointer it

@@ -1,4 +1,5 @@
-"""Physical memory sharing with a PID trustlist, ported from the runtime's sample to `vmmshare.acl`.
+"""Physical memory sharing with a PID trustlist, with `vmmshare.acl` (written for vmmshare from the runtime's API
+documentation).
 
 The exporter allocates physical memory, maps and fills it, exports it (trustlist on), adds the
 importer's pid, and hands the shareable handle over a pipe; the importer maps the same memory and

@@ -652,6 +652,10 @@ aclError vs_make_alloc(vs_err *err, size_t size, const vs_prop *prop, enum vs_ow
     int device = -1;
     if (prop->loc_type == ACL_MEM_LOCATION_TYPE_DEVICE)
         device = vs_logical((int)prop->loc_id);
+    if (device >= 0 && vs_rt.config.cuda)
+        return vs_set(err, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+                      "VMMSHARE_BACKEND=cuda: the C library holds host memory only in this release, so it makes no "
+                      "GPU memory; unset VMMSHARE_BACKEND (or set it to host) for device memory on the host");
     if (device >= 0 && size > vs_rt.config.device_memory)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION,
                       "device %d has %llu of %llu bytes free; %zu bytes do not fit (free memory, or raise "

@@ -190,8 +190,6 @@ static bool core_free(void)
         cores = sysconf(_SC_NPROCESSORS_ONLN);
     if (cores < 2)
         return false;
-    if (loadavg_fd < 0)
-        loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
     char text[128];
     ssize_t n = loadavg_fd >= 0 ? pread(loadavg_fd, text, sizeof text - 1, 0) : -1;
     if (n <= 0)
@@ -797,6 +795,14 @@ aclError vs_node_bare_tgid(vs_err *err, uint32_t *pid)
         *pid = (uint32_t)r->f.v[0];
     end();
     return rc;
+}
+
+/* Open what a request's wait reads (the run queue's count), once, when the runtime starts: a process's first
+ * request then opens nothing of its own but the connection. */
+void vs_node_prepare(void)
+{
+    if (vs_rt.config.spin_us > 0 && loadavg_fd < 0)
+        loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
 }
 
 /* In a forked child: the parent's connection and holds are not ours. */

@@ -353,6 +353,7 @@ static void start_once(void)
         return;
     c->prepopulate = read_flag("VMMSHARE_PREPOPULATE");
     read_visible(c);
+    vs_node_prepare();
     pthread_atfork(NULL, NULL, after_fork_child);
 }
 

@@ -242,6 +242,7 @@ aclError vs_node_bare_tgid(vs_err *err, uint32_t *pid);
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
                                  const uint32_t *pids, size_t n);
 void vs_node_after_fork(void);
+void vs_node_prepare(void);
 
 /* ---------------------------------------------------------------- sharing (share.c) and others */
 

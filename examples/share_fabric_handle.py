@@ -1,5 +1,6 @@
 """Physical memory sharing with a FABRIC handle (aclrtMemFabricHandle, 128 bytes) on the same server,
-with `vmmshare.acl` (written for vmmshare from the runtime's API documentation). The 128 bytes travel as hex on the command line; an
+with `vmmshare.acl` (written for vmmshare from the runtime's API documentation). The 128 bytes travel as hex on
+the command line; an
 importer on another server would need the cross-server transport.
 Run from the repository root, after ``scripts/setup.sh``: ``.venv/bin/python examples/share_fabric_handle.py``.
 """

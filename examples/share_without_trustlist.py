@@ -1,5 +1,6 @@
 """Physical memory sharing without a trustlist (ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION), with the
-V1 calls, with `vmmshare.acl` (written for vmmshare from the runtime's API documentation): any process that can reach the node's broker
+V1 calls, with `vmmshare.acl` (written for vmmshare from the runtime's API documentation): any process that can
+reach the node's broker
 may import, so the exporter never needs the importer's pid. Needs numpy. Run from the repository root, after
 ``scripts/setup.sh``: ``.venv/bin/python examples/share_without_trustlist.py``.
 """

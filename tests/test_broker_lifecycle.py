@@ -49,6 +49,7 @@ class Procs:
     def __init__(self) -> None:
         self.brokers: list[BrokerProc] = []
         self.actors: list[Actor] = []
+        self.surface = "python"  # the actors' surface: vmmshare.acl, or "c", the C library through `cacl`
 
     def broker(self, folder: Path, *extra: str, **env: str) -> BrokerProc:
         b = BrokerProc(folder, *extra, env=clean_env(**env))
@@ -56,7 +57,7 @@ class Procs:
         return b
 
     def actor(self, env: dict[str, str]) -> Actor:
-        a = Actor(env)
+        a = Actor({**env, "VMMSHARE_ACTOR_SURFACE": self.surface})
         self.actors.append(a)
         return a
 
@@ -174,7 +175,9 @@ def brokers_serving(path: Path) -> list[int]:
 # ---------------------------------------------------------------- (a) the exporter dies
 
 
-def test_sigkill_of_the_exporter(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_sigkill_of_the_exporter(procs: Procs, tmp_path: Path, surface: str) -> None:
+    procs.surface = surface
     broker = procs.broker(tmp_path, VMMSHARE_DEVICE_MEMORY="64M")
     exporter, importer = procs.actor(broker.env), procs.actor(broker.env)
     p, h = malloc_mapped(exporter, MiB4, 0xA5)
@@ -201,7 +204,9 @@ def test_sigkill_of_the_exporter(procs: Procs, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- (b) an importer dies
 
 
-def test_sigkill_of_an_importer(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_sigkill_of_an_importer(procs: Procs, tmp_path: Path, surface: str) -> None:
+    procs.surface = surface
     broker = procs.broker(tmp_path, VMMSHARE_DEVICE_MEMORY="64M")
     exporter, importer = procs.actor(broker.env), procs.actor(broker.env)
     p, h = malloc_mapped(exporter, MiB4, 0x5A)
@@ -235,7 +240,10 @@ def test_sigkill_of_an_importer(procs: Procs, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- (c) the broker dies
 
 
-def test_sigkill_of_the_broker_keeps_mappings_and_clients_reconnect(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_sigkill_of_the_broker_keeps_mappings_and_clients_reconnect(procs: Procs, tmp_path: Path,
+                                                                    surface: str) -> None:
+    procs.surface = surface
     broker = procs.broker(tmp_path, VMMSHARE_DEVICE_MEMORY="64M")
     exporter, importer = procs.actor(broker.env), procs.actor(broker.env)
     p, h = malloc_mapped(exporter, MiB4, 0x11)
@@ -302,7 +310,9 @@ def _call_all(actors: list[Actor], name: str, *args: Any) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_auto_start_one_broker_for_many_clients_then_idle_exit(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_auto_start_one_broker_for_many_clients_then_idle_exit(procs: Procs, tmp_path: Path, surface: str) -> None:
+    procs.surface = surface
     folder = tmp_path / "auto"
     sock = folder / "broker.sock"
     env = clean_env(VMMSHARE_SOCKET=str(sock), VMMSHARE_BROKER_IDLE="1", VMMSHARE_DEVICE_MEMORY="64M")

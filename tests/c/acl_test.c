@@ -310,6 +310,34 @@ static void copies_and_streams(void)
     unmap_free(p, h);
 }
 
+/* ---------------------------------------------------------------- fork */
+
+/* A forked child, as a Python child: the parent's handles are not its own (107017), the mappings it inherited
+ * still show the memory, and it allocates and shares afresh on its own connection. */
+static void forked_child(void)
+{
+    aclrtDrvMemHandle h;
+    unsigned char *p = alloc_mapped(&h, 0x4D);
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        int rc = 0;
+        if (aclrtFreePhysical(h) != ACL_ERROR_RT_INVALID_HANDLE)
+            rc = 2;
+        if (p[MIB2 - 1] != 0x4D) /* the inherited mapping */
+            rc = 3;
+        aclrtDrvMemHandle mine;
+        aclrtPhysicalMemProp prop = device_prop();
+        if (aclrtSetDevice(0) || aclrtMallocPhysical(&mine, MIB2, &prop, 0) || aclrtFreePhysical(mine))
+            rc = 4;
+        _exit(rc);
+    }
+    int status = -1;
+    waitpid(child, &status, 0);
+    TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    unmap_free(p, h); /* the parent's are untouched */
+}
+
 /* ---------------------------------------------------------------- eight threads */
 
 static void *thread_share(void *arg)
@@ -362,6 +390,7 @@ int main(void)
     ipc_keys();
     bad_arguments();
     copies_and_streams();
+    forked_child();
     eight_threads();
     TRUE(fd_count() == fds);
     EXPECT(aclrtResetDevice(0), 0);

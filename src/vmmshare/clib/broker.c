@@ -728,14 +728,21 @@ aclError vs_node_revoke(vs_err *err, uint64_t token)
     return rc;
 }
 
-aclError vs_node_set_pids(vs_err *err, uint64_t shareable, uint32_t share_type, const uint32_t *pids, size_t n)
+/* The trustlist's pids as a u32 tail, little-endian (at most 4096: the call's own check comes first). */
+static const uint8_t *pids_tail(const uint32_t *pids, size_t n)
 {
     static _Thread_local uint8_t tail[VS_WIRE_MAX_PIDS * 4];
-    if (n > VS_WIRE_MAX_PIDS)
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids: at most %d per call", n, VS_WIRE_MAX_PIDS);
     for (size_t i = 0; i < n; i++)
         for (int b = 0; b < 4; b++)
             tail[4 * i + (size_t)b] = (uint8_t)(pids[i] >> (8 * b));
+    return tail;
+}
+
+aclError vs_node_set_pids(vs_err *err, uint64_t shareable, uint32_t share_type, const uint32_t *pids, size_t n)
+{
+    if (n > VS_WIRE_MAX_PIDS)
+        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids: at most %d per call", n, VS_WIRE_MAX_PIDS);
+    const uint8_t *tail = pids_tail(pids, n);
     BEGIN_OR_FAIL(r);
     vs_fields f = {0};
     f.v[0] = shareable;
@@ -820,12 +827,9 @@ void vs_node_after_fork(void)
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
                                  const uint32_t *pids, size_t n)
 {
-    static _Thread_local uint8_t tail[VS_WIRE_MAX_PIDS * 4];
     if (n > VS_WIRE_MAX_PIDS)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids: at most %d per call", n, VS_WIRE_MAX_PIDS);
-    for (size_t i = 0; i < n; i++)
-        for (int b = 0; b < 4; b++)
-            tail[4 * i + (size_t)b] = (uint8_t)(pids[i] >> (8 * b));
+    const uint8_t *tail = pids_tail(pids, n);
     BEGIN_OR_FAIL(r);
     vs_fields f = {0};
     f.v[0] = shareable;

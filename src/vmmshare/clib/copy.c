@@ -11,17 +11,6 @@
 
 #include "vs.h"
 
-#define START(call)                                  \
-    vs_err err;                                      \
-    if (vs_start(&err) != ACL_SUCCESS)               \
-        return vs_raise(&err, call);
-
-#define ACL_REQUIRE(ok, call, ...)                                        \
-    do {                                                                  \
-        if (!(ok))                                                        \
-            return vs_fail(ACL_ERROR_INVALID_PARAM, call, __VA_ARGS__);   \
-    } while (0)
-
 #define MAX_HOST_ALLOC ((size_t)1 << 46)
 #define MAX_MALLOC (SIZE_MAX - VS_HUGE1G_GRANULARITY)
 

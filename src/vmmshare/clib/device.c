@@ -127,12 +127,6 @@ static void forget_context(vs_context *ctx)
     free(ctx);
 }
 
-/* Every call starts here: the runtime set up (its configuration usable). */
-#define START(call)                                  \
-    vs_err err;                                      \
-    if (vs_start(&err) != ACL_SUCCESS)               \
-        return vs_raise(&err, call);
-
 VS_API aclError aclrtSetDevice(int32_t deviceId)
 {
     START("aclrtSetDevice");

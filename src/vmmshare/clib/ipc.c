@@ -11,17 +11,6 @@
 
 #include "vs.h"
 
-#define START(call)                                  \
-    vs_err err;                                      \
-    if (vs_start(&err) != ACL_SUCCESS)               \
-        return vs_raise(&err, call);
-
-#define ACL_REQUIRE(ok, call, ...)                                        \
-    do {                                                                  \
-        if (!(ok))                                                        \
-            return vs_fail(ACL_ERROR_INVALID_PARAM, call, __VA_ARGS__);   \
-    } while (0)
-
 #define MAX_KEY_LEN 1024
 
 typedef struct key {
@@ -200,20 +189,6 @@ VS_API aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *keyOut,
     return ACL_SUCCESS;
 }
 
-static aclError check_ipc_pids(vs_err *err, const int32_t *pid, size_t n, uint32_t *out)
-{
-    if (n > VS_MAX_TRUSTLIST)
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "pid_list has %zu pids; at most %d per handle", n,
-                      VS_MAX_TRUSTLIST);
-    for (size_t i = 0; i < n; i++) {
-        if (pid[i] < 1)
-            return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "pid_list[%zu]=%d is out of range [1, %d]", i, pid[i],
-                          INT32_MAX);
-        out[i] = (uint32_t)pid[i];
-    }
-    return ACL_SUCCESS;
-}
-
 /* Add this server's pids to the trustlist of a key this process exported. */
 static aclError set_local_pids(vs_err *err, const key *k, const char *text, const uint32_t *pids, size_t n)
 {
@@ -247,7 +222,7 @@ VS_API aclError aclrtIpcMemSetImportPid(const char *keyText, int32_t *pid, size_
     if (pids == NULL)
         return vs_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "out of memory");
     key k;
-    aclError rc = check_ipc_pids(&err, pid, num, pids);
+    aclError rc = vs_read_pids(&err, pid, num, pids);
     if (rc == ACL_SUCCESS)
         rc = parse_key(&err, keyText, &k);
     if (rc == ACL_SUCCESS)
@@ -290,7 +265,7 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
         return vs_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "out of memory");
     aclError rc = ACL_SUCCESS;
     for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++)
-        rc = check_ipc_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
+        rc = vs_read_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
     /* other servers' pids first (the broker refuses them with 207000 without the cross-server transport) */
     for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++) {
         if (serverPids[i].sdid == vs_rt.config.server_id)
@@ -304,7 +279,7 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
             rc = vs_set(&err, ACL_ERROR_RT_NO_PERMISSION, "key %s was exported with ACL_RT_IPC_MEM_EXPORT_FLAG_"
                         "DISABLE_PID_VALIDATION: it has no trustlist to set", keyText);
         if (rc == ACL_SUCCESS)
-            rc = check_ipc_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
+            rc = vs_read_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
         if (rc == ACL_SUCCESS)
             rc = vs_node_set_remote_pids(&err, k.value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, serverPids[i].sdid, pids,
                                          serverPids[i].num);
@@ -312,7 +287,7 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
     for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++) {
         if (serverPids[i].sdid != vs_rt.config.server_id)
             continue;
-        rc = check_ipc_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
+        rc = vs_read_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
         if (rc == ACL_SUCCESS)
             rc = set_local_pids(&err, &k, keyText, pids, serverPids[i].num);
     }

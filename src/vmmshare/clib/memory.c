@@ -14,17 +14,6 @@
 
 #define ARENA_SIZE ((size_t)(VS_ARENA_END - VS_ARENA_START))
 
-#define START(call)                                  \
-    vs_err err;                                      \
-    if (vs_start(&err) != ACL_SUCCESS)               \
-        return vs_raise(&err, call);
-
-#define ACL_REQUIRE(ok, call, ...)                                        \
-    do {                                                                  \
-        if (!(ok))                                                        \
-            return vs_fail(ACL_ERROR_INVALID_PARAM, call, __VA_ARGS__);   \
-    } while (0)
-
 static const char *const ATTR_NAMES[18] = {
     "ACL_DDR_MEM", "ACL_HBM_MEM", "ACL_DDR_MEM_HUGE", "ACL_DDR_MEM_NORMAL", "ACL_HBM_MEM_HUGE",
     "ACL_HBM_MEM_NORMAL", "ACL_DDR_MEM_P2P_HUGE", "ACL_DDR_MEM_P2P_NORMAL", "ACL_HBM_MEM_P2P_HUGE",

@@ -11,17 +11,6 @@
 
 #include "vs.h"
 
-#define START(call)                                  \
-    vs_err err;                                      \
-    if (vs_start(&err) != ACL_SUCCESS)               \
-        return vs_raise(&err, call);
-
-#define ACL_REQUIRE(ok, call, ...)                                        \
-    do {                                                                  \
-        if (!(ok))                                                        \
-            return vs_fail(ACL_ERROR_INVALID_PARAM, call, __VA_ARGS__);   \
-    } while (0)
-
 /* A shareable handle as the calls take it: its node-local value and, for FABRIC, the decoded fields. */
 typedef struct shareable {
     uint32_t share_type;
@@ -92,7 +81,7 @@ static aclError read_shareable(vs_err *err, const void *raw, uint32_t st, sharea
 }
 
 /* A trustlist argument: 1..4096 positive 32-bit pids (props.check_pids). */
-static aclError read_pids(vs_err *err, const int32_t *pid, size_t n, uint32_t *out)
+aclError vs_read_pids(vs_err *err, const int32_t *pid, size_t n, uint32_t *out)
 {
     if (n > VS_MAX_TRUSTLIST)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "pid_list has %zu pids; at most %d per handle", n,
@@ -208,7 +197,7 @@ static aclError set_pids(const shareable *s, const int32_t *pid, size_t n, const
     uint32_t *pids = malloc(sizeof(uint32_t) * (n ? n : 1));
     if (pids == NULL)
         return vs_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "out of memory");
-    aclError rc = read_pids(&err, pid, n, pids);
+    aclError rc = vs_read_pids(&err, pid, n, pids);
     if (rc == ACL_SUCCESS && s->share_type == ACL_MEM_SHARE_HANDLE_TYPE_FABRIC &&
         s->server_id != vs_rt.config.server_id)
         rc = vs_set(&err, ACL_ERROR_RT_NO_PERMISSION, "this FABRIC handle was exported on server %#x: only its "

@@ -176,6 +176,19 @@ typedef struct vs_err {
 aclError vs_set(vs_err *err, aclError code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 aclError vs_raise(const vs_err *err, const char *call);
 
+/* Every call starts with START (the runtime set up, its configuration usable: else the call fails with its error)
+ * and makes the acl layer's checks with ACL_REQUIRE (100000). */
+#define START(call)                                  \
+    vs_err err;                                      \
+    if (vs_start(&err) != ACL_SUCCESS)               \
+        return vs_raise(&err, call);
+
+#define ACL_REQUIRE(ok, call, ...)                                        \
+    do {                                                                  \
+        if (!(ok))                                                        \
+            return vs_fail(ACL_ERROR_INVALID_PARAM, call, __VA_ARGS__);   \
+    } while (0)
+
 /* ---------------------------------------------------------------- runtime.c */
 
 /* The runtime, set up on first use (the configuration read); 0 or the configuration's error. */
@@ -252,6 +265,8 @@ aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const
                          enum vs_owner owner, size_t fabric_size, vs_alloc **out);
 void vs_revoke_alloc(vs_alloc *a);
 aclError vs_set_pids(vs_err *err, uint64_t value, uint32_t share_type, const uint32_t *pids, size_t n);
+/* A trustlist argument: at most 4096 pids, each positive (the caller's checks of count 0 and NULL come first). */
+aclError vs_read_pids(vs_err *err, const int32_t *pid, size_t n, uint32_t *out);
 void vs_ipc_forget_block(vs_alloc *a);
 aclError vs_free_block(vs_err *err, uintptr_t ptr, enum vs_owner owner);
 aclError vs_map_block(vs_err *err, vs_alloc *a, size_t size, uintptr_t *out);

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -480,3 +481,37 @@ def test_the_rule_tests_binding_reaches_the_c_library(node: Node) -> None:
     assert a.call("get_soc_name") == "vmmshare-host"
     assert a.call("rt.create_event") == (0, 207000)
 
+
+
+# ---------------------------------------------------------------- from a wheel
+
+
+@pytest.mark.slow
+def test_a_wheel_builds_the_libraries_and_prefix_completes_its_root(tmp_path: Path) -> None:
+    """A wheel carries both libraries, built at install time with the system compiler, and no `<arch>-linux`
+    copies; `vmmshare prefix` of the installed package makes those folders as links, and a program builds from the
+    root and runs."""
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.so", "__pycache__",
+                                                               ".mypy_cache", ".ruff_cache", ".pytest_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(tree)], check=True, capture_output=True, timeout=600)
+    (wheel,) = (tmp_path / "dist").glob("vmmshare-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        z.extractall(site)
+    assert {f"vmmshare/sdk/lib64/{name}" for name in LIBRARIES} <= set(names)
+    assert not any("-linux/" in n for n in names), [n for n in names if "-linux/" in n]
+    for name in LIBRARIES:  # (zip files keep no modes: what pip would set)
+        os.chmod(site / "vmmshare" / "sdk" / "lib64" / name, 0o755)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    root = Path(subprocess.run([sys.executable, "-m", "vmmshare", "prefix"], env=env, capture_output=True, text=True,
+                               check=True).stdout.strip())
+    assert root == site / "vmmshare" / "sdk"
+    assert (root / arch_folder() / "lib64" / "libascendcl.so").samefile(root / "lib64" / "libascendcl.so")
+    exe = tmp_path / "probe"
+    subprocess.run(["cc", str(TESTS_C / "weak_probe.c"), f"-I{root / arch_folder() / 'include'}",
+                    f"-L{root / 'lib64'}", "-lascendcl", f"-Wl,-rpath,{root / 'lib64'}", "-o", str(exe)], check=True)
+    proc = run([str(exe)], clean_env(VMMSHARE_SOCKET=str(tmp_path / "b" / "broker.sock"), VMMSHARE_BROKER_IDLE="1"))
+    assert proc.returncode == 0 and "weak ok" in proc.stdout, proc.stdout + proc.stderr

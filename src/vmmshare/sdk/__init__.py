@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -40,10 +41,14 @@ def root() -> Path:
     arch = ROOT / arch_folder()
     for part in ("include", "lib64"):
         link = arch / part
-        if link.exists():
+        if link.is_symlink() and link.resolve() == (ROOT / part).resolve():
             continue
         try:
             arch.mkdir(exist_ok=True)
+            if link.is_symlink() or link.is_file():
+                link.unlink()
+            elif link.is_dir():  # a copy some packaging made of the folder: the link takes its place
+                shutil.rmtree(link)
             os.symlink(os.path.join("..", part), link)
         except OSError as exc:
             raise SdkError(f"cannot complete {arch}: {exc.strerror or exc} (run `vmmshare prefix` once as the user "

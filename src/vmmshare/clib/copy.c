@@ -132,7 +132,7 @@ VS_API aclError aclrtFreeHost(void *hostPtr)
 /* ---------------------------------------------------------------- checking a range */
 
 /* Whether /proc/self/maps shows [ptr, ptr+size) readable (and writable when asked), end to end. */
-static bool process_range_ok(uintptr_t ptr, size_t size, bool write)
+bool vs_process_range_ok(uintptr_t ptr, size_t size, bool write)
 {
     FILE *f = fopen("/proc/self/maps", "re");
     if (f == NULL)
@@ -186,7 +186,7 @@ static aclError check_range(vs_err *err, uintptr_t ptr, size_t size, bool write,
                 return ACL_SUCCESS;
             }
         }
-        if (!process_range_ok(ptr, size, write))
+        if (!vs_process_range_ok(ptr, size, write))
             return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s %#lx+%zu is not %s memory", what, (unsigned long)ptr,
                           size, write ? "writable" : "readable");
         return ACL_SUCCESS;
@@ -246,7 +246,7 @@ static bool known_kind(int kind)
 
 /* ---------------------------------------------------------------- copies and fills */
 
-static aclError do_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size_t count, int kind)
+aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size_t count, int kind)
 {
     if (count > destMax)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "count %zu is larger than destMax %zu", count, destMax);
@@ -280,7 +280,7 @@ VS_API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t c
     ACL_REQUIRE(dst != NULL, call, "dst is NULL");
     ACL_REQUIRE(src != NULL, call, "src is NULL");
     ACL_REQUIRE(known_kind((int)kind), call, "kind=%d is not an aclrtMemcpyKind (0..5)", (int)kind);
-    return do_memcpy(&err, dst, destMax, src, count, (int)kind) ? vs_raise(&err, call) : ACL_SUCCESS;
+    return vs_memcpy(&err, dst, destMax, src, count, (int)kind) ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 
 VS_API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
@@ -321,7 +321,7 @@ VS_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, siz
     aclError rc = s == NULL ? err.code : plan_copy(&err, (uintptr_t)dst, (uintptr_t)src, count, (int)kind);
     if (rc == ACL_SUCCESS && !s->failed) {
         vs_err ran;
-        run_on(s, do_memcpy(&ran, dst, destMax, src, count, (int)kind), &ran, "aclrtMemcpyAsync");
+        run_on(s, vs_memcpy(&ran, dst, destMax, src, count, (int)kind), &ran, "aclrtMemcpyAsync");
     }
     vs_unlock();
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
@@ -346,29 +346,4 @@ VS_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, s
     }
     vs_unlock();
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
-}
-
-/* Where memory behind a pointer lives: a mapping's location (device memory of a device, or host memory), and
- * ordinary host memory for any other pointer, as a transfer engine asks of every buffer it registers. */
-VS_API aclError aclrtPointerGetAttributes(const void *ptr, aclrtPtrAttributes *attributes)
-{
-    const char *call = "aclrtPointerGetAttributes";
-    START(call);
-    ACL_REQUIRE(ptr != NULL, call, "ptr is NULL");
-    ACL_REQUIRE(attributes != NULL, call, "attributes is NULL");
-    memset(attributes, 0, sizeof *attributes);
-    attributes->location.type = ACL_MEM_LOCATION_TYPE_HOST;
-    attributes->pageSize = 4096;
-    vs_lock();
-    vs_mapping *m = vs_mapping_at((uintptr_t)ptr);
-    if (m != NULL) {
-        const vs_prop *p = &m->alloc->prop;
-        attributes->location.type = p->loc_type == ACL_MEM_LOCATION_TYPE_DEVICE ? ACL_MEM_LOCATION_TYPE_DEVICE
-                                                                                : ACL_MEM_LOCATION_TYPE_HOST;
-        attributes->location.id = p->loc_type == ACL_MEM_LOCATION_TYPE_DEVICE ? (uint32_t)p->loc_id : 0;
-        attributes->pageSize = (uint32_t)(vs_prop_granularity(p) == VS_HUGE1G_GRANULARITY ? VS_HUGE1G_GRANULARITY
-                                                                                         : VS_MIN_GRANULARITY);
-    }
-    vs_unlock();
-    return ACL_SUCCESS;
 }

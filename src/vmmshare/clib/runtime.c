@@ -379,6 +379,7 @@ static void after_fork_child(void)
             close(a->fd);
     vs_rt.allocs = NULL; /* (the records are the parent's: left, not freed) */
     vs_rt.reservations.count = vs_rt.mappings.count = vs_rt.blocks.count = vs_rt.host_blocks.count = 0;
+    vs_rt.registered.count = 0;
     vs_rt.ipc_exports.count = vs_rt.ipc_imports.count = vs_rt.ipc_attrs.count = 0;
     vs_devices_after_fork();
     vs_node_after_fork();

@@ -105,10 +105,7 @@ VS_API aclError aclrtGetSysParamOpt(void) { return vs_stand_in("aclrtGetSysParam
 VS_API void *aclrtGetTaskIdFromExceptionInfo(void) { return vs_stand_in_value("aclrtGetTaskIdFromExceptionInfo"); }
 VS_API void *aclrtGetThreadIdFromExceptionInfo(void) { return vs_stand_in_value("aclrtGetThreadIdFromExceptionInfo"); }
 VS_API aclError aclrtGetThreadLastTaskId(void) { return vs_stand_in("aclrtGetThreadLastTaskId"); }
-VS_API aclError aclrtHostGetDevicePointer(void) { return vs_stand_in("aclrtHostGetDevicePointer"); }
-VS_API aclError aclrtHostRegister(void) { return vs_stand_in("aclrtHostRegister"); }
 VS_API aclError aclrtHostRegisterV2(void) { return vs_stand_in("aclrtHostRegisterV2"); }
-VS_API aclError aclrtHostUnregister(void) { return vs_stand_in("aclrtHostUnregister"); }
 VS_API aclError aclrtKernelArgsAppend(void) { return vs_stand_in("aclrtKernelArgsAppend"); }
 VS_API aclError aclrtKernelArgsAppendPlaceHolder(void) { return vs_stand_in("aclrtKernelArgsAppendPlaceHolder"); }
 VS_API aclError aclrtKernelArgsFinalize(void) { return vs_stand_in("aclrtKernelArgsFinalize"); }

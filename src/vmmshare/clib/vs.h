@@ -153,6 +153,7 @@ typedef struct vs_runtime {
     vs_vec mappings;         /* vs_mapping, by ptr */
     vs_vec blocks;           /* vs_block */
     vs_vec host_blocks;      /* vs_hostblock */
+    vs_vec registered;       /* vs_hostblock: host ranges registered for the device (aclrtHostRegister) */
     vs_vec ipc_exports;      /* vs_ipc_export */
     vs_vec ipc_imports;      /* vs_ipc_import */
     vs_vec ipc_attrs;        /* uint64_t: key values with an attribute set */
@@ -270,6 +271,10 @@ aclError vs_read_pids(vs_err *err, const int32_t *pid, size_t n, uint32_t *out);
 void vs_ipc_forget_block(vs_alloc *a);
 aclError vs_free_block(vs_err *err, uintptr_t ptr, enum vs_owner owner);
 aclError vs_map_block(vs_err *err, vs_alloc *a, size_t size, uintptr_t *out);
+
+/* copy.c */
+bool vs_process_range_ok(uintptr_t ptr, size_t size, bool write);
+aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size_t count, int kind);
 
 /* sha.c */
 void vs_sha256(const void *data, size_t n, uint8_t out[32]);

@@ -135,6 +135,8 @@ class _Rt:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name in ("peek_at_last_error", "get_last_error"):
             return lambda level: peek(self._owner, level, name == "get_last_error")
+        if name == "memcpy_batch":
+            return lambda *args: memcpy_batch(self._owner, *args)
         maker = getattr(_Calls, name, None)
         if maker is None:
             from vmmshare.acl import _unsupported
@@ -258,6 +260,7 @@ _C_NAMES = {
     "ipc_mem_set_import_pid": "aclrtIpcMemSetImportPid", "ipc_mem_import_pid_inter_server":
     "aclrtIpcMemImportPidInterServer", "ipc_mem_import_by_key": "aclrtIpcMemImportByKey",
     "ipc_mem_set_attr": "aclrtIpcMemSetAttr", "ipc_mem_close": "aclrtIpcMemClose",
+    "reserve_mem_address_no_uc_memory": "aclrtReserveMemAddressNoUCMemory",
 }
 
 
@@ -663,6 +666,21 @@ class _Calls:
         buf = C.create_string_buffer(16)
         return [_i32("deviceId", d), buf], (None,), lambda: (buf.raw,)
 
+    @_register((0,))
+    def host_register(p: object, size: object, type: object) -> Any:  # noqa: A002  (the C parameter's name)
+        out = C.c_void_p()
+        return ([C.c_void_p(_ptr("ptr", p)), C.c_uint64(_u64("size", size)), _u32("type", type), C.byref(out)], (0,),
+                lambda: (out.value or 0,))
+
+    @_register(())
+    def host_unregister(p: object) -> Any:
+        return _none(C.c_void_p(_ptr("ptr", p)))
+
+    @_register((0,))
+    def host_get_device_pointer(p: object, flag: object) -> Any:
+        out = C.c_void_p()
+        return [C.c_void_p(_ptr("pHost", p)), C.byref(out), _u32("flag", flag)], (0,), lambda: (out.value or 0,)
+
     @_register((None,))
     def pointer_get_attributes(p: object) -> Any:
         class PtrAttributes(C.Structure):
@@ -672,6 +690,56 @@ class _Calls:
         return ([C.c_void_p(_ptr("ptr", p)), C.byref(out)], (None,),
                 lambda: ({"location": {"id": out.location.id, "type": out.location.type},
                           "pageSize": out.pageSize},))
+
+
+class BatchAttr(C.Structure):
+    _fields_ = [("dstLoc", Location), ("srcLoc", Location), ("rsv", C.c_uint8 * 16)]
+
+
+def memcpy_batch(lib: CAcl, dsts: object, dest_maxs: object, srcs: object, sizes: object, num_batches: object,
+                 attrs: object, attrs_indexes: object, num_attrs: object) -> tuple[int, int]:
+    """aclrtMemcpyBatch, as pyACL shapes it: (failIndex, ret), failIndex SIZE_MAX unless a pair failed."""
+    lib._refused.message = None
+    fail = C.c_size_t(U64)
+
+    def array(name: str, value: object, ctype: Any, count: int) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)):
+            raise BadArgument(f"{name} must be a list, got {type(value).__name__}")
+        if len(value) < count:
+            raise BadArgument(f"{name} holds {len(value)} entries, fewer than the {count} the call reads")
+        return (ctype * max(count, 1))(*[_u64(f"{name}[{i}]", v) if v is not None else 0
+                                         for i, v in enumerate(value[:count])])
+
+    try:
+        n, na = _u64("numBatches", num_batches), _u64("numAttrs", num_attrs)
+        arrays = [array("dsts", dsts, C.c_void_p, n), array("destMaxs", dest_maxs, C.c_size_t, n),
+                  array("srcs", srcs, C.c_void_p, n), array("sizes", sizes, C.c_size_t, n)]
+        if attrs is None:
+            a: Any = None
+        else:
+            if not isinstance(attrs, (list, tuple)) or len(attrs) < na:
+                raise BadArgument(f"attrs must be a list of at least numAttrs ({na}) entries")
+            a = (BatchAttr * max(na, 1))()
+            for i in range(na):
+                where = f"attrs[{i}]"
+                a[i].dstLoc = _location(_field(attrs[i], "dstLoc", where), f"{where}.dstLoc")
+                a[i].srcLoc = _location(_field(attrs[i], "srcLoc", where), f"{where}.srcLoc")
+                rsv = attrs[i].get("rsv") if isinstance(attrs[i], Mapping) else None
+                raw = bytes(rsv) if isinstance(rsv, (bytes, list, tuple)) else b""
+                for k, v in enumerate(raw[:16]):
+                    a[i].rsv[k] = v
+                if len(raw) > 16:
+                    a[i].rsv[0] = 1  # more than the struct's 16 bytes: not all zero, as the C caller would have it
+        idx = array("attrsIndexes", attrs_indexes, C.c_size_t, na)
+    except BadArgument as exc:
+        lib._refused.message = f"aclrtMemcpyBatch: {exc}"
+        return U64, PARAM
+    fn = lib.lib.aclrtMemcpyBatch
+    fn.restype = C.c_int
+    ret = int(fn(*arrays, C.c_size_t(n), a, idx, C.c_size_t(na), C.byref(fail)))
+    return fail.value, ret
 
 
 def peek(lib: CAcl, level: object, clear: bool) -> int:

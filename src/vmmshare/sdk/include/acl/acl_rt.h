@@ -156,6 +156,12 @@ typedef enum aclrtEventRecordedStatus {
     ACL_EVENT_RECORDED_STATUS_COMPLETE = 1
 } aclrtEventRecordedStatus;
 
+typedef enum {
+    ACL_HOST_REGISTER_MAPPED = 0,
+    ACL_HOST_REGISTER_IOMEMORY = 0x04,
+    ACL_HOST_REGISTER_READONLY = 0x08
+} aclrtHostRegisterType;
+
 typedef enum aclrtLastErrLevel {
     ACL_RT_THREAD_LEVEL = 0
 } aclrtLastErrLevel;
@@ -198,6 +204,12 @@ typedef struct aclrtPtrAttributes {
     uint32_t pageSize;
     uint32_t rsv[4];
 } aclrtPtrAttributes;
+
+typedef struct {
+    aclrtMemLocation dstLoc;
+    aclrtMemLocation srcLoc;
+    uint8_t rsv[16];           /* must be 0 */
+} aclrtMemcpyBatchAttr;
 
 typedef struct aclrtIpcEventHandle {
     char reserved[ACL_IPC_EVENT_HANDLE_SIZE];
@@ -264,6 +276,15 @@ ACL_FUNC_VISIBILITY aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int
                                               aclrtStream stream);
 ACL_FUNC_VISIBILITY aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total);
 ACL_FUNC_VISIBILITY aclError aclrtPointerGetAttributes(const void *ptr, aclrtPtrAttributes *attributes);
+/* Make host memory of this process reachable by the current device; *devPtr is the device's pointer to it. */
+ACL_FUNC_VISIBILITY aclError aclrtHostRegister(void *ptr, uint64_t size, aclrtHostRegisterType type, void **devPtr);
+ACL_FUNC_VISIBILITY aclError aclrtHostUnregister(void *ptr);
+ACL_FUNC_VISIBILITY aclError aclrtHostGetDevicePointer(void *pHost, void **pDevice, uint32_t flag);
+/* numBatches copies between host and device memory; attrs[k] applies from attrsIndexes[k] to the next index.
+ * *failIndex names the pair that failed (SIZE_MAX when none did). */
+ACL_FUNC_VISIBILITY aclError aclrtMemcpyBatch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes,
+                                              size_t numBatches, aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes,
+                                              size_t numAttrs, size_t *failIndex);
 
 /* ---------------------------------------------------------------- virtual-memory management */
 

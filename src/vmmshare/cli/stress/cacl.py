@@ -667,7 +667,7 @@ class _Calls:
         return [_i32("deviceId", d), buf], (None,), lambda: (buf.raw,)
 
     @_register((0,))
-    def host_register(p: object, size: object, type: object) -> Any:  # noqa: A002  (the C parameter's name)
+    def host_register(p: object, size: object, type: object) -> Any:
         out = C.c_void_p()
         return ([C.c_void_p(_ptr("ptr", p)), C.c_uint64(_u64("size", size)), _u32("type", type), C.byref(out)], (0,),
                 lambda: (out.value or 0,))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clirun import HANG_GUARD, ROOT, VMMSHARE, env_for
+from clirun import HANG_GUARD, ROOT, VMMSHARE, env_for, refused
 
 PIPE_CLOSED = 141
 TINY_BENCH = ["bench", "--quick", "--sizes", "4K", "--reps", "1", "--clients", "1", "--seconds", "0.1", "--no-torch"]
@@ -51,6 +51,30 @@ def test_bench_into_a_closed_pipe_stops_quietly_and_keeps_its_json(tmp_path: Pat
 def test_other_output_into_a_closed_pipe_stops_quietly(tmp_path: Path, args: list[str]) -> None:
     out = with_closed_stdout(env_for(tmp_path), *args)
     assert out.returncode == PIPE_CLOSED and out.stderr == "", (args, out.stderr)
+
+
+@pytest.mark.parametrize("args", [["demo", "--size", "2M"], ["version"], ["doctor"], ["stress"],
+                                  ["stress", "fuzz_protocol", "--frames", "50", "--atheris-runs", "0"]])
+def test_output_to_a_full_device_is_one_line_and_a_failure(tmp_path: Path, args: list[str]) -> None:
+    """`> /dev/full` (a disk that fills up): the write fails with ENOSPC; the command says so on one line of
+    stderr, naming standard output, and exits 1, with no traceback."""
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([*VMMSHARE, *args], env=env_for(tmp_path), stdout=full, stderr=subprocess.PIPE,
+                             text=True, timeout=HANG_GUARD)
+    refused(out, 1, f"vmmshare {args[0]}: cannot write to standard output", "No space left on device")
+
+
+@pytest.mark.parametrize("args", [["stress", "fuzz_protocol", "--frames", "50", "--atheris-runs", "0"],
+                                  ["bench", "--quick", "--no-torch", "--sizes", "4K", "--reps", "1", "--clients", "1",
+                                   "--seconds", "0.1"]])
+def test_a_full_disk_under_a_json_file_is_one_line_naming_it(tmp_path: Path, args: list[str]) -> None:
+    """The same refusal from the --json file on a full file system (a link to /dev/full): one line naming the
+    file, exit 1."""
+    link = tmp_path / "full.json"
+    link.symlink_to("/dev/full")
+    out = subprocess.run([*VMMSHARE, *args, "--json", str(link)], env=env_for(tmp_path), capture_output=True,
+                         text=True, timeout=HANG_GUARD)
+    refused(out, 1, f"vmmshare {args[0]}", f"cannot write {link}: No space left on device")
 
 
 @pytest.mark.parametrize("args", [["--help"], ["broker", "--help"], ["bench", "--help"]])

@@ -1,13 +1,15 @@
 """What the ``vmmshare`` commands share: exit codes, one-line usage errors, output-path checks, a progress line.
 
 No command shows a traceback for a user's mistake: a bad option or VMMSHARE_* variable is one line on stderr and
-exit status 2; a closed standard output (``| head``) ends the command quietly with status 141.
+exit status 2; a closed standard output (``| head``) ends the command quietly with status 141; one that refuses
+what is written (a full disk, ``> /dev/full``) ends it with one line on stderr and status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import signal
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, TextIO
 
@@ -159,6 +162,32 @@ def memory_problem(need: int, what: str) -> str | None:
             "choose a smaller size")
 
 
+def socket_folder_problem(path: Path) -> str | None:
+    """Why a broker could not serve at `path` (None if it can try): a broker, started by hand or on first use,
+    creates only the socket's own folder, never the folders above it."""
+    folder = path.parent
+    if path.is_dir():
+        return f"{path} is a folder"
+    if folder.exists():
+        return None if folder.is_dir() else f"{folder} is not a folder"
+    if not folder.parent.is_dir():
+        return (f"{folder.parent} does not exist: the broker creates only the socket's own folder ({folder.name}), "
+                "so create its parent first")
+    return None
+
+
+def socket_setting_problem() -> str | None:
+    """Why the node broker this environment names could never start (None if it could): a configuration error,
+    said up front naming the setting, not as a step that failed once the run is under way."""
+    from ..config import Config
+
+    path = Config.from_env().socket_path
+    if problem := socket_folder_problem(path):
+        where = "VMMSHARE_SOCKET" if os.environ.get("VMMSHARE_SOCKET") else "the default socket path"
+        return f"{where} {str(path)!r}: {problem}"
+    return None
+
+
 def say_error(prog: str, message: str) -> None:
     """One line on stderr: `prog: message`."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
@@ -174,7 +203,7 @@ def environment_ok(prog: str) -> bool:
     return not found
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """After a closed pipe: point stdout at /dev/null, so that the interpreter's final flush does not fail again."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -182,9 +211,34 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
-def run_main(body: Callable[[], int]) -> int:
-    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130; never a traceback for either,
-    even when the interrupt surfaces as another error (an import it cut short raises ImportError)."""
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of room, whatever the file
+
+
+def _stdout_refuses() -> bool:
+    """Whether standard output refuses writes now: what it still holds is tried once more (a failed flush keeps
+    it), then an empty write, which a device such as /dev/full refuses too."""
+    try:
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), b"")
+    except (OSError, ValueError):
+        return True
+    return False
+
+
+def output_failure(exc: OSError) -> str | None:
+    """What a command that failed with `exc` could not write (standard output, or a full disk under a file), as a
+    line for the user; None if `exc` is no failed write."""
+    if not isinstance(exc, BrokenPipeError) and _stdout_refuses():
+        return f"cannot write to standard output: {exc.strerror or exc}"
+    if exc.errno in _FULL:
+        return f"cannot write {exc.filename or 'its output'}: {exc.strerror}"
+    return None
+
+
+def run_main(body: Callable[[], int], prog: str = "vmmshare") -> int:
+    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130, an output that refuses writes
+    (a full disk) with one line naming it and 1; never a traceback for any, even when the interrupt surfaces as
+    another error (an import it cut short raises ImportError)."""
     seen: list[int] = []
     previous = signal.getsignal(signal.SIGINT)
     ours = threading.current_thread() is threading.main_thread() and previous is signal.default_int_handler
@@ -200,9 +254,14 @@ def run_main(body: Callable[[], int]) -> int:
         sys.stdout.flush()  # a pipe closed after the last write fails here, not at interpreter exit
         return code
     except BrokenPipeError:
-        _silence_stdout()
+        silence_stdout()
         return PIPE_CLOSED
     except BaseException as exc:
+        if not seen and isinstance(exc, OSError) and (failure := output_failure(exc)):
+            silence_stdout()  # what it still holds goes nowhere, and the interpreter's last flush cannot fail
+            with contextlib.suppress(OSError):
+                say_error(prog, failure)
+            return FAILED
         if not seen and not isinstance(exc, KeyboardInterrupt):
             raise
         with contextlib.suppress(OSError):

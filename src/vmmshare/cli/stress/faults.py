@@ -803,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         cls = ExporterWorker if args.role == "exporter" else ImporterWorker
         cls(args.progress, args.seed or 0).serve()
         return 0
+    if problem := c.backend_problem(args.backend):
+        ap.exit(2, f"{ap.prog}: {problem}\n")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     with c.backend_env(args.backend) as extra:
         result = run(args.kinds, args.trials, args.seconds, seed, args.double_kill, backend_env=extra)

@@ -1201,6 +1201,8 @@ def main(argv: list[str] | None = None) -> int:
     check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.child:
         return child_main(args.calls, args.seconds, args.seed, args.result, args.trace)
+    if problem := c.backend_problem(args.backend):
+        ap.exit(2, f"{ap.prog}: {problem}\n")
     with c.backend_env(args.backend) as extra:
         r = run(args.calls, args.seed, args.seconds, args.trace, extra_env=extra)
     lines = [f"{r.get('calls')} calls of {r.get('functions')} functions in {r.get('seconds')} s "

@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.role:
         return worker(args.index, args.rx, args.tx, args.seed or 0, args.refuse)
+    if problem := c.backend_problem(args.backend):
+        ap.exit(2, f"{ap.prog}: {problem}\n")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     with c.backend_env(args.backend) as extra:
         result = run(args.clients, args.cycles, args.seconds, seed, args.refuse, backend_env=extra)

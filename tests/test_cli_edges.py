@@ -299,6 +299,29 @@ def test_ctrl_c_while_the_fabric_demo_starts_its_processes_ends_it_with_130_and_
     assert not {ns for ns in after - before if ns.startswith("vmms-d")}, after - before
 
 
+@pytest.mark.slow
+def test_cluster_exec_runs_this_installs_vmmshare_with_no_venv_on_path(tmp_path: Path) -> None:
+    """`vmmshare cluster exec N -- vmmshare ...` from a virtual environment that is not on PATH (as `sudo` leaves
+    it, or a script that calls the venv's vmmshare by its path): the command run on the server is this install's."""
+    from conftest import require
+    from fabric_cluster import cluster_problem
+
+    require(not cluster_problem(), cluster_problem())
+    if len(VMMSHARE) != 1:
+        pytest.skip("no vmmshare console script beside this interpreter")
+    name = f"x{os.getpid() % 10000}"
+    env = env_for(tmp_path, PATH="/usr/sbin:/usr/bin:/sbin:/bin")
+    assert vmmshare(env, "cluster", "up", "--name", name, "--servers", "1").returncode == 0
+    try:
+        out = vmmshare(env, "cluster", "exec", "1", "--name", name, "--", "vmmshare", "version")
+        assert out.returncode == 0 and out.stdout.startswith("vmmshare "), (out.returncode, out.stdout, out.stderr)
+        which = vmmshare(env, "cluster", "exec", "1", "--name", name, "--", "python", "-c",
+                         "import sys; print(sys.executable)")
+        assert which.stdout.strip() == sys.executable, which
+    finally:
+        assert vmmshare(env, "cluster", "down", "--name", name).returncode == 0
+
+
 # ---------------------------------------------------------------- progress and units
 
 

@@ -235,6 +235,30 @@ def test_help_texts_are_plain_and_complete(tmp_path: Path) -> None:
         assert f"    {command}" in top, command
 
 
+STRESS_RUNS = ("faults", "fabric_faults", "flood", "fuzz_api", "fuzz_protocol", "identity", "load", "mutate_ledger")
+HELPS = [["--help"], ["broker", "--help"], ["demo", "--help"], ["demo", "--fabric", "--help"], ["bench", "--help"],
+         ["bench", "--gpu", "--help"], ["bench", "--torch", "--help"], ["bench", "--fabric", "--help"],
+         ["bench", "--fabric", "--servers", "4", "--help"], ["cluster", "--help"], ["doctor", "--help"],
+         ["ls", "--help"], ["stress"], *(["stress", run, "--help"] for run in STRESS_RUNS)]
+
+
+@pytest.mark.parametrize("columns", ["", "80", "250"])
+def test_help_and_doctor_lines_fit_100_columns(tmp_path: Path, columns: str) -> None:
+    """Every help text and doctor's report keep their lines to 100 columns, on a terminal of any width (COLUMNS,
+    which argparse reads; unset: not a terminal): the descriptions written as lists and tables are wrapped too,
+    and doctor's long details and fixes wrap under themselves."""
+    env = env_for(tmp_path, COLUMNS=columns) if columns else env_for(tmp_path)
+    widest: dict[str, tuple[int, str]] = {}
+    for args in [*HELPS, ["doctor"]]:
+        out = vmmshare(env, *args)
+        assert "Traceback" not in out.stderr and out.stdout, (args, out.stderr)
+        line = max(out.stdout.splitlines(), key=len)
+        widest[" ".join(args)] = (len(line), line)
+    assert all(n <= 100 for n, _ in widest.values()), {k: v for k, v in widest.items() if v[0] > 100}
+    wrapped = vmmshare(env, "stress", "faults", "--help").stdout
+    assert "\nexporter  A fresh exporter loops" in wrapped and "\n          t" in wrapped, wrapped  # hung
+
+
 def test_gpu_example_without_gpu_memory_says_so(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "gpu_share.py")], env=env_for(tmp_path),
                          capture_output=True, text=True, timeout=HANG_GUARD)

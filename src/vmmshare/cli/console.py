@@ -12,8 +12,11 @@ import contextlib
 import errno
 import math
 import os
+import re
+import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,8 +32,62 @@ INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as a shell reports it)
 PIPE_CLOSED = 141  # standard output was closed early (128 + SIGPIPE, as a shell reports it)
 
 
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (`prog: message (see prog --help)`) and exit status 2."""
+WIDTH = 100  # the most columns a line of help or of a report takes, however wide the terminal
+
+
+def _hang(line: str) -> int:
+    """Where the text of `line` starts: after its indent, and after a list item's mark (`- `, `1. `, `(a) `, or a
+    term followed by two spaces)."""
+    item = re.match(r"\s*(?:[-*] |\d+\. |\(\w\) |\w+ {2,})", line)
+    return len(item.group(0)) if item else len(line) - len(line.lstrip())
+
+
+def wrap_line(line: str, width: int = WIDTH, hang: int | None = None) -> list[str]:
+    """`line` in lines of at most `width` columns (a word longer than a line is cut), each continuation
+    indented by `hang` columns (default: where the line's text starts, see `_hang`)."""
+    if len(line) <= width:
+        return [line]
+    hang = _hang(line) if hang is None else hang
+    return textwrap.wrap(line, width, subsequent_indent=" " * min(hang, width // 2), break_long_words=True,
+                         break_on_hyphens=False) or [line]
+
+
+def reflow(text: str, width: int = WIDTH) -> list[str]:
+    """Text written for a wider page (lists, tables, examples), in lines of at most `width` columns: a line that
+    fits stays as it is; one that does not is joined with the lines that continue it (indented to where its text
+    starts) and wrapped again, so that a paragraph stays a paragraph."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
+        if len(line) > width:
+            hang = _hang(line)
+            while i < len(lines) and lines[i].strip() and _hang(lines[i]) == hang == len(lines[i]) - len(
+                    lines[i].lstrip()):
+                line, i = f"{line} {lines[i].strip()}", i + 1
+        out += wrap_line(line, width)
+    return out
+
+
+class _RawNarrow(argparse.RawDescriptionHelpFormatter):
+    """A description and epilog kept as written (lists, tables), their too-long lines wrapped to the width."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(f"{indent}{line}\n" for line in reflow(text, max(width - len(indent), 40)))
+
+
+class NarrowHelp(argparse.ArgumentParser):
+    """An argument parser whose help lines take at most WIDTH columns (fewer on a narrower terminal)."""
+
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        width = min(shutil.get_terminal_size().columns, WIDTH) - 2
+        cls: Any = _RawNarrow if self.formatter_class is argparse.RawDescriptionHelpFormatter else self.formatter_class
+        formatter: argparse.HelpFormatter = cls(prog=self.prog, width=width)
+        return formatter
+
+
+class Parser(NarrowHelp):
+    """An argument parser whose errors are one line (`prog: message (see prog --help)`) and exit status 2, and
+    whose help lines take at most WIDTH columns."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")

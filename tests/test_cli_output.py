@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pty
+import shutil
 import subprocess
 import sys
 import threading
@@ -157,7 +158,7 @@ def test_setup_skips_the_install_when_nothing_it_installs_changed() -> None:
     want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "scripts" / "setup.sh").read_bytes())
     if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve() or not stamp.exists():
         pytest.skip("not running in this checkout's scripts/setup.sh venv")
-    if stamp.read_text().strip() != want.hexdigest():
+    if stamp.read_text().strip() != f"{want.hexdigest()} test":
         pytest.skip("pyproject.toml or scripts/setup.sh changed since the last set-up: the next one installs")
     installed = sorted(Path(sys.prefix).glob("lib/python*/site-packages/vmmshare-*.dist-info"))
     assert installed, "no installed vmmshare metadata to watch"
@@ -167,3 +168,64 @@ def test_setup_skips_the_install_when_nothing_it_installs_changed() -> None:
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
     after = sorted(Path(sys.prefix).glob("lib/python*/site-packages/vmmshare-*.dist-info"))
     assert after == installed and [p.stat().st_mtime_ns for p in after] == before, "setup reinstalled vmmshare"
+
+
+FAKE_PYTHON = """#!/bin/sh
+echo "python $*" >> "$LOG"
+case "$*" in *"-m pip"*|*version_info*) exit 0 ;; esac
+exit 1
+"""
+
+
+def _setup_as_on_a_bare_machine(tmp_path: Path, script: str, *args: str) -> list[str]:
+    """Run scripts/`script` in a copy of the scripts and pyproject.toml, on a machine where the fabric libraries
+    and systemd-analyze are missing, as root would: apt-get, ldconfig, the venv's python and vmmshare are stand-ins
+    that log their calls (and the venv's python answers that nothing is importable). The calls, in order."""
+    tree, bin_ = tmp_path / "tree", tmp_path / "bin"
+    (tree / "scripts").mkdir(parents=True)
+    (tree / ".venv" / "bin").mkdir(parents=True)
+    bin_.mkdir()
+    for name in ("setup.sh", "demo.sh", "test.sh"):
+        (tree / "scripts" / name).write_bytes((ROOT / "scripts" / name).read_bytes())
+        (tree / "scripts" / name).chmod(0o755)
+    (tree / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    stand_ins = {"apt-get": 'echo "apt-get $*" >> "$LOG"', "ldconfig": "exit 0", "id": "echo 0",
+                 **{f"/.venv/bin/{tool}": f'echo "{tool} $*" >> "$LOG"; exit 1'
+                    for tool in ("vmmshare", "ruff", "mypy", "mkdocs")}}
+    for name, body in stand_ins.items():
+        path = tree / name[1:] if name.startswith("/") else bin_ / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    (tree / ".venv" / "bin" / "python").write_text(FAKE_PYTHON)
+    (tree / ".venv" / "bin" / "python").chmod(0o755)
+    for tool in ("bash", "sh", "cat", "sha256sum", "cut", "rm", "ls", "head", "dirname", "grep", "mktemp"):
+        found = shutil.which(tool)
+        assert found, tool
+        (bin_ / tool).symlink_to(found)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {"PATH": str(bin_), "LOG": str(log), "HOME": str(tmp_path)}
+    subprocess.run(["bash", str(tree / "scripts" / script), *args], cwd=tree, env=env, capture_output=True,
+                   text=True, timeout=HANG_GUARD)
+    return log.read_text().splitlines()
+
+
+def test_the_demo_sets_up_only_the_package_and_installs_nothing_with_apt(tmp_path: Path) -> None:
+    """scripts/demo.sh on a bare machine, as root: the package alone (no extras), no apt-get (the demo needs no
+    systemd and no fabric libraries), then the demo."""
+    calls = _setup_as_on_a_bare_machine(tmp_path, "demo.sh", "--size", "2M")
+    assert not [c for c in calls if c.startswith("apt-get")], calls
+    installs = [c for c in calls if "-m pip install" in c]
+    assert len(installs) == 1 and installs[0].endswith(" -e ."), calls
+    assert calls[-1] == "vmmshare demo --size 2M", calls
+
+
+def test_the_tests_set_up_their_tools_docs_and_system_packages(tmp_path: Path) -> None:
+    """scripts/test.sh's set-up, on the same machine: the test, docs and fabric extras, and what the tests use
+    from apt (the fabric libraries, systemd-analyze); it stops at the first failing check (ruff, here)."""
+    calls = _setup_as_on_a_bare_machine(tmp_path, "test.sh")
+    apt = " ".join(c for c in calls if c.startswith("apt-get"))
+    assert "libibverbs1" in apt and "systemd" in apt, calls
+    installs = [c for c in calls if "-m pip install" in c]
+    assert installs and installs[0].endswith("-e .[dev,fabric,docs]"), calls
+    assert calls[-1] == "ruff check .", calls

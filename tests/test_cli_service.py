@@ -111,36 +111,36 @@ def test_the_service_unit_rates_3_or_better_with_systemd_analyze_security() -> N
 
 
 # As the unit's sandbox, set by hand: the whole file system read-only (ProtectSystem=strict: the API file systems
-# aside), a /tmp and /var/tmp of its own (PrivateTmp=), /home, /root and /run/user empty (ProtectHome=) but for the
-# interpreter and the checkout when they live there (as BindReadOnlyPaths= would give them back); then the broker
-# runs as a user of its own with no capabilities and no new privileges (DynamicUser=, CapabilityBoundingSet=,
-# NoNewPrivileges=). Run as root in a mount namespace of its own: argv[1] the uid, argv[2:] the command.
+# aside), a /tmp and /var/tmp of its own (PrivateTmp=), /home, /root and /run/user empty (ProtectHome=), but for the
+# interpreter and the source tree where they live there (given back read-only, as BindReadOnlyPaths= would); then
+# the broker runs as a user of its own with no capabilities and no new privileges (DynamicUser=,
+# CapabilityBoundingSet=, NoNewPrivileges=). Run as root in a mount namespace of its own: argv[1] the uid,
+# argv[2:] the command.
 SANDBOX = r"""
 import os, subprocess, sys
 uid, argv, keep = sys.argv[1], sys.argv[2:], [p for p in os.environ.pop("SANDBOX_KEEP").split(":") if p]
 def mount(*args):
     subprocess.run(["mount", *args], check=True)
-for tmp in ("/tmp", "/var/tmp"):
-    mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", tmp)
-homes = [h for h in ("/home", "/root", "/run/user") if os.path.isdir(h)]
+hidden = [h for h in ("/home", "/root", "/run/user", "/tmp", "/var/tmp") if os.path.isdir(h)]
 stash = []
-for i, path in enumerate(p for p in keep if any(p == h or p.startswith(h + "/") for h in homes)):
-    os.makedirs(f"/tmp/.keep{i}")
-    mount("--bind", path, f"/tmp/.keep{i}")
-    stash.append((f"/tmp/.keep{i}", path))
-for home in homes:
-    mount("-t", "tmpfs", "-o", "mode=0755,nosuid,nodev", "tmpfs", home)
+for i, path in enumerate(p for p in keep if any(p == h or p.startswith(h + "/") for h in hidden)):
+    kept = f"/dev/shm/.vmmshare-sandbox-{os.getpid()}-{i}"
+    os.mkdir(kept, 0o700)
+    mount("--bind", path, kept)
+    stash.append((kept, path))
+for home in hidden:
+    mode = "1777" if home.endswith("tmp") else "0755"
+    mount("-t", "tmpfs", "-o", f"mode={mode},nosuid,nodev", "tmpfs", home)
 for kept, path in stash:
     os.makedirs(path, exist_ok=True)
     mount("--bind", kept, path)
-    mount("--make-private", kept)
     subprocess.run(["umount", kept], check=True)
     os.rmdir(kept)
 with open("/proc/self/mountinfo") as f:
     points = sorted({line.split()[4].encode().decode("unicode_escape") for line in f})
 for point in points:
-    api = any(point == a or point.startswith(a + "/") for a in ("/proc", "/sys", "/dev", "/tmp", "/var/tmp"))
-    if not api:
+    api = any(point == a or point.startswith(a + "/") for a in ("/proc", "/sys", "/dev"))
+    if not api and point not in ("/tmp", "/var/tmp"):
         mount("-o", "remount,bind,ro", point)
 os.execvp("setpriv", ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
                       "--bounding-set=-all", "--inh-caps=-all", *argv])

@@ -52,7 +52,7 @@ if ! command -v systemd-analyze >/dev/null; then
     echo "systemd-analyze is missing (sudo apt-get install systemd): the unit files' check will not run"
   fi
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,fabric,docs]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,fabric,docs,deploy]'
 # CPU torch for the DLPack interop test, only from a local wheel (never a multi-GB download); else that test skips.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   tag=$(.venv/bin/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')

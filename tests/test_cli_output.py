@@ -221,11 +221,11 @@ def test_the_demo_sets_up_only_the_package_and_installs_nothing_with_apt(tmp_pat
 
 
 def test_the_tests_set_up_their_tools_docs_and_system_packages(tmp_path: Path) -> None:
-    """scripts/test.sh's set-up, on the same machine: the test, docs and fabric extras, and what the tests use
+    """scripts/test.sh's set-up, on the same machine: the test, docs, deploy and fabric extras, and what the tests use
     from apt (the fabric libraries, systemd-analyze); it stops at the first failing check (ruff, here)."""
     calls = _setup_as_on_a_bare_machine(tmp_path, "test.sh")
     apt = " ".join(c for c in calls if c.startswith("apt-get"))
     assert "libibverbs1" in apt and "systemd" in apt, calls
     installs = [c for c in calls if "-m pip install" in c]
-    assert installs and installs[0].endswith("-e .[dev,fabric,docs]"), calls
+    assert installs and installs[0].endswith("-e .[dev,fabric,docs,deploy]"), calls
     assert calls[-1] == "ruff check .", calls

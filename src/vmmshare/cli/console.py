@@ -56,13 +56,14 @@ def reflow(text: str, width: int = WIDTH) -> list[str]:
     """Text written for a wider page (lists, tables, examples), in lines of at most `width` columns: a line that
     fits stays as it is; one that does not is joined with the lines that continue it (indented to where its text
     starts) and wrapped again, so that a paragraph stays a paragraph."""
+    def continues(line: str, hang: int) -> bool:  # indented to the text's start, and no list item of its own
+        return bool(line.strip()) and len(line) - len(line.lstrip()) == hang == _hang(line)
+
     lines, out, i = text.splitlines(), [], 0
     while i < len(lines):
         line, i = lines[i], i + 1
         if len(line) > width:
-            hang = _hang(line)
-            while i < len(lines) and lines[i].strip() and _hang(lines[i]) == hang == len(lines[i]) - len(
-                    lines[i].lstrip()):
+            while i < len(lines) and continues(lines[i], _hang(line)):
                 line, i = f"{line} {lines[i].strip()}", i + 1
         out += wrap_line(line, width)
     return out
@@ -277,7 +278,7 @@ def _stdout_refuses() -> bool:
     try:
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), b"")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: no stdout at all
         return True
     return False
 

@@ -26,6 +26,7 @@ from clirun import HANG_GUARD, VMMSHARE, env_for, refused, vmmshare
 from procs import clean_env
 
 POLL = 0.05  # seconds between looks at /proc while waiting (with a deadline) for a run's processes to start
+EARLY_POLL = 0.002  # the same, where the moment to catch is a child's start-up (a few tens of milliseconds)
 
 
 @pytest.mark.parametrize(("args", "option", "words"), [
@@ -199,6 +200,126 @@ def test_ctrl_c_ends_the_run_with_130_and_no_traceback(tmp_path: Path, args: lis
     assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-2000:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def _sigint_settled(pid: int) -> bool:
+    """Whether `pid`'s interpreter has set up SIGINT: Python's handler installed (its imports follow) or SIGINT
+    ignored (as it was passed in through exec)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = {k: int(v, 16) for k, v in (line.split(":") for line in f if line.startswith(("SigCgt", "SigIgn")))}
+    except (OSError, ValueError):
+        return False
+    return bool((masks.get("SigCgt", 0) | masks.get("SigIgn", 0)) & (1 << (signal.SIGINT - 1)))
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """The processes below `root` (in whatever session): pid -> command line."""
+    parent, cmdlines = {}, {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdlines[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        parent[int(name)] = int(stat[stat.rfind(b")") + 2 :].split()[1])
+
+    def below(pid: int) -> bool:
+        while pid in parent and parent[pid] not in (0, 1):
+            pid = parent[pid]
+            if pid == root:
+                return True
+        return False
+
+    return {pid: cmd for pid, cmd in cmdlines.items() if pid in parent and below(pid)}
+
+
+def _ctrl_c_early(args: list[str], env: dict[str, str], child: str, count: int) -> tuple[int, str, str]:
+    """Run `vmmshare args` as a terminal's foreground job, and Ctrl-C it (SIGINT to the whole process group) as
+    soon as `count` of its child processes whose command line holds `child` have started their interpreters: the
+    moment they are still importing, when a Ctrl-C that reaches them prints a traceback unless they ignore it.
+    Return the exit status, stdout and stderr."""
+    ignored = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+    if ignored:  # as the test above: a terminal's Ctrl-C reaches a run that does not ignore it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*VMMSHARE, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rfd = os.pidfd_open(proc.pid)
+        try:
+            waited = 0.0
+            while True:
+                kids = [pid for pid, cmd in _descendants(proc.pid).items() if child in cmd]
+                if len(kids) >= count and all(map(_sigint_settled, kids)):
+                    break
+                assert waited < HANG_GUARD, "the run's child processes never started"
+                assert not select.select([rfd], [], [], EARLY_POLL)[0], proc.communicate()
+                waited += EARLY_POLL
+        finally:
+            os.close(rfd)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=HANG_GUARD)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+@pytest.mark.alone  # it must catch the children while they import: a loaded machine would stretch the moment
+def test_ctrl_c_while_the_demo_starts_its_processes_ends_it_with_130_and_no_traceback(tmp_path: Path) -> None:
+    """Ctrl-C while the demo's three processes are still starting: the demo reports it (130), and none of the
+    three prints a traceback from the import it was in."""
+    code, out, err = _ctrl_c_early(["demo", "--size", "2M"], env_for(tmp_path), "--role", 3)
+    assert code == 130, (code, out, err[-3000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.alone
+@pytest.mark.slow
+def test_ctrl_c_while_the_fabric_demo_starts_its_processes_ends_it_with_130_and_no_traceback(tmp_path: Path) -> None:
+    """The same for `demo --fabric`: its exporter and importer, started in the two servers' namespaces, go
+    quietly, and the servers are gone afterwards."""
+    from conftest import require
+    from fabric_cluster import cluster_problem
+
+    require(not cluster_problem(), cluster_problem())
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    code, out, err = _ctrl_c_early(["demo", "--fabric"], env_for(tmp_path), "vmmshare.acl", 2)
+    assert code == 130, (code, out, err[-3000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not {ns for ns in after - before if ns.startswith("vmms-d")}, after - before
+
+
+@pytest.mark.slow
+def test_cluster_exec_runs_this_installs_vmmshare_with_no_venv_on_path(tmp_path: Path) -> None:
+    """`vmmshare cluster exec N -- vmmshare ...` from a virtual environment that is not on PATH (as `sudo` leaves
+    it, or a script that calls the venv's vmmshare by its path): the command run on the server is this install's."""
+    from conftest import require
+    from fabric_cluster import cluster_problem
+
+    require(not cluster_problem(), cluster_problem())
+    if len(VMMSHARE) != 1:
+        pytest.skip("no vmmshare console script beside this interpreter")
+    name = f"x{os.getpid() % 10000}"
+    env = env_for(tmp_path, PATH="/usr/sbin:/usr/bin:/sbin:/bin")
+    assert vmmshare(env, "cluster", "up", "--name", name, "--servers", "1").returncode == 0
+    try:
+        out = vmmshare(env, "cluster", "exec", "1", "--name", name, "--", "vmmshare", "version")
+        assert out.returncode == 0 and out.stdout.startswith("vmmshare "), (out.returncode, out.stdout, out.stderr)
+        which = vmmshare(env, "cluster", "exec", "1", "--name", name, "--", "python", "-c",
+                         "import sys; print(sys.executable)")
+        assert which.stdout.strip() == sys.executable, which
+    finally:
+        assert vmmshare(env, "cluster", "down", "--name", name).returncode == 0
 
 
 # ---------------------------------------------------------------- progress and units

@@ -109,6 +109,37 @@ def test_broker_creates_only_the_socket_folder_not_a_missing_chain(tmp_path: Pat
             "is not a folder")
 
 
+@pytest.mark.parametrize("command", [["demo", "--size", "2M"],
+                                     ["bench", "--quick", "--no-torch", "--sizes", "4K", "--reps", "1"]])
+def test_a_socket_variable_no_broker_could_serve_is_a_configuration_error(tmp_path: Path,
+                                                                          command: list[str]) -> None:
+    """VMMSHARE_SOCKET in a folder whose parent is missing: the broker the command would start could never serve
+    there, so it is refused up front (exit 2, the variable named), as `vmmshare broker` refuses it, not run as a
+    step that then fails; nothing is created."""
+    path = tmp_path / "nonexistent" / "deeper" / "broker.sock"
+    refused(vmmshare(env_for(tmp_path, VMMSHARE_SOCKET=str(path)), *command), USAGE, f"vmmshare {command[0]}",
+            "VMMSHARE_SOCKET", f"{tmp_path / 'nonexistent'} does not exist")
+    assert not (tmp_path / "nonexistent").exists()
+
+
+@pytest.mark.parametrize("run", ["fuzz_api", "load", "faults"])
+def test_stress_on_the_cuda_stand_in_without_cuda_bindings_names_the_extra(tmp_path: Path, run: str) -> None:
+    """An install without vmmshare[cuda]: a `cuda` package that fails to import (first on the path, as a bare
+    install's missing one) makes `--backend fakecuda` a usage error naming the extra, before anything runs."""
+    shadow = tmp_path / "nocuda" / "cuda"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named cuda.bindings')\n")
+    env = env_for(tmp_path, PYTHONPATH=f"{shadow.parent}:{ROOT / 'src'}")
+    out = vmmshare(env, "stress", run, "--backend", "fakecuda")
+    refused(out, USAGE, f"vmmshare stress {run}", "--backend fakecuda", "pip install 'vmmshare[cuda]'")
+    assert out.stdout == "", out.stdout
+
+
+def test_stress_on_the_cuda_stand_in_without_a_compiler_says_so(tmp_path: Path) -> None:
+    out = vmmshare(env_for(tmp_path, CC="no-such-cc"), "stress", "fuzz_api", "--backend", "fakecuda")
+    refused(out, USAGE, "vmmshare stress fuzz_api", "'no-such-cc' ($CC)")
+
+
 def test_a_second_broker_on_a_live_socket_exits_3(broker: BrokerProc) -> None:
     out = vmmshare(broker.env, "broker", "--socket", str(broker.socket))
     refused(out, IN_USE, "already serves", str(broker.socket))
@@ -202,6 +233,30 @@ def test_help_texts_are_plain_and_complete(tmp_path: Path) -> None:
     top = vmmshare(env_for(tmp_path), "--help").stdout
     for command in ("broker", "ls", "demo", "bench", "stress", "doctor", "version"):
         assert f"    {command}" in top, command
+
+
+STRESS_RUNS = ("faults", "fabric_faults", "flood", "fuzz_api", "fuzz_protocol", "identity", "load", "mutate_ledger")
+HELPS = [["--help"], ["broker", "--help"], ["demo", "--help"], ["demo", "--fabric", "--help"], ["bench", "--help"],
+         ["bench", "--gpu", "--help"], ["bench", "--torch", "--help"], ["bench", "--fabric", "--help"],
+         ["bench", "--fabric", "--servers", "4", "--help"], ["cluster", "--help"], ["doctor", "--help"],
+         ["ls", "--help"], ["stress"], *(["stress", run, "--help"] for run in STRESS_RUNS)]
+
+
+@pytest.mark.parametrize("columns", ["", "80", "250"])
+def test_help_and_doctor_lines_fit_100_columns(tmp_path: Path, columns: str) -> None:
+    """Every help text and doctor's report keep their lines to 100 columns, on a terminal of any width (COLUMNS,
+    which argparse reads; unset: not a terminal): the descriptions written as lists and tables are wrapped too,
+    and doctor's long details and fixes wrap under themselves."""
+    env = env_for(tmp_path, COLUMNS=columns) if columns else env_for(tmp_path)
+    widest: dict[str, tuple[int, str]] = {}
+    for args in [*HELPS, ["doctor"]]:
+        out = vmmshare(env, *args)
+        assert "Traceback" not in out.stderr and out.stdout, (args, out.stderr)
+        line = max(out.stdout.splitlines(), key=len)
+        widest[" ".join(args)] = (len(line), line)
+    assert all(n <= 100 for n, _ in widest.values()), {k: v for k, v in widest.items() if v[0] > 100}
+    wrapped = vmmshare(env, "stress", "faults", "--help").stdout
+    assert "\nexporter  A fresh exporter loops" in wrapped and "\n          t" in wrapped, wrapped  # hung
 
 
 def test_gpu_example_without_gpu_memory_says_so(tmp_path: Path) -> None:

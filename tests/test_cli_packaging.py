@@ -1,5 +1,6 @@
 """What a user gets from the distributions: the sdist is self-contained (its own tests collect and run from the
-unpacked tree), carries LICENSE and PEP 639 license metadata, and the wheel built from it runs `vmmshare stress`.
+unpacked tree, outside any git checkout, these included), carries LICENSE and PEP 639 license metadata, and the
+wheel built from it runs `vmmshare stress`.
 
 Built with setuptools' own PEP 517 hooks (no network, no build isolation): the sdist from this checkout, the wheel
 from the unpacked sdist, as `pip install` of the sdist would.
@@ -50,21 +51,30 @@ def unpacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tree
 
 
-def _tracked_copy(folder: Path) -> Path:
-    """The files git tracks in this checkout, copied to `folder`: what a clean clone holds, built apart from the
-    checkout, where the other tests of a parallel run write and remove files while setuptools walks the tree."""
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, timeout=HANG_GUARD)
+def _source_files(root: Path) -> list[str]:
+    """The files of a clean source tree at `root`: in an unpacked sdist (PKG-INFO at its top, and no git), the ones
+    the sdist lists (its egg-info's SOURCES.txt); in a checkout, the ones git tracks."""
+    if (root / "PKG-INFO").is_file():
+        return (root / "src" / "vmmshare.egg-info" / "SOURCES.txt").read_text().splitlines()
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=HANG_GUARD)
     assert listed.returncode == 0, listed.stderr
-    for name in filter(None, listed.stdout.decode().split("\0")):
+    return listed.stdout.decode().split("\0")
+
+
+def _tracked_copy(folder: Path) -> Path:
+    """The files of this source tree (`_source_files`), copied to `folder`: what a clean clone holds, built apart
+    from the tree, where the other tests of a parallel run write and remove files while setuptools walks it."""
+    for name in filter(None, _source_files(ROOT)):
         if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not there to copy
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, folder / name)
     return folder
 
 
-def _pytest(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _pytest(tree: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VMMSHARE_", "PYTEST"))}
     env["PYTHONPATH"] = str(tree / "src")  # the unpacked tree's own code, not this checkout's
+    env.update(extra)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=HANG_GUARD)
 
@@ -93,6 +103,18 @@ def test_sdist_test_suite_collects_and_runs_from_the_unpacked_tree(unpacked: Pat
                   "not namespaces and not passed")
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert " passed" in ran.stdout.splitlines()[-1] and "failed" not in ran.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_the_unpacked_sdist_builds_its_own_sdist_with_no_git_around(unpacked: Path) -> None:
+    """The sdist's own copy of these tests builds an sdist from the unpacked tree (no git checkout above it, as a
+    user's download): they list its files from the sdist's own list, not with git, and the tree they build holds
+    the same files as this one."""
+    env = {"GIT_CEILING_DIRECTORIES": str(unpacked.parent)}  # git must not find a checkout above the tree
+    ran = _pytest(unpacked, "tests/test_cli_packaging.py", "-k", "license", **env)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert "1 passed" in ran.stdout.splitlines()[-1], ran.stdout[-3000:]
+    assert {"setup.py", "MANIFEST.in", "tests/test_cli_packaging.py"} <= set(_source_files(unpacked))
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ from .console import (
     say_error,
     seconds_option,
     sizes_option,
+    socket_setting_problem,
     start_child,
 )
 
@@ -447,7 +448,7 @@ def _gpu_backend() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`vmmshare bench`: a closed stdout or Ctrl-C ends it without a traceback."""
-    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv), "vmmshare bench")
 
 
 def _main(argv: list[str]) -> int:
@@ -498,6 +499,9 @@ def _main(argv: list[str]) -> int:
     if problem:
         say_error("vmmshare bench", problem)
         return USAGE
+    if problem := socket_setting_problem():  # the node broker's part of the run
+        say_error("vmmshare bench", problem)
+        return USAGE
     try:
         import numpy  # noqa: F401  (the measuring processes use it)
     except ImportError:
@@ -520,13 +524,15 @@ def _main(argv: list[str]) -> int:
     except (EOFError, OSError):  # the pipe to a measuring process: it died
         say_error("vmmshare bench", "failed: a measuring process exited early (its error is above)")
         return FAILED
+    where = args.json
     try:  # the files first: a reader that stops early (| head) must not cost them
         if args.json:
             write_json(res, args.json)
+        where = args.plot
         if args.plot:
             plot(res, args.plot)
-    except OSError as exc:
-        say_error("vmmshare bench", f"cannot write {exc.filename}: {exc.strerror}")
+    except OSError as exc:  # a write's error names no file: the one being written is named
+        say_error("vmmshare bench", f"cannot write {exc.filename or where}: {exc.strerror}")
         return FAILED
     print_report(res)
     return OK

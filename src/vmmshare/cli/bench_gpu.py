@@ -222,7 +222,7 @@ def run(sizes: list[int], reps: int | None = None, progress: Progress | None = N
 
 def main(argv: list[str] | None = None) -> int:
     """`vmmshare bench --gpu`: a closed stdout or Ctrl-C ends it without a traceback."""
-    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv), "vmmshare bench")
 
 
 def _main(argv: list[str]) -> int:

@@ -336,7 +336,7 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`vmmshare bench --torch`: a closed stdout or Ctrl-C ends it without a traceback."""
-    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv), "vmmshare bench")
 
 
 def _main(argv: list[str]) -> int:

@@ -265,7 +265,8 @@ def main(argv: list[str]) -> int:
                     help=f"up: how many servers, 1 to {MAX_SERVERS} (default 2)")
     ap.add_argument("--timeout", type=seconds_option, default=None, metavar="SECONDS",
                     help="up: VMMSHARE_FABRIC_TIMEOUT for every server (a positive number of seconds)")
-    ap.epilog = "exec runs: vmmshare cluster exec N [--name NAME] -- COMMAND [ARGS]"
+    ap.epilog = ("exec runs: vmmshare cluster exec N [--name NAME] -- COMMAND [ARGS], with this install's folder "
+                 f"({os.path.dirname(sys.executable)}) first on PATH, so that `vmmshare` there is this one")
     split = argv.index("--") if "--" in argv else len(argv)
     args, command = ap.parse_args(argv[:split]), argv[split + 1 :]
     prog = f"vmmshare cluster {args.action}"
@@ -288,7 +289,11 @@ def main(argv: list[str]) -> int:
                 ap.error("exec takes a server number and -- COMMAND")
             if not cluster.exists():
                 raise ClusterError(f"cluster {args.name!r} is not up: `vmmshare cluster up --name {args.name}`")
-            return subprocess.call(cluster.server(args.number).command(command))
+            # this interpreter's folder first on PATH: `vmmshare` and `python` there are this install's, venv or not
+            here = os.path.dirname(sys.executable)
+            rest = [p for p in os.environ.get("PATH", os.defpath).split(os.pathsep) if p != here]
+            path = os.pathsep.join([here, *rest])
+            return subprocess.call(cluster.server(args.number).command(command, PATH=path))
     except ClusterError as exc:
         say_error(prog, str(exc))
         return FAILED if args.action != "exec" else USAGE

@@ -13,7 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__, config
-from .console import FAILED, IN_USE, OK, USAGE, Parser, Progress, environment_ok, run_main, say_error, seconds_option
+from .console import (
+    FAILED,
+    IN_USE,
+    OK,
+    USAGE,
+    Parser,
+    Progress,
+    environment_ok,
+    run_main,
+    say_error,
+    seconds_option,
+    socket_folder_problem,
+)
 
 
 def _size(n: int) -> str:
@@ -84,19 +96,6 @@ def _ls(args: argparse.Namespace, settings: config.Config) -> int:
 # ---------------------------------------------------------------- broker
 
 
-def _folder_problem(path: Path) -> str | None:
-    """Why the broker could not serve at `path` (None if it can try): it creates only the socket's own folder."""
-    folder = path.parent
-    if path.is_dir():
-        return f"{path} is a folder"
-    if folder.exists():
-        return None if folder.is_dir() else f"{folder} is not a folder"
-    if not folder.parent.is_dir():
-        return (f"{folder.parent} does not exist: the broker creates only the socket's own folder ({folder.name}), "
-                "so create its parent first")
-    return None
-
-
 def _broker(args: argparse.Namespace, settings: config.Config) -> int:
     from ..broker.__main__ import main as broker_main
     from ..broker.system import answers
@@ -105,7 +104,7 @@ def _broker(args: argparse.Namespace, settings: config.Config) -> int:
     path, source = (args.socket, "--socket") if args.socket is not None else (settings.socket_path, "VMMSHARE_SOCKET")
     if config.socket_activated():  # systemd passed the socket: the broker checks it
         pass
-    elif problem := _folder_problem(path):
+    elif problem := socket_folder_problem(path):
         say_error(prog, f"{source} {str(path)!r}: {problem}")
         return USAGE
     elif answers(path):
@@ -150,7 +149,7 @@ def _stress(argv: list[str]) -> int:
             progress.step("running")
             for line in proc.stdout:
                 progress.emit(line)
-    except BrokenPipeError:  # nobody reads any more: let the run finish (it cleans up after itself), unheard
+    except OSError:  # nobody reads any more, or stdout is full: let the run finish (it cleans up), unheard
         for _ in proc.stdout:
             pass
         raise
@@ -251,5 +250,7 @@ def _main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `vmmshare` console script."""
-    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+    args = sys.argv[1:] if argv is None else argv
+    prog = f"vmmshare {args[0]}" if args and not args[0].startswith("-") else "vmmshare"
+    return run_main(lambda: _main(args), prog)
 

@@ -1,20 +1,26 @@
 """What the ``vmmshare`` commands share: exit codes, one-line usage errors, output-path checks, a progress line.
 
 No command shows a traceback for a user's mistake: a bad option or VMMSHARE_* variable is one line on stderr and
-exit status 2; a closed standard output (``| head``) ends the command quietly with status 141.
+exit status 2; a closed standard output (``| head``) ends the command quietly with status 141; one that refuses
+what is written (a full disk, ``> /dev/full``) ends it with one line on stderr and status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
+import re
+import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, TextIO
 
@@ -26,8 +32,63 @@ INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as a shell reports it)
 PIPE_CLOSED = 141  # standard output was closed early (128 + SIGPIPE, as a shell reports it)
 
 
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (`prog: message (see prog --help)`) and exit status 2."""
+WIDTH = 100  # the most columns a line of help or of a report takes, however wide the terminal
+
+
+def _hang(line: str) -> int:
+    """Where the text of `line` starts: after its indent, and after a list item's mark (`- `, `1. `, `(a) `, or a
+    term followed by two spaces)."""
+    item = re.match(r"\s*(?:[-*] |\d+\. |\(\w\) |\w+ {2,})", line)
+    return len(item.group(0)) if item else len(line) - len(line.lstrip())
+
+
+def wrap_line(line: str, width: int = WIDTH, hang: int | None = None) -> list[str]:
+    """`line` in lines of at most `width` columns (a word longer than a line is cut), each continuation
+    indented by `hang` columns (default: where the line's text starts, see `_hang`)."""
+    if len(line) <= width:
+        return [line]
+    hang = _hang(line) if hang is None else hang
+    return textwrap.wrap(line, width, subsequent_indent=" " * min(hang, width // 2), break_long_words=True,
+                         break_on_hyphens=False) or [line]
+
+
+def reflow(text: str, width: int = WIDTH) -> list[str]:
+    """Text written for a wider page (lists, tables, examples), in lines of at most `width` columns: a line that
+    fits stays as it is; one that does not is joined with the lines that continue it (indented to where its text
+    starts) and wrapped again, so that a paragraph stays a paragraph."""
+    def continues(line: str, hang: int) -> bool:  # indented to the text's start, and no list item of its own
+        return bool(line.strip()) and len(line) - len(line.lstrip()) == hang == _hang(line)
+
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
+        if len(line) > width:
+            while i < len(lines) and continues(lines[i], _hang(line)):
+                line, i = f"{line} {lines[i].strip()}", i + 1
+        out += wrap_line(line, width)
+    return out
+
+
+class _RawNarrow(argparse.RawDescriptionHelpFormatter):
+    """A description and epilog kept as written (lists, tables), their too-long lines wrapped to the width."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(f"{indent}{line}\n" for line in reflow(text, max(width - len(indent), 40)))
+
+
+class NarrowHelp(argparse.ArgumentParser):
+    """An argument parser whose help lines take at most WIDTH columns (fewer on a narrower terminal)."""
+
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        width = min(shutil.get_terminal_size().columns, WIDTH) - 2
+        cls: Any = _RawNarrow if self.formatter_class is argparse.RawDescriptionHelpFormatter else self.formatter_class
+        formatter: argparse.HelpFormatter = cls(prog=self.prog, width=width)
+        return formatter
+
+
+class Parser(NarrowHelp):
+    """An argument parser whose errors are one line (`prog: message (see prog --help)`) and exit status 2, and
+    whose help lines take at most WIDTH columns."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -159,6 +220,32 @@ def memory_problem(need: int, what: str) -> str | None:
             "choose a smaller size")
 
 
+def socket_folder_problem(path: Path) -> str | None:
+    """Why a broker could not serve at `path` (None if it can try): a broker, started by hand or on first use,
+    creates only the socket's own folder, never the folders above it."""
+    folder = path.parent
+    if path.is_dir():
+        return f"{path} is a folder"
+    if folder.exists():
+        return None if folder.is_dir() else f"{folder} is not a folder"
+    if not folder.parent.is_dir():
+        return (f"{folder.parent} does not exist: the broker creates only the socket's own folder ({folder.name}), "
+                "so create its parent first")
+    return None
+
+
+def socket_setting_problem() -> str | None:
+    """Why the node broker this environment names could never start (None if it could): a configuration error,
+    said up front naming the setting, not as a step that failed once the run is under way."""
+    from ..config import Config
+
+    path = Config.from_env().socket_path
+    if problem := socket_folder_problem(path):
+        where = "VMMSHARE_SOCKET" if os.environ.get("VMMSHARE_SOCKET") else "the default socket path"
+        return f"{where} {str(path)!r}: {problem}"
+    return None
+
+
 def say_error(prog: str, message: str) -> None:
     """One line on stderr: `prog: message`."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
@@ -174,7 +261,7 @@ def environment_ok(prog: str) -> bool:
     return not found
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """After a closed pipe: point stdout at /dev/null, so that the interpreter's final flush does not fail again."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -182,9 +269,34 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
-def run_main(body: Callable[[], int]) -> int:
-    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130; never a traceback for either,
-    even when the interrupt surfaces as another error (an import it cut short raises ImportError)."""
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of room, whatever the file
+
+
+def _stdout_refuses() -> bool:
+    """Whether standard output refuses writes now: what it still holds is tried once more (a failed flush keeps
+    it), then an empty write, which a device such as /dev/full refuses too."""
+    try:
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), b"")
+    except (OSError, ValueError, AttributeError):  # AttributeError: no stdout at all
+        return True
+    return False
+
+
+def output_failure(exc: OSError) -> str | None:
+    """What a command that failed with `exc` could not write (standard output, or a full disk under a file), as a
+    line for the user; None if `exc` is no failed write."""
+    if not isinstance(exc, BrokenPipeError) and _stdout_refuses():
+        return f"cannot write to standard output: {exc.strerror or exc}"
+    if exc.errno in _FULL:
+        return f"cannot write {exc.filename or 'its output'}: {exc.strerror}"
+    return None
+
+
+def run_main(body: Callable[[], int], prog: str = "vmmshare") -> int:
+    """Run a command's body: a closed stdout ends it quietly (141), Ctrl-C with 130, an output that refuses writes
+    (a full disk) with one line naming it and 1; never a traceback for any, even when the interrupt surfaces as
+    another error (an import it cut short raises ImportError)."""
     seen: list[int] = []
     previous = signal.getsignal(signal.SIGINT)
     ours = threading.current_thread() is threading.main_thread() and previous is signal.default_int_handler
@@ -200,9 +312,14 @@ def run_main(body: Callable[[], int]) -> int:
         sys.stdout.flush()  # a pipe closed after the last write fails here, not at interpreter exit
         return code
     except BrokenPipeError:
-        _silence_stdout()
+        silence_stdout()
         return PIPE_CLOSED
     except BaseException as exc:
+        if not seen and isinstance(exc, OSError) and (failure := output_failure(exc)):
+            silence_stdout()  # what it still holds goes nowhere, and the interpreter's last flush cannot fail
+            with contextlib.suppress(OSError):
+                say_error(prog, failure)
+            return FAILED
         if not seen and not isinstance(exc, KeyboardInterrupt):
             raise
         with contextlib.suppress(OSError):

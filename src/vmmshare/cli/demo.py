@@ -22,7 +22,19 @@ from typing import Any
 from .. import acl
 from .._process import runtime
 from ..config import Config, parse_size
-from .console import FAILED, USAGE, Parser, Progress, environment_ok, memory_problem, plain, run_main, say_error
+from .console import (
+    FAILED,
+    USAGE,
+    Parser,
+    Progress,
+    environment_ok,
+    memory_problem,
+    plain,
+    run_main,
+    say_error,
+    silence_stdout,
+    socket_setting_problem,
+)
 
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": acl.ACL_HBM_MEM_NORMAL,
         "location": {"id": 0, "type": acl.ACL_MEM_LOCATION_TYPE_DEVICE}, "reserve": 0}
@@ -115,11 +127,14 @@ class Role:
 
 
 def serve_role() -> int:
-    """One role process: run the conductor's requests until it closes the pipe (or Ctrl-C stops the demo)."""
+    """One role process: run the conductor's requests until it closes the pipe (it does on Ctrl-C, see `Proc`)."""
     try:
         return _serve(Role())
-    except KeyboardInterrupt:  # the whole foreground process group got it: the conductor reports it
+    except KeyboardInterrupt:  # run by hand, without the conductor
         return 130
+    except BrokenPipeError:  # the conductor is gone: nobody is left to tell
+        silence_stdout()
+        return 141
 
 
 def _serve(role: Role) -> int:
@@ -139,10 +154,14 @@ def _serve(role: Role) -> int:
 
 
 class Proc:
+    """One role process, driven over its stdin and stdout. It runs in a session of its own, out of reach of the
+    terminal's Ctrl-C (which would print a traceback from wherever its interpreter was, its imports included): the
+    conductor alone gets the Ctrl-C, and stops it by closing its stdin."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.p = subprocess.Popen([sys.executable, "-m", "vmmshare.cli.demo", "--role"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, bufsize=1)
+                                  stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         self.pid = 0
 
     def do(self, what: str, *args: Any) -> dict[str, Any]:
@@ -195,9 +214,11 @@ def _conduct(size: int, out: Any, progress: Progress) -> int:
     g = 2 << 20
     size = -(-size // g) * g
     step("starting the exporter and two importers")
-    procs = {name: Proc(name) for name in ("exporter", "importer-A", "importer-B")}
-    e, a, b = procs["exporter"], procs["importer-A"], procs["importer-B"]
-    try:
+    procs: dict[str, Proc] = {}
+    try:  # a Ctrl-C between two starts stops the ones started
+        for name in ("exporter", "importer-A", "importer-B"):
+            procs[name] = Proc(name)
+        e, a, b = procs["exporter"], procs["importer-A"], procs["importer-B"]
         gpu = False
         for p in procs.values():
             hello = p.do("hello")
@@ -284,7 +305,7 @@ def _capacity_problem(size: int) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """`vmmshare demo`: a closed stdout or Ctrl-C ends it without a traceback (the three processes are stopped)."""
-    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv))
+    return run_main(lambda: _main(sys.argv[1:] if argv is None else argv), "vmmshare demo")
 
 
 def _main(argv: list[str]) -> int:
@@ -314,6 +335,9 @@ def _main(argv: list[str]) -> int:
     size = -(-size // (2 << 20)) * (2 << 20)
     if Config.from_env().backend == "host" and (problem := memory_problem(size, f"--size {_human(size)}")):
         say_error("vmmshare demo", f"{problem} (the three processes share one copy, in host memory)")
+        return USAGE
+    if problem := socket_setting_problem():
+        say_error("vmmshare demo", problem)
         return USAGE
     problem = _capacity_problem(size)
     if problem:

@@ -79,16 +79,23 @@ def main(argv: list[str]) -> int:
     root = Path(tempfile.mkdtemp(prefix="vmmshare-demo-"))
     cluster = Cluster(f"d{os.getpid() % 10000}", 2, root=root)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMMSHARE_")}
+    started: list[subprocess.Popen[str]] = []
+
+    def start(argv: list[str], stdin: int | None = None, stderr: int | None = None) -> subprocess.Popen[str]:
+        """A process of the demo (its stdout a pipe), in a session of its own: out of reach of the terminal's Ctrl-C,
+        which would print a traceback from it; this process alone gets it, and stops the ones it started."""
+        started.append(subprocess.Popen(argv, env=env, text=True, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr,
+                                        start_new_session=True))
+        return started[-1]
+
     try:
         cluster.up()
         one, two = cluster.server(1), cluster.server(2)
         print(f"server 1: {one.address} (id {one.server_id:#x}), server 2: {two.address} (id {two.server_id:#x}), "
               "joined by a private bridge; one cluster key")
         py = sys.executable
-        imp = subprocess.Popen(two.command([py, "-c", IMPORTER]), env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-        exp = subprocess.Popen(one.command([py, "-c", EXPORTER]), env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+        imp = start(two.command([py, "-c", IMPORTER]), stdin=subprocess.PIPE)
+        exp = start(one.command([py, "-c", EXPORTER]), stdin=subprocess.PIPE)
         assert imp.stdin and imp.stdout and exp.stdin and exp.stdout
         tgid = imp.stdout.readline().strip()
         print(f"server 2: an importer, bare tgid {tgid}")
@@ -98,8 +105,9 @@ def main(argv: list[str]) -> int:
         if not handle:
             raise ClusterError("the exporter failed (its error is above)")
         print(f"server 1: exported 2 MiB as a FABRIC handle, trustlist [{tgid}]: {handle[:48]}...")
-        out = subprocess.run(two.command([py, "-c", OUTSIDER, handle]), env=env, capture_output=True, text=True)
-        print(f"server 2: an untrusted process imports it: {out.stdout.strip()[:160]}")
+        outsider = start(two.command([py, "-c", OUTSIDER, handle]), stderr=subprocess.PIPE)
+        said = outsider.communicate()[0]
+        print(f"server 2: an untrusted process imports it: {said.strip()[:160]}")
         imp.stdin.write(handle + "\n")
         imp.stdin.close()
         read = imp.stdout.readline().strip()
@@ -111,11 +119,15 @@ def main(argv: list[str]) -> int:
         answer = exp.stdout.readline().strip()
         exp.wait(60)
         print(f"server 1: its own memory now holds what server 2 wrote, one-sided: {answer!r}")
-        ok = read == "hello from server 1" and answer == "and back from server 2" and out.stdout.startswith("207006")
+        ok = read == "hello from server 1" and answer == "and back from server 2" and said.startswith("207006")
         print("every step behaved" if ok else "a step misbehaved")
         return OK if ok else FAILED
     except ClusterError as exc:
         say_error(prog, str(exc))
         return FAILED
     finally:
+        for proc in started:  # left running by a failure or a Ctrl-C
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
         cluster.down()

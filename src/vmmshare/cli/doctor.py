@@ -17,6 +17,7 @@ from .. import config as cfg
 from ..backends import host, mman
 from ..broker.system import answers
 from ..sockets.packets import peer_credentials, peer_pidfd
+from .console import wrap_line
 
 
 @dataclass
@@ -250,10 +251,10 @@ def run(as_json: bool = False) -> int:
     if as_json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:
-        for f in findings:
-            print(f"{f.status:8s} {f.item:24s} {f.detail}")
+        for f in findings:  # each line at most WIDTH columns: the detail and the fix wrap under themselves
+            print("\n".join(wrap_line(f"{f.status:8s} {f.item:24s} {f.detail}", hang=34)))
             if f.fix:
-                print(f"{'':33s}fix: {f.fix}")
+                print("\n".join(wrap_line(f"{'':33s}fix: {f.fix}", hang=38)))
     return 1 if any(f.status == "missing" for f in findings) else 0
 
 

@@ -50,6 +50,21 @@ IPC_ERROR = 507022
 HANG_GUARD = 30.0  # seconds: a guard against a hang only, never part of an assertion
 
 
+def backend_problem(backend: str) -> str | None:
+    """Why this install cannot give a run `backend` (None if it can): the CUDA backends need cuda-bindings, the CPU
+    stand-in also a C compiler. Said before the run starts, as a usage error, not as a child's failure."""
+    if backend == "host":
+        return None
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return f"--backend {backend} needs cuda-bindings, which is not installed: pip install 'vmmshare[cuda]'"
+    cc = os.environ.get("CC", "cc")
+    if backend == "fakecuda" and not shutil.which(cc.split()[0] if cc.strip() else "cc"):
+        return f"--backend fakecuda builds the CPU stand-in for the CUDA driver with {cc!r} ($CC), which is missing"
+    return None
+
+
 @contextlib.contextmanager
 def backend_env(backend: str) -> Iterator[dict[str, str]]:
     """The variables that give the child `backend` (building the CPU stand-in for the driver if asked)."""

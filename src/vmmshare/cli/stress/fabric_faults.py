@@ -19,7 +19,6 @@ Needs root and the engine (pip install 'vmmshare[fabric]').
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import random
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fabric_cluster import TestCluster, cluster_problem, eventually
 from procs import Actor, ActorDied
 from stressio import count_option, emit, entry, prog, seconds_option, whole
-from vmmshare.cli.console import check_outputs
+from vmmshare.cli.console import NarrowHelp, check_outputs
 
 VICTIMS = ("exporter", "importer", "exporting broker", "importing broker")
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 5, "location": {"id": 0, "type": 1}, "reserve": 0}
@@ -224,7 +223,7 @@ def run(trials: int, seed: int, seconds: float | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog=prog(__file__), description=(__doc__ or "").split("\n\n")[0])
+    ap = NarrowHelp(prog=prog(__file__), description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--trials", type=count_option, default=40, help="trials (default 40)")
     ap.add_argument("--seed", type=whole, default=None, help="random seed (default: random, and recorded)")
     ap.add_argument("--seconds", type=seconds_option, default=None, help="cap on the run's time")

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
 from stressio import count_option, emit, entry, fraction, kinds, prog, readable, seconds_option, whole
-from vmmshare.cli.console import check_outputs
+from vmmshare.cli.console import NarrowHelp, check_outputs
 
 KINDS = ("exporter", "importer", "broker")
 
@@ -781,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         import fabric_faults
 
         return fabric_faults.main([a for a in argv if a != "--fabric"])
-    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__,
+    ap = NarrowHelp(prog=prog(__file__), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=count_option, default=200, help="trials of each kind (default 200)")
     ap.add_argument("--seconds", type=seconds_option, default=None,
@@ -803,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         cls = ExporterWorker if args.role == "exporter" else ImporterWorker
         cls(args.progress, args.seed or 0).serve()
         return 0
+    if problem := c.backend_problem(args.backend):
+        ap.exit(2, f"{ap.prog}: {problem}\n")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     with c.backend_env(args.backend) as extra:
         result = run(args.kinds, args.trials, args.seconds, seed, args.double_kill, backend_env=extra)

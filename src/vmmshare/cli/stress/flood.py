@@ -44,7 +44,7 @@ import common as c
 import identity as ident
 import rawsock
 from stressio import count_option, emit, entry, kinds, prog, readable, seconds_option, whole
-from vmmshare.cli.console import check_outputs
+from vmmshare.cli.console import NarrowHelp, check_outputs
 from vmmshare.wire import local as P
 
 DEFAULT = 1
@@ -291,7 +291,7 @@ def run(flooders: int, seconds: float, seed: int, kinds: tuple[str, ...] = KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
+    parser = NarrowHelp(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["flooder", "victim"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--handle", type=int, help=argparse.SUPPRESS)

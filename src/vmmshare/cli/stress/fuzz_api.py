@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 import common as c  # noqa: E402
 from fuzz_protocol import Broker, broker_state, settled_fd_count  # noqa: E402
 from stressio import count_option, emit, entry, prog, readable, seconds_option, whole  # noqa: E402
-from vmmshare.cli.console import check_outputs  # noqa: E402
+from vmmshare.cli.console import NarrowHelp, check_outputs  # noqa: E402
 
 DOCUMENTED = {0, 100000, 100002, 100003, 100037, 107000, 107001, 107002, 107003, 107016, 107017, 207000, 207001,
               207006, 507046}
@@ -1186,7 +1186,7 @@ def verdict(r: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
+    ap = NarrowHelp(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=count_option, default=100_000, help="calls to make (default 100000)")
     ap.add_argument("--seconds", type=seconds_option, default=600.0, help="time cap for the fuzz loop (default 600)")
     ap.add_argument("--seed", type=whole, default=20251130)
@@ -1201,6 +1201,8 @@ def main(argv: list[str] | None = None) -> int:
     check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.child:
         return child_main(args.calls, args.seconds, args.seed, args.result, args.trace)
+    if problem := c.backend_problem(args.backend):
+        ap.exit(2, f"{ap.prog}: {problem}\n")
     with c.backend_env(args.backend) as extra:
         r = run(args.calls, args.seed, args.seconds, args.trace, extra_env=extra)
     lines = [f"{r.get('calls')} calls of {r.get('functions')} functions in {r.get('seconds')} s "

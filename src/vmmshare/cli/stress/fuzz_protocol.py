@@ -20,7 +20,6 @@ Exit status 0 when every invariant held, 1 otherwise. Loops are bounded by count
 
 from __future__ import annotations
 
-import argparse
 import array
 import contextlib
 import json
@@ -51,7 +50,7 @@ if str(HERE) not in sys.path:
 
 import rawsock  # noqa: E402  (the test side's own packet code)
 from stressio import count_option, emit, entry, fraction, prog, readable, seconds_option, whole  # noqa: E402
-from vmmshare.cli.console import check_outputs  # noqa: E402
+from vmmshare.cli.console import NarrowHelp, check_outputs  # noqa: E402
 
 U32_MAX = (1 << 32) - 1
 MiB2 = 2 << 20
@@ -1017,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--atheris-child"]:
         _atheris_child(int(argv[1]), argv[2], argv[3:])
         return 0
-    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
+    ap = NarrowHelp(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=count_option, default=100_000, help="decoder frames (default 100000)")
     ap.add_argument("--seconds", type=seconds_option, default=None, help="time cap for each phase")
     ap.add_argument("--seed", type=whole, default=20251130)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
 from stressio import emit, entry, prog, readable, seconds_option, whole
-from vmmshare.cli.console import check_outputs
+from vmmshare.cli.console import NarrowHelp, check_outputs
 from vmmshare.wire import local as P
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
@@ -469,7 +469,7 @@ def guessing_run(count: int, seed: int, exports: int = 8, limit: float | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__,
+    ap = NarrowHelp(prog=prog(__file__), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reuse", type=whole, default=200, help="pid-reuse trials on the host (half fast, half slow)")
     ap.add_argument("--reuse-ns", type=whole, default=50, help="pid-reuse trials inside a fresh pid namespace")

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c
 from stressio import count_option, emit, entry, even_count, fraction, prog, readable, seconds_option, whole
-from vmmshare.cli.console import check_outputs
+from vmmshare.cli.console import NarrowHelp, check_outputs
 
 SIZE = c.MiB2
 MARK = struct.Struct("<8sQQQ")  # magic, tgid, cycle, seed
@@ -301,7 +301,7 @@ def _requests(t: dict[str, int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__,
+    ap = NarrowHelp(prog=prog(__file__), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=even_count, default=64, help="client processes, an even number (default 64)")
     ap.add_argument("--cycles", type=count_option, default=1000, help="cycles per client (default 1000)")
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     check_outputs(ap, json=None if args.json == "-" else args.json)
     if args.role:
         return worker(args.index, args.rx, args.tx, args.seed or 0, args.refuse)
+    if problem := c.backend_problem(args.backend):
+        ap.exit(2, f"{ap.prog}: {problem}\n")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     with c.backend_env(args.backend) as extra:
         result = run(args.clients, args.cycles, args.seconds, seed, args.refuse, backend_env=extra)

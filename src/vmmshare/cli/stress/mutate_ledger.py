@@ -17,7 +17,6 @@ Exit status 0 when every mutant was killed, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -27,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from vmmshare.cli.console import NarrowHelp
 
 ROOT = Path(__file__).resolve().parents[3]  # the source checkout: the mutants are made in its files
 BROKER = ROOT / "src" / "vmmshare" / "broker"
@@ -158,7 +159,7 @@ def run_tests(files: list[str], timeout: float) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vmmshare stress mutate_ledger", description=__doc__.split("\n\n")[0])
+    parser = NarrowHelp(prog="vmmshare stress mutate_ledger", description=__doc__.split("\n\n")[0])
     parser.add_argument("--each-file", action="store_true", help="run each test file on its own for every mutant")
     parser.add_argument("--only", nargs="*", default=None, help="mutant names to run (default: all)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for one pytest run")

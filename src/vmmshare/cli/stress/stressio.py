@@ -90,10 +90,13 @@ def emit(lines: Iterable[str], result: dict[str, Any], json_to: str | Path | Non
     if to_stdout:
         print(text, flush=True)
     elif json_to:
-        Path(json_to).write_text(text + "\n")
+        try:
+            Path(json_to).write_text(text + "\n")
+        except OSError as exc:  # a failed write names no file (a full disk): this one is named
+            raise OSError(exc.errno, exc.strerror, str(json_to)) from None
 
 
 def entry(main: Callable[[], int]) -> NoReturn:
     """A run's (or one of its worker processes') `__main__`: Ctrl-C ends it with 130 and a closed stdout with 141,
     never with a traceback. A worker started with Ctrl-C ignored (`Worker`) takes it back here."""
-    sys.exit(interruptible(lambda: run_main(main)))
+    sys.exit(interruptible(lambda: run_main(main, f"vmmshare stress {Path(sys.argv[0]).stem}")))

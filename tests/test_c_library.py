@@ -48,7 +48,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C co
 
 def cc(out: Path, *sources: str | Path, flags: tuple[str, ...] = (), with_library: bool = True) -> Path:
     """Build a test program with the sanitizers, the library's own sources linked in (so they are checked too)."""
-    cmd = ["cc", *CFLAGS, *SANITIZE, *flags, *map(str, sources), *(SOURCES if with_library else []), "-o", str(out)]
+    cmd = ["cc", *CFLAGS, *SANITIZE, *flags, *map(str, sources), *(SOURCES if with_library else []), "-ldl", "-o",
+           str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr}"
     return out
@@ -515,3 +516,141 @@ def test_a_wheel_builds_the_libraries_and_prefix_completes_its_root(tmp_path: Pa
                     f"-L{root / 'lib64'}", "-lascendcl", f"-Wl,-rpath,{root / 'lib64'}", "-o", str(exe)], check=True)
     proc = run([str(exe)], clean_env(VMMSHARE_SOCKET=str(tmp_path / "b" / "broker.sock"), VMMSHARE_BROKER_IDLE="1"))
     assert proc.returncode == 0 and "weak ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- attacks found by review
+
+
+def _memfd_reply(conn: socket.socket, request: bytes) -> None:
+    """A well-formed IMPORTED: 2 MiB of sealed host memory."""
+    fd = os.memfd_create("m", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, MiB2)
+        body = struct.pack("<QQBBBBBi", 7, MiB2, 0, 0, 0, 0, 1, 0)
+        conn.sendmsg([_reply(request, 69, body)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+    finally:
+        os.close(fd)
+
+
+def _answer_plain(conn: socket.socket, request: bytes) -> bool:
+    """TOKEN, OK and MEM as a broker would; True when it answered."""
+    kind = request[3]
+    if kind == 1:
+        conn.send(_reply(request, 66, struct.pack("<Q", 9)))
+    elif kind in (2, 5, 6):
+        conn.send(_reply(request, 64, b""))
+    elif kind == 3:
+        conn.send(_reply(request, 67, struct.pack("<QQ", 1 << 30, 1 << 30)))
+    else:
+        return False
+    return True
+
+
+def _refuse_with_code_0(conn: socket.socket, request: bytes) -> None:
+    """An ERROR to request 0 (a refusal of the connection) whose code is 0."""
+    conn.send(b"VB\x01\x41" + struct.pack("<II", 0, 5) + struct.pack("<I", 0) + b"x")
+    raise OSError("closed")
+
+
+@pytest.mark.parametrize("call", ["mem_info", "import"])
+def test_a_refusal_with_code_0_fails_the_call_and_closes_no_fd_of_the_program(
+        built: Path, tmp_path: Path, call: str) -> None:
+    """A refusal is never a success, whatever code it carries, and nothing of an earlier reply is touched again
+    (before: code 0 read as success, and the import closed whatever fd held the number of an earlier reply's)."""
+    exe = built / "call_probe"
+    if not exe.exists():
+        cc(exe, TESTS_C / "call_probe.c")
+    stop = lying_broker(tmp_path / "b", _refuse_with_code_0)
+    try:
+        with open(os.devnull) as null:  # the program's stdin: a file of its own the library must leave alone
+            proc = subprocess.run([str(exe), call], capture_output=True, text=True, stdin=null, timeout=120,
+                                  env={**clean_env(VMMSHARE_SOCKET=str(tmp_path / "b" / "broker.sock")), **RUN_ENV})
+    finally:
+        stop()
+    lines = proc.stdout.splitlines()
+    assert all(int(line.split(" ", 1)[0]) == IPC_ERROR for line in lines[:2]), proc.stdout
+    assert lines[2] == "fds 0", proc.stdout
+
+
+def test_an_import_racing_a_double_free_touches_no_freed_allocation(built: Path, tmp_path: Path) -> None:
+    """A second import of a held handle is at the broker while the handle is freed twice: the second free gets
+    107017 and the import neither reads nor drops the freed allocation (before: a use after free). Stepped by
+    events, not timing: the broker holds the import's answer until both frees are done."""
+    at_broker, freed = threading.Event(), threading.Event()
+    imports: list[int] = []
+
+    def answer(conn: socket.socket, request: bytes) -> None:
+        if _answer_plain(conn, request):
+            return
+        if request[3] == 7:
+            imports.append(1)
+            if len(imports) == 2:
+                at_broker.set()
+                assert freed.wait(60)  # (a hang guard)
+            _memfd_reply(conn, request)
+            return
+        conn.send(_reply(request, 65, struct.pack("<I", 507899) + b"no"))
+
+    exe = cc(built / "import_free_race", TESTS_C / "import_free_race.c")
+    stop = lying_broker(tmp_path / "b", answer)
+    proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**clean_env(VMMSHARE_SOCKET=str(tmp_path / "b" / "broker.sock")),
+                                            **RUN_ENV})
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "import 0"
+        assert at_broker.wait(60)
+        proc.stdin.write("g")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "free 0"
+        assert proc.stdout.readline().strip() == f"free-again {107017}"
+        freed.set()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        freed.set()
+        stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert "AddressSanitizer" not in err and "runtime error" not in err, err[-3000:]
+    assert proc.returncode == 0, out + err[-3000:]
+    assert out.strip() == "import-again 107017", out  # the import it joined was freed under it: import anew
+
+
+def test_the_c_library_starts_a_broker_wherever_the_python_client_does(built: Path, tmp_path: Path) -> None:
+    """A folder of one's own that others can read but not write (0755, as `vmmshare broker --multi-user` makes
+    it): the Python client starts a broker there, and so does the C library (before: it wanted 0700)."""
+    folder = tmp_path / "s"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    exe = built / "call_probe"
+    if not exe.exists():
+        cc(exe, TESTS_C / "call_probe.c")
+    env = clean_env(VMMSHARE_SOCKET=str(folder / "broker.sock"), VMMSHARE_BROKER_IDLE="1")
+    try:
+        proc = run([str(exe), "mem_info"], env)
+        assert proc.stdout.startswith("0 "), proc.stdout + proc.stderr
+    finally:
+        log = folder / "broker.log"
+        for pid in {int(m) for m in re.findall(r"broker\[(\d+)\]", log.read_text() if log.exists() else "")}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 15)
+
+
+@pytest.mark.parametrize(("value", "server"), [("42", 42), ("0x2a", 42), ("0o52", 42), ("0b101010", 42),
+                                               ("4_2", 42), (" 42 ", 42), ("010", None), ("1__0", None),
+                                               ("_1", None), ("0x", None), ("4294967296", None)])
+def test_the_server_id_is_read_as_python_reads_it(node: Node, value: str, server: int | None) -> None:
+    """VMMSHARE_SERVER_ID as Python's int(text, 0) reads it: C and Python processes of a node agree on the ids
+    their IPC keys carry (before: C read 010 as 8 and refused 0o52 and 4_2)."""
+    a = Actor({**node.broker.env, "VMMSHARE_ACTOR_SURFACE": "c", "VMMSHARE_SERVER_ID": value}, device=None)
+    node.made.append(a)
+    got = a.call("rt.set_device", 0)
+    if server is None:
+        assert got == PARAM and "VMMSHARE_SERVER_ID" in a.last_err, a.last_err
+        return
+    assert got == 0, a.last_err
+    block = ok(a, "rt.malloc", 4096, 0)
+    key = ok(a, "rt.ipc_mem_get_export_key", block, 4096, 65, 0)
+    assert int(key[16:], 16) == server
+    ok(a, "rt.ipc_mem_close", key)
+    ok(a, "rt.free", block)

@@ -188,7 +188,9 @@ def _setup_as_on_a_bare_machine(tmp_path: Path, script: str, *args: str) -> list
     for name in ("setup.sh", "demo.sh", "test.sh"):
         (tree / "scripts" / name).write_bytes((ROOT / "scripts" / name).read_bytes())
         (tree / "scripts" / name).chmod(0o755)
-    (tree / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    for name in ("pyproject.toml", "setup.py"):  # with the C library's sources: what the set-up's stamp hashes
+        (tree / name).write_bytes((ROOT / name).read_bytes())
+    shutil.copytree(ROOT / "src" / "vmmshare" / "clib", tree / "src" / "vmmshare" / "clib")
     stand_ins = {"apt-get": 'echo "apt-get $*" >> "$LOG"', "ldconfig": "exit 0", "id": "echo 0",
                  **{f"/.venv/bin/{tool}": f'echo "{tool} $*" >> "$LOG"; exit 1'
                     for tool in ("vmmshare", "ruff", "mypy", "mkdocs")}}

@@ -211,8 +211,8 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
                [("importer: import + reserve + map", _cell(c["c_importer"]), f"{c['importer_vs_floor']:.2f}x floor"),
                 ("exporter: allocate + map + export + trustlist", _cell(c["c_exporter"]),
                  f"{c['exporter_vs_3_floors']:.2f}x 3 floors"),
-                ("shm_open + mmap (attach)", _cell(c["shm_attach"]), ""),
-                ("shm_open + ftruncate + mmap (create)", _cell(c["shm_create"]), ""),
+                ("POSIX shared memory: open + mmap (attach)", _cell(c["shm_attach"]), ""),
+                ("POSIX shared memory: open + truncate + mmap (create)", _cell(c["shm_create"]), ""),
                 ("request + fd reply, C to C (the floor)", _cell(c["floor"]), "floor")], out)
     if "throughput" in res:
         _table("How many import+free round trips a broker serves", ("clients", "round trips/s", "client CPU µs",

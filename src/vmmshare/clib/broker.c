@@ -13,7 +13,9 @@
  * process's life); a hold is the broker's id for this connection's claim on it, which a restarted broker gives
  * out anew.
  */
+#include <dlfcn.h>
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
@@ -145,6 +147,10 @@ static int send_packet(int fd, const uint8_t *data, size_t n, const int *fds, in
  * peer closed the connection. */
 static int recv_packet(int fd, reply *r, int flags)
 {
+    r->nfds = 0;
+    r->n = 0;
+    for (int i = 0; i < MAX_FDS; i++)
+        r->fds[i] = -1;
     struct iovec iov = {r->packet, sizeof r->packet};
     union {
         char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
@@ -306,7 +312,12 @@ static aclError try_connect(vs_err *err, int *fd)
     fcntl(s, F_SETFL, flags & ~O_NONBLOCK);
     struct ucred cred;
     socklen_t len = sizeof cred;
-    if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || !trusted(cred.uid)) {
+    if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+        int e = errno;
+        close(s);
+        return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "cannot learn who listens at %s: %s", path, strerror(e));
+    }
+    if (!trusted(cred.uid)) {
         close(s);
         return vs_set(err, ACL_ERROR_RT_NO_PERMISSION,
                       "the process listening at %s (pid %d) runs as uid %u, not as you, root or "
@@ -320,7 +331,7 @@ static aclError try_connect(vs_err *err, int *fd)
 /* Open (creating, 0600) a file of this user in the broker's folder, not through a link. */
 static int open_private(vs_err *err, const char *path, int flags)
 {
-    int fd = open(path, flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd = open(path, flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600); /* (a FIFO would block) */
     if (fd < 0) {
         vs_set(err, ACL_ERROR_RT_NO_PERMISSION, "cannot open %s: %s", path,
                errno == ELOOP ? "it is a symbolic link" : strerror(errno));
@@ -334,7 +345,36 @@ static int open_private(vs_err *err, const char *path, int flags)
                "file, or use a folder of your own", path);
         return -1;
     }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     return fd;
+}
+
+/* The interpreter that starts the broker: VMMSHARE_PYTHON; else the one whose installation holds this library
+ * (<prefix>/lib/pythonX.Y/site-packages/vmmshare/sdk/lib64/ -> <prefix>/bin/python3); else the one the library was
+ * built with; else python3 on PATH. */
+static const char *broker_python(char *buf, size_t cap)
+{
+    const char *env = getenv("VMMSHARE_PYTHON");
+    if (env != NULL && *env != '\0')
+        return env;
+    Dl_info info;
+    if (dladdr((void *)broker_python, &info) != 0 && info.dli_fname != NULL && strlen(info.dli_fname) < cap) {
+        snprintf(buf, cap, "%s", info.dli_fname);
+        for (int up = 0; up < 7; up++) { /* the library, lib64, sdk, vmmshare, site-packages, pythonX.Y, lib */
+            char *slash = strrchr(buf, '/');
+            if (slash == NULL || slash == buf)
+                break;
+            *slash = '\0';
+            if (up == 4 && strcmp(slash + 1, "site-packages") != 0 && strcmp(slash + 1, "dist-packages") != 0)
+                break;
+            if (up == 6 && strlen(buf) + sizeof "/bin/python3" <= cap) {
+                strcat(buf, "/bin/python3");
+                if (access(buf, X_OK) == 0)
+                    return buf;
+            }
+        }
+    }
+    return access(VS_PYTHON, X_OK) == 0 ? VS_PYTHON : "python3";
 }
 
 /* Start the embedded default broker (it exits once idle) and wait until it serves; 0 or an error. */
@@ -350,9 +390,8 @@ static aclError spawn_broker(vs_err *err, const char *folder)
         close(logfd);
         return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "cannot start the broker: %s", strerror(errno));
     }
-    const char *python = getenv("VMMSHARE_PYTHON");
-    if (python == NULL || *python == '\0')
-        python = access(VS_PYTHON, X_OK) == 0 ? VS_PYTHON : "python3";
+    char found[PATH_MAX];
+    const char *python = broker_python(found, sizeof found);
     snprintf(ready, sizeof ready, "3");
     char *argv[] = {(char *)python, "-m", "vmmshare.broker", "--socket", vs_rt.config.socket, "--auto",
                     "--ready-fd", ready, "--log-file", log_path, NULL};
@@ -372,9 +411,18 @@ static aclError spawn_broker(vs_err *err, const char *folder)
             dup2(pf, 3) < 0)
             _exit(126);
         /* the ready pipe (fd 3) is inherited, nothing else */
-        if (syscall(SYS_close_range, 4U, ~0U, 0U) != 0)
+        int closed = -1;
+#ifdef SYS_close_range
+        closed = (int)syscall(SYS_close_range, 4U, ~0U, 0U);
+#endif
+        if (closed != 0)
             for (int fd = 4; fd < 65536; fd++)
                 close(fd);
+        struct sigaction dfl; /* the broker starts with every signal's default, whatever this program set */
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        for (int sig = 1; sig < NSIG; sig++)
+            sigaction(sig, &dfl, NULL);
         sigset_t none;
         sigemptyset(&none);
         pthread_sigmask(SIG_SETMASK, &none, NULL);
@@ -399,7 +447,10 @@ static aclError spawn_broker(vs_err *err, const char *folder)
     for (;;) {
         double left = deadline - now();
         struct pollfd p = {pipefd[0], POLLIN, 0};
-        if (left <= 0 || poll(&p, 1, (int)(left * 1000)) == 0) {
+        int ready = left > 0 ? poll(&p, 1, (int)(left * 1000)) : 0;
+        if (ready < 0 && errno == EINTR)
+            continue;
+        if (ready <= 0) {
             code = vs_set(err, ACL_ERROR_RT_IPC_ERROR, "the broker did not start within %.0f s; see %s",
                           START_TIMEOUT_S, log_path);
             break;
@@ -433,10 +484,10 @@ static aclError reach_broker(vs_err *err, int *fd)
     if (mkdir(folder, 0700) != 0 && errno != EEXIST)
         return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "cannot prepare %s for the broker: %s", folder, strerror(errno));
     struct stat st;
-    if (lstat(folder, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 077))
+    if (lstat(folder, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 022))
         return vs_set(err, ACL_ERROR_RT_NO_PERMISSION,
-                      "will not start a broker in %s: it must be a folder of yours that only you can use (mode "
-                      "0700)", folder);
+                      "will not start a broker in %s: it must be a folder of yours that no one else can write to "
+                      "(mode 0700 or 0755)", folder);
     snprintf(lock_path, sizeof lock_path, "%s/broker.lock", folder);
     int lock = open_private(err, lock_path, O_RDWR);
     if (lock < 0)
@@ -482,7 +533,8 @@ static aclError refusal(vs_err *err, int fd)
     if (vs_wire_decode(r->packet, r->n, r->nfds, &kind, &req, &r->f, &why, why_buf) != 0 || req != 0 ||
         kind != VS_ERROR)
         return 0;
-    return vs_set(err, (aclError)r->f.v[0], "%.*s", (int)r->f.tail_len, (const char *)r->f.tail);
+    aclError code = (aclError)r->f.v[0];
+    return vs_set(err, code > 0 ? code : ACL_ERROR_RT_IPC_ERROR, "%.*s", (int)r->f.tail_len, (const char *)r->f.tail);
 }
 
 enum { ATTEMPT_OK = 0, ATTEMPT_RETRY = -1 };
@@ -520,16 +572,20 @@ static int attempt(vs_err *err, int fd, const uint8_t *frame, size_t n, const in
     else if (vs_wire_decode(r->packet, r->n, r->nfds, &r->kind, &got_req, &r->f, &why, why_buf) == 0) {
         if (got_req == 0 && r->kind == VS_ERROR) { /* the broker will not serve this connection */
             close_fds(r->fds, r->nfds);
+            r->nfds = 0;
             reset();
-            return vs_set(err, (aclError)r->f.v[0], "%.*s", (int)r->f.tail_len, (const char *)r->f.tail);
+            aclError code = (aclError)r->f.v[0];
+            return vs_set(err, code > 0 ? code : ACL_ERROR_RT_IPC_ERROR, "%.*s", (int)r->f.tail_len,
+                          (const char *)r->f.tail);
         }
         if (got_req != req) {
             snprintf(why_buf, sizeof why_buf, "reply to request %u, expected %u", got_req, req);
             why = why_buf;
         } else if (r->kind == VS_ERROR) {
             close_fds(r->fds, r->nfds);
+            r->nfds = 0;
             aclError code = (aclError)r->f.v[0];
-            if (code == 0)
+            if (code <= 0)
                 code = ACL_ERROR_RT_INTERNAL_ERROR;
             return vs_set(err, code, "%.*s", (int)r->f.tail_len, (const char *)r->f.tail);
         } else if (r->kind != expect) {
@@ -602,6 +658,8 @@ static aclError connect_fresh(vs_err *err)
         uint8_t frame[64];
         const char *why;
         uint32_t req = next_req++;
+        if (req == 0) /* 0 addresses the broker's refusal of a connection */
+            req = next_req++;
         size_t n = vs_wire_encode(VS_CHARGE, req, &f, frame, &why);
         vs_err ignored;
         int got = attempt(&ignored, conn, frame, n, NULL, 0, req, VS_TOKEN, r);
@@ -764,6 +822,12 @@ aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, co
     f.v[1] = share_type;
     f.bytes[0] = secret != NULL ? secret : none;
     aclError rc = request(err, VS_IMPORT, &f, -1, 0, NULL, 0, VS_IMPORTED, r);
+    if (rc == ACL_SUCCESS && (r->kind != VS_IMPORTED || r->nfds != 1 || r->fds[0] < 0)) {
+        close_fds(r->fds, r->nfds);
+        reset();
+        end();
+        return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "bad reply from the broker: not an import's memory");
+    }
     struct stat st;
     if (rc == ACL_SUCCESS && r->f.v[2] == 0 &&
         (fstat(r->fds[0], &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != r->f.v[1])) {

@@ -218,6 +218,9 @@ VS_API aclError aclrtIpcMemSetImportPid(const char *keyText, int32_t *pid, size_
     int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
+    if (num > VS_MAX_TRUSTLIST)
+        return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "pid_list has %zu pids; at most %d per handle", num,
+                       VS_MAX_TRUSTLIST);
     uint32_t *pids = malloc(sizeof(uint32_t) * num);
     if (pids == NULL)
         return vs_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "out of memory");

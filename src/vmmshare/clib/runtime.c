@@ -3,6 +3,7 @@
  * its tables (allocations, reservations, mappings) and the address-space arena reservations are placed in.
  */
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -160,16 +161,61 @@ static int read_socket(vs_config *c)
     return 0;
 }
 
+/* An integer as Python's int(text, 0) reads it: an optional sign, a 0x / 0o / 0b prefix or decimal digits (no
+ * leading zero but in 0 itself), single underscores between digits, spaces around; -1 when it is not one. */
+static int parse_py_int(const char *text, long long *out)
+{
+    while (*text == ' ' || *text == '\t' || *text == '\n')
+        text++;
+    int sign = 1;
+    if (*text == '+' || *text == '-')
+        sign = *text++ == '-' ? -1 : 1;
+    int base = 10;
+    if (text[0] == '0' && (text[1] == 'x' || text[1] == 'X' || text[1] == 'o' || text[1] == 'O' || text[1] == 'b' ||
+                           text[1] == 'B')) {
+        base = text[1] == 'x' || text[1] == 'X' ? 16 : text[1] == 'o' || text[1] == 'O' ? 8 : 2;
+        text += 2;
+        if (*text == '_')
+            text++;
+    }
+    unsigned long long v = 0;
+    int digits = 0, zero_led = 0, nonzero = 0;
+    char prev = 0;
+    for (; *text && *text != ' ' && *text != '\t' && *text != '\n'; text++) {
+        char ch = *text;
+        if (ch == '_') {
+            if (prev == '_' || digits == 0)
+                return -1;
+            prev = ch;
+            continue;
+        }
+        int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+              : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : 99;
+        if (d >= base)
+            return -1;
+        if (digits == 0 && d == 0 && base == 10)
+            zero_led = 1;
+        nonzero |= d != 0;
+        if (v > (ULLONG_MAX - (unsigned)d) / (unsigned)base)
+            return -1;
+        v = v * (unsigned)base + (unsigned)d;
+        digits++;
+        prev = ch;
+    }
+    while (*text == ' ' || *text == '\t' || *text == '\n')
+        text++;
+    if (*text || digits == 0 || prev == '_' || (zero_led && nonzero) || v > (unsigned long long)LLONG_MAX)
+        return -1;
+    *out = sign * (long long)v;
+    return 0;
+}
+
 static int read_server_id(vs_config *c)
 {
     const char *v = raw("VMMSHARE_SERVER_ID");
     if (v != NULL) {
-        char *end;
-        errno = 0;
-        long long n = strtoll(v, &end, 0);
-        while (*end == ' ' || *end == '\n')
-            end++;
-        if (errno || *end || end == v)
+        long long n;
+        if (parse_py_int(v, &n) != 0)
             return bad(c, "%s='%s' is not an integer (such as 42 or 0x2a)", "VMMSHARE_SERVER_ID", v);
         if (n < 0 || n > 0xFFFFFFFFLL)
             return bad(c, "%s='%s' must fit in 32 bits", "VMMSHARE_SERVER_ID", v);
@@ -594,7 +640,7 @@ static void destroy(vs_alloc *a)
 
 void vs_maybe_destroy(vs_alloc *a)
 {
-    if (a->refs == 0 && a->maps == 0)
+    if (a->refs == 0 && a->maps == 0 && a->pins == 0)
         destroy(a);
 }
 
@@ -604,8 +650,7 @@ void vs_drop(vs_alloc *a)
         return;
     a->registered = false;
     vs_forget_exports(a);
-    if (a->maps == 0)
-        destroy(a);
+    vs_maybe_destroy(a);
 }
 
 /* The NUMA binding of a memfd's pages (mbind on a temporary mapping sets the object's shared policy). */

@@ -110,6 +110,9 @@ aclError vs_export_alloc(vs_err *err, vs_alloc *a, uint32_t share_type, bool pid
     aclError rc = vs_node_export(err, a->token, a->fd, &a->prop, a->size, flags, share_type, out, outlen);
     if (rc)
         return rc;
+    if (*outlen != (share_type == ACL_MEM_SHARE_HANDLE_TYPE_FABRIC ? (size_t)VS_FABRIC_SIZE : 8u))
+        return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "bad reply from the broker: a %zu-byte handle for a %s export",
+                      *outlen, share_type == ACL_MEM_SHARE_HANDLE_TYPE_FABRIC ? "FABRIC" : "DEFAULT");
     a->exported = true;
     a->export_live = true;
     if (*outlen == 8)
@@ -194,6 +197,9 @@ aclError vs_set_pids(vs_err *err, uint64_t value, uint32_t share_type, const uin
 static aclError set_pids(const shareable *s, const int32_t *pid, size_t n, const char *call)
 {
     vs_err err;
+    if (n > VS_MAX_TRUSTLIST)
+        return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "pid_list has %zu pids; at most %d per handle", n,
+                       VS_MAX_TRUSTLIST);
     uint32_t *pids = malloc(sizeof(uint32_t) * (n ? n : 1));
     if (pids == NULL)
         return vs_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "out of memory");
@@ -324,7 +330,7 @@ static aclError import_handle(vs_err *err, const shareable *s, int device, uint6
     vs_lock();
     vs_alloc *done = imported(s->value);
     if (done != NULL && done->refs > 0)
-        done->refs++; /* the reference this import adds, held while the broker is asked again */
+        done->pins++; /* kept while the broker is asked again (a free meanwhile cannot destroy it) */
     else
         done = NULL;
     vs_unlock();
@@ -332,10 +338,15 @@ static aclError import_handle(vs_err *err, const shareable *s, int device, uint6
     if (done != NULL) {
         rc = still_admitted(err, s);
         vs_lock();
-        if (rc)
-            vs_drop(done);
-        else
+        done->pins--;
+        if (rc == ACL_SUCCESS && !(done->registered && done->refs > 0 && done->in_imports))
+            rc = vs_set(err, ACL_ERROR_RT_INVALID_HANDLE,
+                        "the import of this handle was freed while it was imported again: import it anew");
+        if (rc == ACL_SUCCESS) {
+            done->refs++; /* the reference this import adds */
             *handle = done->handle;
+        }
+        vs_maybe_destroy(done);
         vs_unlock();
     } else {
         vs_alloc *a;

@@ -50,6 +50,7 @@ typedef struct vs_alloc {
     uint64_t token;          /* the broker connection's name for its hold (broker.c) */
     int refs;                /* handle references: malloc/import + each retain */
     int maps;                /* live mappings in this process */
+    int pins;                /* imports of it under way, asking the broker again (it stays while any is) */
     uint64_t imported_from;  /* the shareable value it came from (0: made here) */
     bool exported;           /* exported once (a handle exports once) */
     bool export_live;        /* its export is still open to imports */
@@ -156,7 +157,7 @@ typedef struct vs_runtime {
     vs_vec registered;       /* vs_hostblock: host ranges registered for the device (aclrtHostRegister) */
     vs_vec ipc_exports;      /* vs_ipc_export */
     vs_vec ipc_imports;      /* vs_ipc_import */
-    vs_vec ipc_attrs;        /* uint64_t: key values with an attribute set */
+    vs_vec ipc_attrs;        /* keys (value, server) with an attribute set */
     vs_vec contexts;         /* vs_context * */
     vs_vec streams;          /* vs_stream * */
     int device_refs[VS_MAX_DEVICES];
@@ -220,7 +221,7 @@ vs_alloc *vs_allocation(uint64_t handle);
 aclError vs_make_alloc(vs_err *err, size_t size, const vs_prop *prop, enum vs_owner owner, vs_alloc **out);
 void vs_register(vs_alloc *a);
 void vs_drop(vs_alloc *a);          /* one handle reference fewer */
-void vs_maybe_destroy(vs_alloc *a); /* gone when no handle and no mapping holds it */
+void vs_maybe_destroy(vs_alloc *a); /* gone when no handle, no mapping and no import under way holds it */
 void vs_forget_exports(vs_alloc *a);
 
 /* Properties and checks shared by several calls (memory.c). */

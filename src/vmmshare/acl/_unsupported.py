@@ -39,8 +39,8 @@ RT: dict[str, str] = {
     # memory
     "mem_flush": "", "mem_invalidate": "", "memcpy2d": "", "memcpy2d_async": "", "malloc_with_cfg": "i",
     "malloc_for_task_scheduler": "i", "malloc_host_with_cfg": "i", "memcpy_async_with_condition": "",
-    "pointer_get_attributes": "o", "host_register": "i", "host_unregister": "", "host_register_v2": "",
-    "host_get_device_pointer": "i", "get_memcpy_desc_size": "i", "set_memcpy_desc": "i", "memcpy_async_with_desc": "",
+    "host_register_v2": "",
+    "get_memcpy_desc_size": "i", "set_memcpy_desc": "i", "memcpy_async_with_desc": "",
     "value_write": "", "value_wait": "", "cmo_async": "", "reduce_async": "", "get_mem_uce_info": "o",
     "mem_uce_repair": "",
     "allocator_create_desc": "=i", "allocator_destroy_desc": "", "allocator_set_obj_to_desc": "",

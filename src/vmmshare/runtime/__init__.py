@@ -5,7 +5,8 @@ hands its parts what they share (`Shared`: those, the lock over the memory table
 each calls, by name, so that what depends on what is read from `_fresh`. The parts hold the state: `devices`
 (devices, contexts, streams), `memory` (allocations, reservations, mappings), `blocks`
 (aclrtMalloc memory and IPC imports, behind plain pointers), `copies` (host blocks, memcpy, memset, now or on a
-stream), `sharing` (exports and imports of handles) and `ipc` (IPC memory keys, on the same exports). The parts
+stream), `sharing` (exports and imports of handles), `ipc` (IPC memory keys, on the same exports) and
+`pointers` (what a pointer is, host registration, batched copies). The parts
 take typed, already parsed values (the surfaces parse once) and raise `AclError` subclasses for what the runtime
 itself refuses.
 """
@@ -26,6 +27,7 @@ from .copies import Copies
 from .devices import Devices
 from .ipc import Ipc
 from .node import Node
+from .pointers import Pointers
 from .shared import Shared
 from .sharing import Sharing
 from .tables import Allocation, MappingEntry, Reservation
@@ -60,6 +62,7 @@ class Runtime:
         self.blocks = Blocks(shared, self.memory, forget_ipc=lambda alloc: self.ipc.forget_block(alloc))
         self.copies = Copies(shared, self.memory)
         self.ipc = Ipc(shared, self.memory, self.sharing, self.blocks)
+        self.pointers = Pointers(shared, self.memory, self.copies)
         self.initialized = False
 
     def device_id(self, device: int) -> int:
@@ -98,6 +101,7 @@ class Runtime:
                 "streams": self.devices.stream_count(),
                 "device_blocks": len(self.blocks.by_ptr),
                 "contexts": self.devices.context_count(),
+                "host_registrations": len(self.pointers.registered),
             }
 
 

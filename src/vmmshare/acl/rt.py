@@ -7,16 +7,17 @@ typed values once and hands them to the runtime's part that holds the state. pyA
 
 from __future__ import annotations
 
-from . import _copy, _device, _ipc, _memory, _pointers, _share
+from . import _copy, _device, _events, _ipc, _memory, _pointers, _share
 from . import _unsupported as _stand_in
 from ._copy import *  # noqa: F403
 from ._device import *  # noqa: F403
+from ._events import *  # noqa: F403
 from ._ipc import *  # noqa: F403
 from ._memory import *  # noqa: F403
 from ._pointers import *  # noqa: F403
 from ._share import *  # noqa: F403
 
-_IMPLEMENTED = [*_copy.__all__, *_device.__all__, *_ipc.__all__, *_memory.__all__, *_pointers.__all__,
+_IMPLEMENTED = [*_copy.__all__, *_device.__all__, *_events.__all__, *_ipc.__all__, *_memory.__all__, *_pointers.__all__,
                 *_share.__all__]
 for _name in _IMPLEMENTED:
     globals()[_name].__module__ = __name__  # they are acl.rt's calls, wherever they are written

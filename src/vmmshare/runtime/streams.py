@@ -32,6 +32,8 @@ class Stream:
         self._skipped = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.aborted = False  # destroyed by force: a task blocked in a wait gives up (see `interrupts`)
+        self.interrupts: set[Callable[[], None]] = set()  # how to wake the tasks blocked in a wait now
 
     def submit(self, what: str, task: Task) -> None:
         """Queue `task` (named `what` in a failure's message) behind everything queued before it."""
@@ -44,6 +46,16 @@ class Stream:
                                                 daemon=True)
                 self._thread.start()
             self._cv.notify_all()
+
+    def run_or_submit(self, what: str, task: Task) -> None:
+        """Run `task` now when nothing is queued or running on the stream (it has reached this point, and nothing
+        queued later can pass it: the stream's lock is held), else queue it as `submit` does. `task` must be short
+        and must not block (an event's record)."""
+        with self._cv:
+            if not self._closed and not self._queue and not self._running and self._error is None:
+                task()
+                return
+        self.submit(what, task)
 
     def _work(self) -> None:
         while True:
@@ -92,14 +104,19 @@ class Stream:
             return not self.idle()
 
     def close(self, force: bool = False) -> None:
-        """Stop the stream: let the queued tasks run (with `force`, drop those not started), then end its thread."""
+        """Stop the stream: let the queued tasks run (with `force`, drop those not started and wake a task blocked
+        in a wait, which then fails), then end its thread."""
         with self._cv:
             dropped = len(self._queue) if force else 0
             if force:
                 self._queue.clear()
+                self.aborted = True
             self._closed = True
             self._cv.notify_all()
             thread = self._thread
+            wake = list(self.interrupts) if force else []
+        for fn in wake:  # a task blocked in a wait (an event's or a notify's) returns, so the thread ends
+            fn()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         if dropped:

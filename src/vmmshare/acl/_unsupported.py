@@ -65,8 +65,7 @@ RT: dict[str, str] = {
     "set_op_execute_time_out": "", "set_op_execute_timeout_v2": "i", "get_op_timeout_interval": "i",
     "get_op_execute_timeout": "i",
     # notifies
-    "create_notify": "i", "destroy_notify": "", "record_notify": "", "wait_and_reset_notify": "", "get_notify_id": "i",
-    "notify_batch_reset": "", "notify_get_export_key": "s", "notify_set_import_pid": "", "notify_import_by_key": "i",
+    "get_notify_id": "i", "notify_batch_reset": "",
     # groups
     "set_group": "", "get_group_count": "i", "create_group_info": "=i", "destroy_group_info": "",
     "get_all_group_info": "", "get_group_info_detail": "o",

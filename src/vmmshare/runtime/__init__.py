@@ -6,8 +6,8 @@ each calls, by name, so that what depends on what is read from `_fresh`. The par
 (devices, contexts, streams), `memory` (allocations, reservations, mappings), `blocks`
 (aclrtMalloc memory and IPC imports, behind plain pointers), `copies` (host blocks, memcpy, memset, now or on a
 stream), `sharing` (exports and imports of handles), `ipc` (IPC memory keys, on the same exports),
-`pointers` (what a pointer is, host registration, batched copies) and `events` (events and IPC events, on
-shared pages the broker exports). The parts
+`pointers` (what a pointer is, host registration, batched copies), `events` and `notifies` (events, notifies
+and their IPC forms, on shared pages the broker exports). The parts
 take typed, already parsed values (the surfaces parse once) and raise `AclError` subclasses for what the runtime
 itself refuses.
 """
@@ -29,6 +29,7 @@ from .devices import Devices
 from .events import Events
 from .ipc import Ipc
 from .node import Node
+from .notifies import Notifies
 from .pointers import Pointers
 from .shared import Shared
 from .sharing import Sharing
@@ -66,6 +67,7 @@ class Runtime:
         self.ipc = Ipc(shared, self.memory, self.sharing, self.blocks)
         self.pointers = Pointers(shared, self.memory, self.copies)
         self.events = Events(shared)
+        self.notifies = Notifies(shared)
         self.initialized = False
 
     def device_id(self, device: int) -> int:
@@ -92,6 +94,7 @@ class Runtime:
         The backends stay: CUDA cannot be initialised again in a forked child."""
         self.memory.close_all_in_child()
         self.events.close_all()
+        self.notifies.close_all()
         self._fresh()
 
     def counts(self) -> dict[str, int]:
@@ -107,6 +110,7 @@ class Runtime:
                 "contexts": self.devices.context_count(),
                 "host_registrations": len(self.pointers.registered),
                 "events": len(self.events.live),
+                "notifies": len(self.notifies.live),
             }
 
 

@@ -88,13 +88,13 @@ class Events:
                 f"flag={flags:#x}: use {what}, or ACL_EVENT_IPC (0x40) alone" if ex else
                 f"flag={flags:#x}: use {what} (create_event_ex_with_flag takes ACL_EVENT_IPC)")
 
-    def create(self, flags: int, ex: bool) -> int:
-        """A new event of the current device (107002 without one)."""
+    def create(self, flags: int, ex: bool, device: int | None = None) -> int:
+        """A new event of `device` (None: the current device, 107002 without one)."""
         self.check_flags(flags, ex)
         if flags in (C.ACL_EVENT_DEVICE_USE_ONLY, C.ACL_EVENT_EXTERNAL):
             raise FeatureNotSupportedError(f"flag={flags:#x}: vmmshare has no device-only or graph-external events "
                                            "(no kernels or ACL graphs run here)")
-        device = self.s.devices.current()
+        device = self.s.devices.current() if device is None else self.s.devices.device_id(device)
         if flags == C.ACL_EVENT_IPC:
             backing: syncshare.Backing | None = syncshare.create(self.s, syncshare.MAGIC_EVENT)
             assert backing is not None
@@ -154,37 +154,53 @@ class Events:
 
     # ------------------------------------------------------------ record and wait
 
-    def record(self, handle: int, stream: Stream) -> None:
-        """Take the next ticket now; it completes when `stream` reaches this point."""
+    def record(self, handle: int, stream: Stream | None) -> None:
+        """Take the next ticket now; it completes when `stream` reaches this point (None: at once, what the calling
+        thread did before is what the record marks)."""
         ev = self._use(handle)
         try:
-            page = ev.page
-            with page.locked():
-                ticket = (page.get(ISSUED) % STATE) + 1
-                page.put(ISSUED, ticket)
-                if ev.backing is not None:
-                    page.set_holders([me()])
-                w = page.word()
-                if w & DEAD:  # a record that never came is superseded by this one
-                    page.set_word(w & ~DEAD)
+            ticket = self._issue(ev)
         except BaseException:
             self._unuse(ev)
             raise
 
         def complete() -> None:
             try:
-                with page.locked():
-                    w = page.word()
-                    if newer(ticket, w & STATE):
-                        page.set_word(ticket | (w & ~(STATE | DEAD)))
+                self._complete(ev, ticket)
             finally:
                 self._unuse(ev)
 
+        if stream is None:
+            complete()
+            return
         try:
             stream.run_or_submit("record_event", complete)
         except BaseException:
             self._unuse(ev)
             raise
+
+    @staticmethod
+    def _issue(ev: Event) -> int:
+        """The next ticket (this process the event's producer now; a DEAD left by an earlier record cleared)."""
+        page = ev.page
+        with page.locked():
+            ticket = (page.get(ISSUED) % STATE) + 1
+            page.put(ISSUED, ticket)
+            if ev.backing is not None:
+                page.set_holders([me()])
+            w = page.word()
+            if w & DEAD:  # a record that never came is superseded by this one
+                page.set_word(w & ~DEAD)
+        return ticket
+
+    @staticmethod
+    def _complete(ev: Event, ticket: int) -> None:
+        """The stream reached the record: the state becomes its ticket, unless a newer one completed first."""
+        page = ev.page
+        with page.locked():
+            w = page.word()
+            if newer(ticket, w & STATE):
+                page.set_word(ticket | (w & ~(STATE | DEAD)))
 
     def _wait(self, ev: Event, timeout: float | None, stream: Stream | None) -> str:
         page = ev.page

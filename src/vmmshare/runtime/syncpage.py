@@ -17,6 +17,7 @@ No wait polls or sleeps: a waiter is in futex(2) until word 0 changes or its tim
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -28,7 +29,8 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..backends import mman
@@ -40,7 +42,7 @@ DEAD = 1 << 31
 KICK = 1 << 30
 STATE = KICK - 1
 # word offsets
-WORD, ISSUED, MAGIC, DEVICE, FLAGS = 0, 4, 8, 12, 16
+WORD, ISSUED, MAGIC, DEVICE, COUNT = 0, 4, 8, 12, 20
 HOLDERS, HOLDER_SIZE, MAX_HOLDERS = 64, 24, 64
 _HOLDER = struct.Struct("<IIQQ")  # pid, unused, pid namespace inode, start time (clock ticks since boot)
 
@@ -51,6 +53,8 @@ _WAKE_ALL = 0x7FFFFFFF
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_int]
 
 
 class _Timespec(ctypes.Structure):
@@ -59,11 +63,12 @@ class _Timespec(ctypes.Structure):
 
 def futex_wait(addr: int, expected: int, timeout: float | None) -> bool:
     """Sleep while the u32 at `addr` is `expected` (at most `timeout` seconds); False when the time ran out."""
-    ts = None
+    spec = ts = None
     if timeout is not None:
         whole = int(timeout)
-        ts = ctypes.byref(_Timespec(whole, int((timeout - whole) * 1e9)))
-    rc = _syscall(_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected), ts, None, 0)
+        spec = _Timespec(whole, int((timeout - whole) * 1e9))
+        ts = ctypes.addressof(spec)  # (`spec` lives until the call returns)
+    rc = _syscall(_FUTEX, addr, _FUTEX_WAIT, expected, ts, None, 0)
     if rc == 0:
         return True
     err = ctypes.get_errno()
@@ -76,7 +81,7 @@ def futex_wait(addr: int, expected: int, timeout: float | None) -> bool:
 
 def futex_wake(addr: int) -> None:
     """Wake every waiter on the u32 at `addr`, in every process that maps it."""
-    _syscall(_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(_WAKE_ALL), None, None, 0)
+    _syscall(_FUTEX, addr, _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
 
 
 # ---------------------------------------------------------------- who a process is
@@ -136,6 +141,31 @@ def _lock_for(fd: int) -> threading.Lock:
         return _file_locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
 
 
+class _Guard:
+    """A page's lock as a `with` block (a class, not a generator: it is taken on every record and wake)."""
+
+    __slots__ = ("fd", "lock")
+
+    def __init__(self, lock: threading.Lock, fd: int) -> None:
+        self.lock, self.fd = lock, fd
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        if self.fd >= 0:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, 0)
+            except BaseException:
+                self.lock.release()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.fd >= 0:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, 0)
+        finally:
+            self.lock.release()
+
+
 class SyncPage:
     """One mapped page of an event's or a notify's state; `fd` is its memfd (-1: a page of this process only)."""
 
@@ -144,6 +174,8 @@ class SyncPage:
         self._lock = _lock_for(fd)
         self._word = ctypes.c_uint32.from_address(addr)
         self.pending: Callable[[SyncPage], bool] = _always  # whether a waiter still needs a producer (see DEAD)
+        self._guard = _Guard(self._lock, fd)
+        self._watched: list[Ident] = []  # the producers this process's watcher was last asked to watch for it
 
     @classmethod
     def private(cls) -> SyncPage:
@@ -182,27 +214,17 @@ class SyncPage:
             if self.addr:
                 self.set_word(self.word() ^ KICK)
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        with self._lock:
-            if self.fd < 0:
-                yield
-                return
-            fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, 0)
-            try:
-                yield
-            finally:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, 0)
+    def locked(self) -> _Guard:
+        """The page's lock, for a `with` block: this process's lock of the file, then the record lock."""
+        return self._guard
 
     # the producers' list
     def holders(self) -> list[Ident]:
-        out = []
-        for i in range(MAX_HOLDERS):
-            pid, _, ns, start = _HOLDER.unpack_from(ctypes.string_at(self.addr + HOLDERS + i * HOLDER_SIZE,
-                                                                     HOLDER_SIZE))
-            if pid:
-                out.append(Ident(pid, ns, start))
-        return out
+        count = min(self.get(COUNT), MAX_HOLDERS)
+        if not count:
+            return []
+        table = ctypes.string_at(self.addr + HOLDERS, count * HOLDER_SIZE)
+        return [Ident(pid, ns, start) for pid, _, ns, start in _HOLDER.iter_unpack(table) if pid]
 
     def _write_holder(self, i: int, ident: Ident | None) -> None:
         data = _HOLDER.pack(ident.pid, 0, ident.ns, ident.start) if ident else bytes(HOLDER_SIZE)
@@ -211,8 +233,9 @@ class SyncPage:
     def set_holders(self, idents: list[Ident]) -> None:
         """Replace the list (under the lock); at most MAX_HOLDERS, the last ones kept."""
         idents = idents[-MAX_HOLDERS:]
-        for i in range(MAX_HOLDERS):
+        for i in range(max(len(idents), min(self.get(COUNT), MAX_HOLDERS))):
             self._write_holder(i, idents[i] if i < len(idents) else None)
+        self.put(COUNT, len(idents))
 
     def add_holder(self, ident: Ident) -> None:
         """Add `ident` to the list (under the lock), once; a full list drops its oldest entry."""
@@ -232,32 +255,29 @@ class SyncPage:
         """Wait until `ready(word)`: "ready", "dead" (DEAD set first), "timeout" or "cancelled". The producers on the
         list are watched meanwhile (`Watcher`), the list read again after each wake-up."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        watched: list[Ident] = []
-        try:
-            while True:
-                w = self.word()
-                if ready(w):
-                    return "ready"
-                if w & DEAD:
-                    return "dead"
-                if cancelled():
-                    return "cancelled"
-                now = self.holders() if self.fd >= 0 else []
-                if now != watched:
-                    watcher().update(self, watched, now)
-                    watched = now
+        while True:
+            w = self.word()
+            if ready(w):
+                return "ready"
+            if w & DEAD:
+                return "dead"
+            if cancelled():
+                return "cancelled"
+            if self.fd >= 0:
+                now = self.holders()
+                if now != self._watched:
+                    self._watched = now
+                    watcher().watch(self, now)
                     continue  # a producer found dead already has set DEAD: read the word again
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return "timeout"
-                futex_wait(self.addr, w, left)
-        finally:
-            if watched:
-                watcher().update(self, watched, [])
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return "timeout"
+            futex_wait(self.addr, w, left)
 
     def producer_died(self, ident: Ident) -> None:
         """`ident` exited: take it off the list; if that leaves no producer while a waiter still needs one
-        (`pending`), set DEAD and wake the waiters."""
+        (`pending`: a record in flight, a notify not set), set DEAD and wake the waiters. Whoever sees a producer
+        exit does this, waiting or not: it is a fact about the page."""
         with self._lock:
             if not self.addr:
                 return
@@ -279,34 +299,34 @@ class SyncPage:
 class _Watched:
     ident: Ident
     pidfd: int
-    pages: dict[SyncPage, int]  # page -> how many waits on it watch this ident
+    pages: weakref.WeakSet[SyncPage]  # the pages it is a producer of, that this process waited on
 
 
 class Watcher:
-    """This process's watch over the producers its waiters need: a thread in poll(2) on one pidfd each."""
+    """This process's watch over the producers its waiters have needed: a thread in poll(2) on one pidfd each.
+
+    A wait asks for its page's producers to be watched once (`watch`); the pidfd stays open and polled after the
+    wait ends (up to MAX_PIDFDS, the least recently asked for dropped first), so a process that waits on the same
+    producer again and again pays a dictionary lookup, and the thread wakes only when a producer exits or the set
+    of pidfds changes. When one exits, each page it was watched for learns it (`SyncPage.producer_died`)."""
+
+    MAX_PIDFDS = 256
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_ident: dict[Ident, _Watched] = {}
+        self._by_ident: collections.OrderedDict[Ident, _Watched] = collections.OrderedDict()
         self._by_fd: dict[int, _Watched] = {}
         self._efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread: threading.Thread | None = None
 
-    def update(self, page: SyncPage, old: list[Ident], new: list[Ident]) -> None:
-        """A wait on `page` watched `old` and now needs `new` watched (this process itself never is)."""
+    def watch(self, page: SyncPage, idents: list[Ident]) -> None:
+        """Watch `idents` as producers of `page` (this process itself, and processes of another pid namespace,
+        are not); one found exited already is reported to the page at once."""
         mine = me()
         gone: list[Ident] = []
+        changed = False
         with self._lock:
-            for ident in old:
-                entry = self._by_ident.get(ident)
-                if entry is None or page not in entry.pages:
-                    continue
-                entry.pages[page] -= 1
-                if not entry.pages[page]:
-                    del entry.pages[page]
-                if not entry.pages:
-                    self._drop(entry)
-            for ident in new:
+            for ident in idents:
                 if ident == mine or ident.ns != mine.ns:  # another pid namespace: its pid is not ours to watch
                     continue
                 entry = self._by_ident.get(ident)
@@ -316,12 +336,22 @@ class Watcher:
                         gone.append(ident)
                     if fd < 0:
                         continue
-                    entry = self._by_ident[ident] = self._by_fd[fd] = _Watched(ident, fd, {})
-                entry.pages[page] = entry.pages.get(page, 0) + 1
+                    entry = self._by_ident[ident] = self._by_fd[fd] = _Watched(ident, fd, weakref.WeakSet())
+                    changed = True
+                else:
+                    self._by_ident.move_to_end(ident)
+                entry.pages.add(page)
+            while len(self._by_ident) > self.MAX_PIDFDS:
+                oldest = next(iter(self._by_ident.values()))
+                for watched in oldest.pages:  # no longer watched: their next wait asks again
+                    watched._watched = []
+                self._drop(oldest)
+                changed = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="vmmshare-sync-watch", daemon=True)
                 self._thread.start()
-        os.eventfd_write(self._efd, 1)
+        if changed:
+            os.eventfd_write(self._efd, 1)
         for ident in gone:
             page.producer_died(ident)
 

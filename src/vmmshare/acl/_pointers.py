@@ -4,6 +4,9 @@ in the runtime's order."""
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from .. import constants as C
@@ -19,6 +22,7 @@ __all__ = [
     "reserve_mem_address_no_uc_memory",
 ]
 _RSV = 16  # aclrtMemcpyBatchAttr.rsv's bytes, which must be 0
+log = logging.getLogger("vmmshare.acl")
 
 
 @acl_call(None)
@@ -68,25 +72,45 @@ def host_get_device_pointer(p_host: int, flag: int) -> int:
     return runtime().pointers.device_pointer(p)
 
 
+def _batch_call(fn: Callable[..., None]) -> Callable[..., tuple[int, int]]:
+    """aclrtMemcpyBatch's shape: `(failIndex, ret)`, never raising; failIndex names the pair that failed, or is
+    SIZE_MAX when none did (or the failure is no pair's: an argument, the arity)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        try:
+            fn(*args, **kwargs)
+        except BatchError as exc:
+            set_recent_error(f"memcpy_batch: {exc.message}", exc.code)
+            return exc.index, exc.code
+        except AclError as exc:
+            set_recent_error(f"memcpy_batch: {exc.message}", exc.code)
+            return SIZE_MAX, exc.code
+        except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                log.exception("internal error in memcpy_batch")
+                set_recent_error(f"memcpy_batch: internal error: {exc}", C.ACL_ERROR_RT_INTERNAL_ERROR)
+                return SIZE_MAX, C.ACL_ERROR_RT_INTERNAL_ERROR
+            set_recent_error(f"memcpy_batch: {exc}", C.ACL_ERROR_RT_PARAM_INVALID)  # the arguments did not fit
+            return SIZE_MAX, C.ACL_ERROR_RT_PARAM_INVALID
+        except Exception as exc:
+            log.exception("internal error in memcpy_batch")
+            set_recent_error(f"memcpy_batch: internal error: {exc!r}", C.ACL_ERROR_RT_INTERNAL_ERROR)
+            return SIZE_MAX, C.ACL_ERROR_RT_INTERNAL_ERROR
+        return SIZE_MAX, C.ACL_SUCCESS
+
+    return call
+
+
+@_batch_call
 def memcpy_batch(dsts: list[int], dest_maxs: list[int], srcs: list[int], sizes: list[int], num_batches: int,
-                 attrs: list[dict[str, Any]], attrs_indexes: list[int], num_attrs: int) -> tuple[int, int]:
+                 attrs: list[dict[str, Any]], attrs_indexes: list[int], num_attrs: int) -> None:
     """aclrtMemcpyBatch: `num_batches` copies between host and device memory, in one call; returns
-    (failIndex, ret): the pair that failed, or SIZE_MAX when none did (or the failure is no pair's).
+    (failIndex, ret): the pair that failed, or SIZE_MAX (2**64-1) when none did (or the failure is no pair's).
 
     `attrs[k]` ({"dstLoc": {"id", "type"}, "srcLoc": {...}, "rsv": optional 16 zeros}) applies from
     `attrs_indexes[k]` up to the next index. A batch whose sizes are all 0 succeeds before any other check."""
-    try:
-        _memcpy_batch(dsts, dest_maxs, srcs, sizes, num_batches, attrs, attrs_indexes, num_attrs)
-    except BatchError as exc:
-        set_recent_error(f"memcpy_batch: {exc.message}", exc.code)
-        return exc.index, exc.code
-    except AclError as exc:
-        set_recent_error(f"memcpy_batch: {exc.message}", exc.code)
-        return SIZE_MAX, exc.code
-    except TypeError as exc:  # the arguments did not fit the signature
-        set_recent_error(f"memcpy_batch: {exc}", C.ACL_ERROR_RT_PARAM_INVALID)
-        return SIZE_MAX, C.ACL_ERROR_RT_PARAM_INVALID
-    return SIZE_MAX, C.ACL_SUCCESS
+    _memcpy_batch(dsts, dest_maxs, srcs, sizes, num_batches, attrs, attrs_indexes, num_attrs)
 
 
 def _ints(name: str, value: object, count: int, pointer: bool = False) -> list[int] | None:

@@ -210,7 +210,7 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
     if "wakeup" in res:
         wk = res["wakeup"]
         _table("Producer/consumer: how soon does the consumer wake? µs, median (p10–p90)", ("", "µs", ""),
-               [("IPC event record -> synchronize_event", _cell(wk["event_record_to_wait"]),
+               [("IPC event: record -> wait", _cell(wk["event_record_to_wait"]),
                  f"{wk['ratio']:.2f}x"),
                 ("pipe write -> read (the floor)", _cell(wk["pipe_write_to_read"]), "floor")], out)
     if "waits" in res:

@@ -331,3 +331,22 @@ def test_rule_19_nothing_leaks(acl, vmm, peer):
         ok(acl.rt.destroy_event(e))
         aok(b, "rt.destroy_event", be)
     assert (fds(), map_count()) == (fds_before, maps)
+
+
+def test_rule_19_a_record_runs_behind_a_failed_task(acl, vmm):
+    """The copy before the record fails when its turn comes (its memory was freed meanwhile): the record still
+    completes, and the stream's synchronize reports the copy's failure."""
+    e, _ = ipc_event(acl)
+    s = vmm.stream()
+    src = vmm.host(64)
+    gone = ok(acl.rt.malloc_host(64))
+    try:
+        with held(s):
+            ok(acl.rt.memcpy_async(gone, 64, src, 8, 0, s))
+            ok(acl.rt.record_event(e, s))
+            ok(acl.rt.free_host(gone))  # the copy's destination goes before the copy runs
+        ok(acl.rt.synchronize_event_with_timeout(e, 60_000))  # (a bound: a skipped record would never come)
+        assert ok(acl.rt.query_event_status(e)) == COMPLETE
+        assert acl.rt.synchronize_stream(s) == PARAM
+    finally:
+        ok(acl.rt.destroy_event(e))

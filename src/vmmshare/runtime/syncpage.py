@@ -32,6 +32,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..backends import mman
 
@@ -128,42 +129,61 @@ def me() -> Ident:
 # ---------------------------------------------------------------- the page
 
 
-_file_locks: dict[tuple[int, int], threading.Lock] = {}
+_file_locks: dict[tuple[int, int], list[Any]] = {}  # file -> [its lock, the pages of it mapped here]
 _file_locks_guard = threading.Lock()
 
 
-def _lock_for(fd: int) -> threading.Lock:
-    """One lock per file in this process: a record lock is the process's, so threads take turns here first."""
+def _lock_for(fd: int) -> tuple[threading.Lock, tuple[int, int] | None]:
+    """One lock per file in this process (a record lock is the process's, so threads take turns here first), and
+    the file's key to let it go by (`_let_go`) when the page is unmapped."""
     if fd < 0:
-        return threading.Lock()
+        return threading.Lock(), None
     st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
     with _file_locks_guard:
-        return _file_locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
+        entry = _file_locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+        return entry[0], key
+
+
+def _let_go(key: tuple[int, int] | None) -> None:
+    if key is None:
+        return
+    with _file_locks_guard:
+        entry = _file_locks.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _file_locks[key]
 
 
 class _Guard:
-    """A page's lock as a `with` block (a class, not a generator: it is taken on every record and wake)."""
+    """A page's lock as a `with` block (a class, not a generator: it is taken on every record and wake). The fd is
+    read when it is taken: a page closed meanwhile has none, and only the thread lock is taken."""
 
-    __slots__ = ("fd", "lock")
+    __slots__ = ("locked_fd", "page")
 
-    def __init__(self, lock: threading.Lock, fd: int) -> None:
-        self.lock, self.fd = lock, fd
+    def __init__(self, page: SyncPage) -> None:
+        self.page, self.locked_fd = page, -1
 
     def __enter__(self) -> None:
-        self.lock.acquire()
-        if self.fd >= 0:
+        page = self.page
+        page._lock.acquire()
+        fd = page.fd
+        if fd >= 0:
             try:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, 0)
+                fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
             except BaseException:
-                self.lock.release()
+                page._lock.release()
                 raise
+        self.locked_fd = fd
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self.fd >= 0:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, 0)
+            if self.locked_fd >= 0:
+                fcntl.lockf(self.locked_fd, fcntl.LOCK_UN, 1, 0)
         finally:
-            self.lock.release()
+            self.page._lock.release()
 
 
 class SyncPage:
@@ -171,10 +191,10 @@ class SyncPage:
 
     def __init__(self, addr: int, fd: int) -> None:
         self.addr, self.fd = addr, fd
-        self._lock = _lock_for(fd)
+        self._lock, self._file = _lock_for(fd)
         self._word = ctypes.c_uint32.from_address(addr)
         self.pending: Callable[[SyncPage], bool] = _always  # whether a waiter still needs a producer (see DEAD)
-        self._guard = _Guard(self._lock, fd)
+        self._guard = _Guard(self)
         self._watched: list[Ident] = []  # the producers this process's watcher was last asked to watch for it
 
     @classmethod
@@ -186,12 +206,18 @@ class SyncPage:
     def of_fd(cls, fd: int) -> SyncPage:
         return cls(mman.map_file(fd, PAGE), fd)
 
-    def close(self) -> None:
-        """Unmap the page (its fd stays the caller's); the watcher's thread never reads it afterwards."""
+    def close(self, close_fd: bool = False) -> None:
+        """Unmap the page (and close its fd with `close_fd`), under the file's lock: a record lock is dropped when
+        the process closes any fd of the file, so no thread of this process may hold it then. The watcher's
+        thread never reads the page afterwards."""
         with self._lock:
             if self.addr:
                 addr, self.addr = self.addr, 0
                 mman.unmap(addr, PAGE)
+                _let_go(self._file)
+            if close_fd and self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)
 
     # words
     def word(self) -> int:

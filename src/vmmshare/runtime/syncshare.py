@@ -37,10 +37,9 @@ class Backing:
 
     def close(self, s: Shared) -> None:
         """Unmap, close and let the node go (an exporter's release revokes its export: no new imports)."""
-        self.page.close()
         if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
+            self.fd = -1
+            self.page.close(close_fd=True)
             s.safe_node_call(s.node.release, self.node_ref)
 
 

@@ -52,7 +52,11 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     assert waits["clients"] == [1, 2] and set(waits["passes"]) == {"idle", "busy"}
     assert all(set(p) == {"on", "off"} for p in waits["passes"].values())
     assert not Path(waits["started"]["folder"]).exists()
-    assert {"spins_win_idle", "spins_do_not_lose_busy"} <= set(res["targets"])
+    assert {"spins_win_idle", "spins_do_not_lose_busy", "event_wakeup_vs_pipe"} <= set(res["targets"])
+    wake = res["wakeup"]  # the producer/consumer row: an event's record -> wait against a pipe, same run
+    for key in ("event_record_to_wait", "pipe_write_to_read"):
+        assert 0 < wake[key]["p10"] <= wake[key]["median"] <= wake[key]["p90"], key
+    assert "Producer/consumer: how soon does the consumer wake?" in out.stdout
     assert "Do the waits' spins pay" in out.stdout and "spins do not lose busy" in out.stdout
     assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
     assert "What does handing memory to another process cost?" in out.stdout and "targets:" in out.stdout

@@ -291,7 +291,7 @@ FACTORY_ONLY = {  # classes that own resources and are made by factories only, a
     "PoolBuffer": "MemoryPool.allocate",
 }
 CONSTRUCTED = {  # classes whose constructors make a whole, working object from checked arguments (or none)
-    "Device", "VirtualRange", "DeviceBuffer", "MemoryPool", "ShareableHandle",
+    "Device", "VirtualRange", "DeviceBuffer", "MemoryPool", "ShareableHandle", "Event",
 }
 
 

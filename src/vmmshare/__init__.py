@@ -27,6 +27,7 @@ from .errors import (
 if TYPE_CHECKING:
     from . import acl
     from .api.buffers import DeviceBuffer, IpcMemory, ipc_open
+    from .api.events import Event
     from .api.mapping import Mapping, VirtualRange
     from .api.memory import Device, PhysicalMemory, ShareableHandle, import_handle
     from .api.pool_buffers import PoolBuffer
@@ -39,6 +40,7 @@ _LAZY = {
     **dict.fromkeys(("Device", "PhysicalMemory", "ShareableHandle", "import_handle"), "api.memory"),
     **dict.fromkeys(("Mapping", "VirtualRange"), "api.mapping"),
     **dict.fromkeys(("DeviceBuffer", "IpcMemory", "ipc_open"), "api.buffers"),
+    "Event": "api.events",
     "MemoryPool": "api.pools",
     "PoolBuffer": "api.pool_buffers",
 }
@@ -64,6 +66,7 @@ __all__ = [
     "ContextNullError",
     "Device",
     "DeviceBuffer",
+    "Event",
     "FeatureNotSupportedError",
     "InternalError",
     "InvalidDeviceError",

@@ -363,6 +363,46 @@ ACL_MINOR_VERSION = 17
 ACL_PATCH_VERSION = 0
 
 # ---------------------------------------------------------------------------
+# Host registration (aclrtHostRegisterType, acl_rt.h)
+# ---------------------------------------------------------------------------
+ACL_HOST_REGISTER_MAPPED = 0
+ACL_HOST_REGISTER_IOMEMORY = 0x04
+ACL_HOST_REGISTER_READONLY = 0x08
+
+# ---------------------------------------------------------------------------
+# Events (acl_rt.h): creation flags, record and wait flags, statuses, the IPC handle's size
+# ---------------------------------------------------------------------------
+ACL_EVENT_SYNC = 0x01
+ACL_EVENT_CAPTURE_STREAM_PROGRESS = 0x02
+ACL_EVENT_TIME_LINE = 0x08
+ACL_EVENT_DEVICE_USE_ONLY = 0x10
+ACL_EVENT_EXTERNAL = 0x20
+ACL_EVENT_IPC = 0x40
+ACL_EVENT_RECORD_DEFAULT = 0x0
+ACL_EVENT_RECORD_EXTERNAL = 0x01
+ACL_EVENT_WAIT_DEFAULT = 0x0
+ACL_EVENT_WAIT_EXTERNAL = 0x01
+ACL_EVENT_STATUS_COMPLETE = 0
+ACL_EVENT_STATUS_NOT_READY = 1
+ACL_EVENT_STATUS_RESERVED = 2
+ACL_EVENT_RECORDED_STATUS_NOT_READY = 0
+ACL_EVENT_RECORDED_STATUS_COMPLETE = 1
+ACL_EVENT_WAIT_STATUS_COMPLETE = 0
+ACL_EVENT_WAIT_STATUS_NOT_READY = 1
+ACL_EVENT_WAIT_STATUS_RESERVED = 0xFFFF
+ACL_IPC_EVENT_HANDLE_SIZE = 64
+
+# ---------------------------------------------------------------------------
+# Notifies (acl_rt.h): creation, export and import flags
+# ---------------------------------------------------------------------------
+ACL_NOTIFY_DEFAULT = 0x0
+ACL_NOTIFY_DEVICE_USE_ONLY = 0x01
+ACL_RT_NOTIFY_EXPORT_FLAG_DEFAULT = 0x0
+ACL_RT_NOTIFY_EXPORT_FLAG_DISABLE_PID_VALIDATION = 0x02
+ACL_RT_NOTIFY_IMPORT_FLAG_DEFAULT = 0x0
+ACL_RT_NOTIFY_IMPORT_FLAG_ENABLE_PEER_ACCESS = 0x02
+
+# ---------------------------------------------------------------------------
 # Sizes used by the runtime
 # ---------------------------------------------------------------------------
 # sizeof(aclrtMemFabricHandle): uint8_t data[128]

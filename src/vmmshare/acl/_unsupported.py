@@ -39,8 +39,8 @@ RT: dict[str, str] = {
     # memory
     "mem_flush": "", "mem_invalidate": "", "memcpy2d": "", "memcpy2d_async": "", "malloc_with_cfg": "i",
     "malloc_for_task_scheduler": "i", "malloc_host_with_cfg": "i", "memcpy_async_with_condition": "",
-    "pointer_get_attributes": "o", "host_register": "i", "host_unregister": "", "host_register_v2": "",
-    "host_get_device_pointer": "i", "get_memcpy_desc_size": "i", "set_memcpy_desc": "i", "memcpy_async_with_desc": "",
+    "host_register_v2": "",
+    "get_memcpy_desc_size": "i", "set_memcpy_desc": "i", "memcpy_async_with_desc": "",
     "value_write": "", "value_wait": "", "cmo_async": "", "reduce_async": "", "get_mem_uce_info": "o",
     "mem_uce_repair": "",
     "allocator_create_desc": "=i", "allocator_destroy_desc": "", "allocator_set_obj_to_desc": "",
@@ -52,11 +52,11 @@ RT: dict[str, str] = {
     "set_stream_failure_mode": "", "stream_abort": "", "stream_get_id": "i", "get_stream_available_num": "i",
     "set_stream_attribute": "", "get_stream_attribute": "o", "get_stream_res_limit": "i", "set_stream_res_limit": "",
     "reset_stream_res_limit": "", "use_stream_res_in_current_thread": "", "unuse_stream_res_in_current_thread": "",
-    "get_res_in_current_thread": "i", "create_event": "i", "create_event_with_flag": "i",
-    "create_event_ex_with_flag": "i", "destroy_event": "", "record_event": "", "reset_event": "", "query_event": "i",
-    "query_event_status": "i", "query_event_wait_status": "i", "synchronize_event": "",
-    "synchronize_event_with_timeout": "", "event_elapsed_time": "f", "event_get_timestamp": "i", "get_event_id": "i",
-    "get_event_avail_num": "i", "stream_wait_event": "", "process_report": "", "subscribe_report": "",
+    "get_res_in_current_thread": "i",
+    "reset_event": "", "query_event": "i",
+    "query_event_wait_status": "i",
+    "event_elapsed_time": "f", "event_get_timestamp": "i", "get_event_id": "i",
+    "get_event_avail_num": "i", "process_report": "", "subscribe_report": "",
     "unsubscribe_report": "", "launch_callback": "", "get_thread_last_task_id": "i",
     # exceptions and timeouts
     "set_exception_info_callback": "", "get_error_code_from_exception_info": "=i",
@@ -65,8 +65,7 @@ RT: dict[str, str] = {
     "set_op_execute_time_out": "", "set_op_execute_timeout_v2": "i", "get_op_timeout_interval": "i",
     "get_op_execute_timeout": "i",
     # notifies
-    "create_notify": "i", "destroy_notify": "", "record_notify": "", "wait_and_reset_notify": "", "get_notify_id": "i",
-    "notify_batch_reset": "", "notify_get_export_key": "s", "notify_set_import_pid": "", "notify_import_by_key": "i",
+    "get_notify_id": "i", "notify_batch_reset": "",
     # groups
     "set_group": "", "get_group_count": "i", "create_group_info": "=i", "destroy_group_info": "",
     "get_all_group_info": "", "get_group_info_detail": "o",

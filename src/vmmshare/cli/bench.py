@@ -15,6 +15,8 @@ Measured side by side (medians over repetitions, with the 10th–90th percentile
   round trip costs the clients and the broker, and the broker's CPU use when idle;
 - steady-state read bandwidth of an imported mapping against a private buffer of the same size;
 - first-touch bandwidth on import, with and without pre-populating the mapping;
+- the producer/consumer wake-up across two processes: an IPC event's record -> wait against a pipe's write -> read
+  between the same two processes, from the same stream (the floor of a cross-process wake-up);
 - the waits, on the idle machine and with every usable core kept busy by CPU hogs, each with the client's and the
   broker's polling windows on (the defaults) and off, on private brokers started for it: the 2 MiB share by step
   against SharedMemory under the same load, and import+free round trips/s with 1 client and the most of
@@ -46,6 +48,7 @@ from .bench_measures import (
     share_latency,
     write_json,
 )
+from .bench_sync import wakeup
 from .console import (
     FAILED,
     OK,
@@ -102,6 +105,8 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
         t["read_bw_imported_vs_private"] = {"value": res["bandwidth"]["read_ratio"], "target": ">= 0.95"}
     if "throughput" in res and "16" in res["throughput"]:
         t["broker_16_clients_ops"] = {"value": res["throughput"]["16"]["ops_per_s"], "target": ">= 20000"}
+    if "wakeup" in res:
+        t["event_wakeup_vs_pipe"] = {"value": res["wakeup"]["ratio"], "target": res["wakeup"]["target"]}
     if "waits" in res:  # a wait may spin only while a core is free for it: it must win idle and not lose busy
         ratio = res["waits"]["spins_on_vs_off"]
         t["spins_win_idle"] = {"value": ratio["idle"], "target": "< 1.0"}
@@ -143,6 +148,7 @@ TARGET_NAMES = {  # each target as the question it answers
     "spins_do_not_lose_busy": "spins do not lose busy: importer, on vs off",
     "c_importer_2MiB_vs_floor": "C importer at 2 MiB, vs the C floor (request + fd reply)",
     "c_share_2MiB_vs_3_floors": "C exporter's share at 2 MiB, vs three C floors",
+    "event_wakeup_vs_pipe": "event record -> wait across processes, vs pipe",
 }
 
 
@@ -221,6 +227,12 @@ def print_report(res: dict[str, Any], out: Any = sys.stdout) -> None:
                 for n, v in res["throughput"].items()], out)
     if "idle_cpu" in res:
         print(f"  broker CPU while idle: {res['idle_cpu'] * 100:.2f}% of a core", file=out)
+    if "wakeup" in res:
+        wk = res["wakeup"]
+        _table("Producer/consumer: how soon does the consumer wake? µs, median (p10–p90)", ("", "µs", ""),
+               [("IPC event: record -> wait", _cell(wk["event_record_to_wait"]),
+                 f"{wk['ratio']:.2f}x"),
+                ("pipe write -> read (the floor)", _cell(wk["pipe_write_to_read"]), "floor")], out)
     if "waits" in res:
         _waits_table(res["waits"], out)
     if "bandwidth" in res:
@@ -425,6 +437,7 @@ def run(
     res["c_floor"] = c_floor(reps_override or (1000 if quick else 10000), step)
     res["floor_ratios"] = floor_ratios(res)
     res["c_share"] = c_share(reps_override or (200 if quick else 1000), step)
+    res["wakeup"] = wakeup(reps_override or (100 if quick else 500), step)
     res["throughput"] = throughput(clients, seconds, step)
     step("the broker's CPU while idle")
     res["idle_cpu"] = idle_cpu(1.0 if quick else 2.0)

@@ -5,7 +5,9 @@ hands its parts what they share (`Shared`: those, the lock over the memory table
 each calls, by name, so that what depends on what is read from `_fresh`. The parts hold the state: `devices`
 (devices, contexts, streams), `memory` (allocations, reservations, mappings), `blocks`
 (aclrtMalloc memory and IPC imports, behind plain pointers), `copies` (host blocks, memcpy, memset, now or on a
-stream), `sharing` (exports and imports of handles) and `ipc` (IPC memory keys, on the same exports). The parts
+stream), `sharing` (exports and imports of handles), `ipc` (IPC memory keys, on the same exports),
+`pointers` (what a pointer is, host registration, batched copies), `events` and `notifies` (events, notifies
+and their IPC forms, on shared pages the broker exports). The parts
 take typed, already parsed values (the surfaces parse once) and raise `AclError` subclasses for what the runtime
 itself refuses.
 """
@@ -24,8 +26,11 @@ from ..errors import AclError
 from .blocks import Blocks
 from .copies import Copies
 from .devices import Devices
+from .events import Events
 from .ipc import Ipc
 from .node import Node
+from .notifies import Notifies
+from .pointers import Pointers
 from .shared import Shared
 from .sharing import Sharing
 from .tables import Allocation, MappingEntry, Reservation
@@ -60,6 +65,9 @@ class Runtime:
         self.blocks = Blocks(shared, self.memory, forget_ipc=lambda alloc: self.ipc.forget_block(alloc))
         self.copies = Copies(shared, self.memory)
         self.ipc = Ipc(shared, self.memory, self.sharing, self.blocks)
+        self.pointers = Pointers(shared, self.memory, self.copies)
+        self.events = Events(shared)
+        self.notifies = Notifies(shared)
         self.initialized = False
 
     def device_id(self, device: int) -> int:
@@ -85,6 +93,8 @@ class Runtime:
 
         The backends stay: CUDA cannot be initialised again in a forked child."""
         self.memory.close_all_in_child()
+        self.events.close_all()
+        self.notifies.close_all()
         self._fresh()
 
     def counts(self) -> dict[str, int]:
@@ -98,6 +108,9 @@ class Runtime:
                 "streams": self.devices.stream_count(),
                 "device_blocks": len(self.blocks.by_ptr),
                 "contexts": self.devices.context_count(),
+                "host_registrations": len(self.pointers.registered),
+                "events": len(self.events.live),
+                "notifies": len(self.notifies.live),
             }
 
 

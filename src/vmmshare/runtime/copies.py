@@ -92,7 +92,7 @@ class Copies:
             if ptr + size > block[1]:
                 raise InvalidParamError(f"{what} range {ptr:#x}+{size} runs past its malloc_host block")
             return
-        if not _process_range_ok(ptr, size, write):
+        if not process_range_ok(ptr, size, write):
             raise InvalidParamError(f"{what} {ptr:#x}+{size} is not {'writable' if write else 'readable'} memory")
 
     def memcpy(self, dst: int, dest_max: int, src: int, count: int, kind: int) -> None:
@@ -286,7 +286,7 @@ def _on_device(m: MappingEntry | None) -> bool:
     return m is not None and m.alloc.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE
 
 
-def _process_range_ok(ptr: int, size: int, write: bool) -> bool:
+def process_range_ok(ptr: int, size: int, write: bool) -> bool:
     """Whether /proc/self/maps shows `[ptr, ptr+size)` readable (and writable when asked), end to end."""
     need = "w" if write else "r"
     end, cursor = ptr + size, ptr

@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 from torch.multiprocessing import reductions as torch_reductions  # registers torch's reductions
 
+from ..api.events import Event
 from ..errors import InvalidParamError
 from ._tensors import _backing_of, _pid_list, reduce_tensor
 
@@ -28,6 +29,7 @@ _saved: dict[type, Callable[..., Any] | None] = {}  # the reducers install() rep
 _pids: set[int] = set()
 _validate = True
 _children = True
+_event: Event | None = None
 
 
 def _types() -> list[type]:
@@ -51,24 +53,29 @@ def _reduce(t: torch.Tensor) -> Any:
         fallback: Callable[..., Any] = (_saved.get(type(t)) or _saved.get(torch.Tensor)
                                         or torch_reductions.reduce_tensor)
         return fallback(t)
-    return reduce_tensor(t, pids=_trustees(), validate_pids=_validate)
+    return reduce_tensor(t, pids=_trustees(), validate_pids=_validate, event=_event)
 
 
-def install(pids: Iterable[int] = (), children: bool = True, validate_pids: bool = True) -> None:
+def install(pids: Iterable[int] = (), children: bool = True, validate_pids: bool = True,
+            event: Event | None = None) -> None:
     """Send tensors on vmmshare memory through `torch.multiprocessing` (Queue, Pipe, Process arguments) by handle.
 
     Each export trusts `pids` (host pids, as `bare_pid()` gives them), those added by `trust()`, and with
     `children` this process's multiprocessing children and parent as they are when the tensor is pickled. A
     consumer in another pid namespace must be named by its host pid. `validate_pids=False` lets any process that
-    reaches the broker import (the handles are then bearer tokens). Calling it again changes these settings."""
-    global _validate, _children
+    reaches the broker import (the handles are then bearer tokens). With `event`, every tensor sent carries it and
+    the receiver waits for its last record before it gets the tensor (record it after writing). Calling it again
+    changes these settings."""
+    global _validate, _children, _event
     listed = _pid_list(pids)
     if not isinstance(children, bool) or not isinstance(validate_pids, bool):
         raise InvalidParamError("children and validate_pids must be True or False")
+    if event is not None and not isinstance(event, Event):
+        raise InvalidParamError(f"event must be a vmmshare.Event, got {type(event).__name__}")
     with _lock:
         _pids.clear()
         _pids.update(listed)
-        _validate, _children = validate_pids, children
+        _validate, _children, _event = validate_pids, children, event
         for cls in _types():
             if cls not in _saved:
                 _saved[cls] = _reducers.get(cls)
@@ -88,6 +95,7 @@ def installed() -> bool:
 
 def uninstall() -> None:
     """Put torch's own reductions back."""
+    global _event
     with _lock:
         for cls, previous in _saved.items():
             if previous is None:
@@ -96,3 +104,4 @@ def uninstall() -> None:
                 _reducers[cls] = previous
         _saved.clear()
         _pids.clear()
+        _event = None

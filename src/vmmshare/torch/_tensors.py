@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._process import runtime
+from ..api.events import Event
 from ..api.mapping import Mapping
 from ..api.memory import Device, import_handle
 from ..errors import (
@@ -289,18 +290,24 @@ def _exported(backing: _Backing, pids: list[int], validate_pids: bool) -> Sharea
         return backing.export
 
 
-def reduce_tensor(t: torch.Tensor, pids: Iterable[int] = (),
-                  validate_pids: bool = True) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+def reduce_tensor(t: torch.Tensor, pids: Iterable[int] = (), validate_pids: bool = True,
+                  event: Event | None = None) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
     """`(rebuild_tensor, args)`, picklable: `rebuild_tensor(*args)` in another process gives a tensor over the
     same memory, zero-copy, with `t`'s shape, strides, storage offset, dtype and requires_grad.
 
     `pids` (host pids, as `bare_pid()` gives them) go on the trustlist of the storage's one export; with
     `validate_pids=False` any process that reaches the broker may import it. Keep `t` (or a view of its storage)
-    alive until the consumer has rebuilt it: when the last tensor over the memory goes, the export is revoked."""
+    alive until the consumer has rebuilt it: when the last tensor over the memory goes, the export is revoked.
+
+    With `event` (a `vmmshare.Event` the producer records after its writes, as torch_npu sends an IPC event with
+    every shared tensor), the consumer's `rebuild_tensor` waits for the event's last record before it returns the
+    tensor, so the tensor is safe to read."""
     if not isinstance(t, torch.Tensor):
         raise InvalidParamError(f"reduce_tensor takes a tensor, not {type(t).__name__}")
     if not isinstance(validate_pids, bool):
         raise InvalidParamError(f"validate_pids must be True or False, got {validate_pids!r}")
+    if event is not None and not isinstance(event, Event):
+        raise InvalidParamError(f"event must be a vmmshare.Event, got {type(event).__name__}")
     listed = _pid_list(pids)
     backing = _backing_of(t)
     if backing is None:
@@ -308,8 +315,10 @@ def reduce_tensor(t: torch.Tensor, pids: Iterable[int] = (),
                                 "empty_like, or move it there first with vmmshare.torch.share_(t)")
     handle = _exported(backing, listed, validate_pids)
     kind = "parameter" if isinstance(t, torch.nn.Parameter) else "tensor"
-    args = (REDUCE_VERSION, str(handle), str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()),
-            t.storage_offset(), bool(t.requires_grad), kind, str(t.device))
+    args: tuple[Any, ...] = (REDUCE_VERSION, str(handle), str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                             tuple(t.stride()), t.storage_offset(), bool(t.requires_grad), kind, str(t.device))
+    if event is not None:
+        args += (event.handle.hex(),)
     return rebuild_tensor, args
 
 
@@ -348,10 +357,13 @@ def _storage_for(handle_text: str, device: str) -> torch.UntypedStorage:
 
 
 def rebuild_tensor(version: int, handle: str, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...],
-                   offset: int, requires_grad: bool, kind: str = "tensor", device: str = "cpu") -> torch.Tensor:
+                   offset: int, requires_grad: bool, kind: str = "tensor", device: str = "cpu",
+                   event: str = "") -> torch.Tensor:
     """The consumer's half of `reduce_tensor`: the tensor over the memory `handle` names (imported and mapped once
     per process, however many tensors view it). Arguments that do not describe a tensor inside that memory are
-    refused (107000) before anything is imported, and nothing is kept when the import fails."""
+    refused (107000) before anything is imported, and nothing is kept when the import fails. With `event` (the hex
+    of an IPC event's handle), it first waits for the event's last record (AclError 507057 if the producer died
+    before its stream got there)."""
     if version != REDUCE_VERSION:
         raise InvalidParamError(f"a tensor reduced by another vmmshare (format {version!r}, this one reads "
                                 f"{REDUCE_VERSION}): use the same vmmshare version on both sides")
@@ -368,12 +380,35 @@ def rebuild_tensor(version: int, handle: str, dtype: str, shape: tuple[int, ...]
     if kind not in ("tensor", "parameter") or not isinstance(requires_grad, bool) or not isinstance(device, str):
         raise InvalidParamError(f"not a reduced tensor: kind {kind!r}, requires_grad {requires_grad!r}")
     extent = (start + 1 + sum((d - 1) * s for d, s in zip(dims, steps, strict=True))) if math.prod(dims) else start
+    guard = _event_of(event)
     storage = _storage_for(handle, device)
     if extent * dt.itemsize > storage.nbytes():
         raise InvalidParamError(f"shape {dims}, stride {steps} and offset {start} of {dt} reach byte "
                                 f"{extent * dt.itemsize}, past the {storage.nbytes()} bytes the handle holds")
+    if guard is not None:
+        guard.wait()
     t = _on(storage, dt, dims, steps, start, requires_grad and (dt.is_floating_point or dt.is_complex))
     return torch.nn.Parameter(t, requires_grad=t.requires_grad) if kind == "parameter" else t
+
+
+_events_held: dict[bytes, Event] = {}  # the events tensors arrived with: opened once per process, kept open
+
+
+def _event_of(text: object) -> Event | None:
+    """The event a reduced tensor carries (opened here once and kept: tensors of one producer share it)."""
+    if text == "":
+        return None
+    if not isinstance(text, str):
+        raise InvalidParamError(f"event must be the hex text of an IPC event handle, got {type(text).__name__}")
+    try:
+        data = bytes.fromhex(text)
+    except ValueError:
+        raise InvalidParamError("event is not the hex text of an IPC event handle") from None
+    with _lock:
+        known = _events_held.get(data)
+        if known is None or known.closed:
+            known = _events_held[data] = Event.open(data)
+        return known
 
 
 def _ints(name: str, values: object, low: int) -> tuple[int, ...]:

@@ -53,7 +53,8 @@ from stressio import count_option, emit, entry, prog, readable, seconds_option, 
 from vmmshare.cli.console import NarrowHelp, check_outputs  # noqa: E402
 
 DOCUMENTED = {0, 100000, 100002, 100003, 100037, 107000, 107001, 107002, 107003, 107016, 107017, 207000, 207001,
-              207006, 507046}
+              207006, 507046, 507047, 507910, 507911}
+LOCS = ({"id": 0, "type": 1}, {"id": 0, "type": 0}, {"id": 1, "type": 1}, {"id": 0, "type": 2})
 LAST_ERROR = frozenset({"peek_at_last_error", "get_last_error"})  # their ret is an earlier call's code
 INTERNAL = 507000
 MiB = 1 << 20
@@ -64,7 +65,7 @@ TOUCH_CAP = 16 * MiB  # most bytes one memcpy / memset / ptr_to_bytes may touch 
 DEVICE_MEMORY = "256M"
 DEVICES = 8
 LIMITS = {"handles": 48, "reservations": 32, "mappings": 32, "host_blocks": 32, "streams": 64, "blocks": 24,
-          "ipc_imports": 16, "contexts": 16, "threads": 16}
+          "ipc_imports": 16, "contexts": 16, "threads": 16, "events": 32, "notifies": 16}
 PEER_EXPORTS = 8
 PEER_KEYS = 4
 
@@ -138,6 +139,9 @@ class Fuzzer:
         self.ipc_imports: dict[str, list[int]] = {}  # imported key -> [pointer, imports not closed]
         self.contexts: set[int] = set()
         self.threads: set[int] = set()
+        self.events: set[int] = set()  # made or opened here, not destroyed
+        self.notifies: set[int] = set()
+        self.registered: set[int] = set()  # host_register's pointers
         self.shareables: list[tuple[Any, int]] = []  # our exports (importing them is refused: 107000)
         self.keep: list[Any] = []  # objects whose addresses bytes_to_ptr / numpy_to_ptr were given
         # results
@@ -545,6 +549,13 @@ class Fuzzer:
             return [rng.choice(self.peer_keys), rng.choice((0, 1))]
         if fn == "ipc_mem_close" and (self.keys or self.ipc_imports):
             return [rng.choice([*self.keys, *self.ipc_imports])]
+        if fn == "memcpy_batch" and blocks:
+            n = rng.randrange(1, 5)
+            pairs = [(rng.choice(blocks), rng.choice(blocks)) for _ in range(n)]
+            sizes = [rng.randrange(0, min(dn, sn, 4096) + 1) for (_, dn), (_, sn) in pairs]
+            attrs = [{"dstLoc": rng.choice(LOCS), "srcLoc": rng.choice(LOCS)}]
+            return [[d for (d, _), _ in pairs], [dn for (_, dn), _ in pairs], [s for _, (s, _) in pairs], sizes, n,
+                    attrs, [0], 1]
         if fn in ("destroy_context", "set_context", "set_current_context") and self.contexts:
             return [rng.choice(list(self.contexts))]
         if fn == "create_context":
@@ -585,6 +596,10 @@ class Fuzzer:
             return "destroy_context", [rng.choice(list(self.contexts))]
         if pool == "threads":
             return "stop_thread", [rng.choice(list(self.threads))]
+        if pool == "events":
+            return "destroy_event", [rng.choice(list(self.events))]
+        if pool == "notifies":
+            return "destroy_notify", [rng.choice(list(self.notifies))]
         if pool == "reservations":
             busy = {r for r, n in self.reservations.items() for m in self.mappings if r <= m < r + n}
             empty = [r for r in self.reservations if r not in busy]
@@ -597,7 +612,8 @@ class Fuzzer:
     def _pool(self, kind: str) -> Any:
         return {"handles": self.handles, "reservations": self.reservations, "mappings": self.mappings,
                 "host_blocks": self.host_blocks, "streams": self.streams, "blocks": self.blocks,
-                "ipc_imports": self.ipc_imports, "contexts": self.contexts, "threads": self.threads}[kind]
+                "ipc_imports": self.ipc_imports, "contexts": self.contexts, "threads": self.threads,
+                "events": self.events, "notifies": self.notifies}[kind]
 
     def arguments(self, name: str, params: list[str]) -> tuple[list[Any], dict[str, Any]]:
         rng = self.rng
@@ -624,11 +640,35 @@ class Fuzzer:
             args[3] = self._cap(args[3])
         if name == "ptr_to_bytes" and len(args) >= 2:
             args[1] = self._cap(args[1])
+        if name == "memcpy_batch" and args:
+            args = self._safe_batch(args)
+        if name == "wait_and_reset_notify" and args:
+            self._let_wait_pass(args[0])
         if name in ("memcpy", "memset", "memcpy_async", "memset_async") and args and self._unsafe_target(args[0]):
             args[0] = self.pointer(write=True)
             if self._unsafe_target(args[0]):
                 args[0] = 0
         return args, kwargs
+
+    def _safe_batch(self, args: list[Any]) -> list[Any]:
+        """memcpy_batch writes through its `dsts` list: only the fuzzer's own memory (or NULL) is written, at most
+        TOUCH_CAP bytes a pair."""
+        owned = [*self.mappings.items(), *self.host_blocks.items(), *self.blocks.items()]
+        if isinstance(args[0], (list, tuple)):
+            dsts = list(args[0])[:8]
+            for i, p in enumerate(dsts):
+                if isinstance(p, int) and p and not any(b <= p < b + n for b, n in owned):
+                    dsts[i] = self.rng.choice(owned)[0] if owned else 0
+            args[0] = dsts
+        if len(args) > 3 and isinstance(args[3], (list, tuple)):
+            args[3] = [self._cap(v) for v in list(args[3])[:8]]
+        return args
+
+    def _let_wait_pass(self, notify: Any) -> None:
+        """wait_and_reset_notify holds its stream until the notify is recorded: a live notify of the fuzzer's is
+        recorded first, so the wait passes (any other argument fails before anything waits)."""
+        if type(notify) is int and notify in self.notifies:
+            self.acl.rt.record_notify(notify, 0)
 
     def _cap(self, v: Any) -> Any:
         if isinstance(v, int) and not isinstance(v, bool) and TOUCH_CAP < v < 2**62:
@@ -744,7 +784,10 @@ class Fuzzer:
         msg = self.acl.get_recent_err_msg()
         if not isinstance(msg, str) or not msg.strip() or name not in msg:
             self._defect("failure without a recent error message naming the call", name, args, kwargs, repr(msg))
-        if any(v not in (0, None, "") for v in outputs):
+        if name == "memcpy_batch":  # its failIndex says which pair failed (SIZE_MAX: none did)
+            if len(outputs) != 1 or type(outputs[0]) is not int or not 0 <= outputs[0] <= (1 << 64) - 1:
+                self._defect("memcpy_batch failed without a failIndex", name, args, kwargs, repr(outputs)[:200])
+        elif any(v not in (0, None, "") for v in outputs):
             self._defect("failure with non-neutral outputs", name, args, kwargs, repr(outputs)[:200])
         if ret == INTERNAL:
             self.internal[f"{name}: {msg}"[:400]] += 1
@@ -773,7 +816,7 @@ class Fuzzer:
                 self.dead_handles = [*self.dead_handles[-32:], h]
                 self.made_here.discard(h)
                 self.exported.discard(h)
-        elif name == "reserve_mem_address":
+        elif name in ("reserve_mem_address", "reserve_mem_address_no_uc_memory"):
             self.reservations[out] = int(a[0])
         elif name == "release_mem_address":
             p = int(a[0])
@@ -836,6 +879,18 @@ class Fuzzer:
             self.contexts.add(out)
         elif name == "destroy_context":
             self.contexts.discard(int(a[0]))
+        elif name in ("create_event", "create_event_with_flag", "create_event_ex_with_flag", "ipc_open_event_handle"):
+            self.events.add(out)
+        elif name == "destroy_event":
+            self.events.discard(int(a[0]))
+        elif name in ("create_notify", "notify_import_by_key"):
+            self.notifies.add(out)
+        elif name == "destroy_notify":
+            self.notifies.discard(int(a[0]))
+        elif name == "host_register":
+            self.registered.add(int(a[0]))
+        elif name == "host_unregister":
+            self.registered.discard(int(a[0]))
 
     # ------------------------------------------------------------ cleanup
 
@@ -867,6 +922,13 @@ class Fuzzer:
                     rt.set_context(self.runtime().devices.stream(s).context)
                 ret = rt.destroy_stream(s)
             failed["destroy_stream"] += ret != 0
+        for e in list(self.events):
+            failed["destroy_event"] += rt.destroy_event(e) != 0
+        for n in list(self.notifies):
+            failed["destroy_notify"] += rt.destroy_notify(n) != 0
+        for p in list(self.registered):  # (host_unregister needs a current device)
+            rt.set_device(0)
+            failed["host_unregister"] += rt.host_unregister(p) != 0
         for ctx in list(self.contexts):
             failed["destroy_context"] += rt.destroy_context(ctx) != 0
         for t in list(self.threads):
@@ -886,6 +948,9 @@ class Fuzzer:
         self.ipc_imports.clear()
         self.contexts.clear()
         self.threads.clear()
+        self.events.clear()
+        self.notifies.clear()
+        self.registered.clear()
         self.keep.clear()
         return {k: v for k, v in failed.items() if v}
 

@@ -1028,6 +1028,34 @@ def test_quotas_memory_an_exporter_that_freed_what_another_user_imported_is_not_
         b.kill()
 
 
+def test_quotas_memory_a_user_reads_through_a_second_process_of_its_own_stays_charged_to_it(
+        as_nobody: list[str], world: Path, actors: Callable[..., Actor]) -> None:
+    """T10. With VMMSHARE_QUOTA_MEMORY=8M, root's first process allocated 8 MiB and exported it without pid
+    validation, nobody imported it, a second process of root imported it too, and the first freed: the charge
+    moved to the earliest import, nobody's. Four rounds of that left root reading 32 MiB under an 8 MiB quota, a
+    fifth allocation accepted, and nobody refused its own first allocation. Memory a user still reads now stays
+    charged to it: root's second round is refused, and nobody allocates its whole quota."""
+    size = 8 << 20
+    b = _multi_user(world, VMMSHARE_QUOTA_MEMORY="8M", VMMSHARE_DEVICE_MEMORY="1G")
+    try:
+        allocator, keeper, importer = actors(b.env), actors(b.env), _nobody(as_nobody, b, actors)()
+        h = ident.ok(allocator, "rt.malloc_physical", size, c.PROP, 0)
+        sh = ident.ok(allocator, "rt.mem_export_to_shareable_handle_v2", h, 1, c.DEFAULT)  # no pid validation
+        theirs = ident.ok(importer, "rt.mem_import_from_shareable_handle_v2", sh, c.DEFAULT, 0)
+        ident.ok(keeper, "rt.mem_import_from_shareable_handle_v2", sh, c.DEFAULT, 0)
+        ident.ok(allocator, "rt.free_physical", h)
+        assert allocator.call("rt.malloc_physical", size, c.PROP, 0)[-1] == c.NO_MEMORY, (
+            "root still reads 8 MiB through its second process, yet allocated 8 MiB more")
+        assert "VMMSHARE_QUOTA_MEMORY" in allocator.last_err
+        mine = importer.call("rt.malloc_physical", size, c.PROP, 0)
+        assert mine[-1] == 0, f"nobody was left paying for what root keeps: {importer.last_err}"
+        ident.ok(importer, "rt.free_physical", mine[0])
+        ident.ok(importer, "rt.free_physical", theirs)
+        assert allocator.call("rt.malloc_physical", size, c.PROP, 0)[-1] == c.NO_MEMORY, "still root's to pay"
+    finally:
+        b.kill()
+
+
 def test_quotas_trustlist_entries_of_one_user_are_bounded(tmp_path: Path) -> None:
     """T10. Full trustlists grew the broker's memory without bound; past VMMSHARE_QUOTA_TRUSTLIST entries an export's
     trustlist is refused (207005), and a revoked export gives its entries back."""

@@ -677,6 +677,8 @@ class Broker:
         before = self.ledger.usage.trust_entries()
         self.ledger.disconnect(conn.client)
         self.released += before - self.ledger.usage.trust_entries()
+        if conn.client in self.fabric.client_tokens:  # its engine's metadata go now, not at the loop's next wake-up
+            self.fabric.tick()
         if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
             self.released = 0
             system.trim_memory()

@@ -256,6 +256,7 @@ ENGINE_ASKS = 12  # an engine's requests during each flood, each on a connection
 ENGINE_TIMEOUT = 3.0  # the transfer engine's own HTTP timeout: a request answered later fails its start (507022)
 
 
+@pytest.mark.alone  # its flood takes the machine's cores, and the engine's 3 s timeout is wall-clock time
 def test_another_user_holding_hundreds_of_connections_does_not_keep_an_engine_out(
         service: MetadataService, as_nobody: list[str]) -> None:
     """The bystander: another local user holds 300 connections (whole requests pipelined and never read, slow

@@ -126,6 +126,7 @@ class Store:
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large"}
 MAX_HEAD = 8 << 10  # bytes of a request line and headers
 BACKLOG = 1 << 16  # connections the kernel may queue for accept() (capped at net.core.somaxconn: 4,096 by default)
+ACCEPTS_PER_TURN = 256  # connections taken from the kernel's queue in one turn of the loop
 PER_TURN = 8  # requests of one connection answered in one turn of the loop; the rest wait for the next turn
 QUANTUM = 0.002  # seconds of answering each user's connections get in a turn (the last request may overrun it)
 
@@ -191,9 +192,10 @@ class Service:
     (by the kernel's uid of the connecting socket) that holds the most, so another user who keeps every slot busy
     with whole requests cannot keep an engine out; each user is owed its share of the slots.
 
-    Fair at the door: each turn of the loop takes every connection waiting in the kernel's queue first (a deep
-    one: a user whose closed connections come straight back cannot keep it full and another user's connection
-    out), then gives each user at most QUANTUM of answering, and each connection at most PER_TURN answers, so that
+    Fair at the door: each turn of the loop takes the connections waiting in the kernel's queue first (a deep one,
+    so that a user whose closed connections come straight back cannot keep it full and another user's connection
+    out; ACCEPTS_PER_TURN at most, so that they cannot keep the turn from ending either), then gives each user at
+    most QUANTUM of answering, and each connection at most PER_TURN answers, so that
     one user's hundreds of connections pipelining requests make no turn longer than a few milliseconds a user:
     another user's request is answered within a turn of arriving, well inside the engine's HTTP timeout."""
 
@@ -254,7 +256,9 @@ class Service:
                 self._serve(conn, mask)
 
     def _accept(self) -> None:
-        while True:
+        """Take the connections waiting in the kernel's queue, ACCEPTS_PER_TURN at most: a user whose connections
+        come back as fast as they are taken cannot keep the turn from ending (the rest wait for the next turn)."""
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 sock, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):

@@ -55,6 +55,7 @@ INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; 
 PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
 LONG_FRAME = P.HEADER.size + 64 + 4 * INLINE_LOOKUPS  # a request this long may carry more pids than that
 PIDS_AT = {int(kind): HEADER.size + LAYOUTS[kind].fixed.size for kind in (Msg.SET_PIDS, Msg.EXPORT)}  # their u32s
+PINNED_FROM = min(PIDS_AT.values()) + 4 * INLINE_LOOKUPS  # a frame longer than this may carry more pids than that
 LITTLE_ENDIAN = sys.byteorder == "little"  # the wire's u32s read in place
 TRIM_AFTER = 16384  # trustlist entries released by clients that make the broker hand memory back
 
@@ -472,7 +473,7 @@ class Broker:
         except OSError:
             self._drop(conn)
             return
-        if len(data) > LONG_FRAME and not truncated:  # first of all: pin the pids a long trustlist names
+        if len(data) > PINNED_FROM and not truncated:  # first of all: pin the pids a long trustlist names
             read = time.perf_counter()
             debug = log.isEnabledFor(logging.DEBUG)
             switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw if debug else 0

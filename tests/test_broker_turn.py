@@ -263,3 +263,39 @@ def test_after_a_refusal_for_the_quota_the_next_connection_waits_for_the_next_tu
             second.close()
     finally:
         broker.close()
+
+
+def test_an_importing_process_that_leaves_takes_its_engines_metadata_with_it(tmp_path: Path) -> None:
+    """A process that imported across servers has a namespace (a token) in the node's metadata service, where its
+    transfer engine PUTs keys of its own. When it left, the namespace went only at the fabric's next sweep, which
+    runs after the broker's loop next wakes (the next remote import on a quiet node): until then its keys stayed
+    readable to anyone holding the token and counted against its user. They now go as the process is dropped."""
+    import urllib.error
+    import urllib.request
+
+    from vmmshare.fabric.metadata import MetadataService, new_token
+
+    broker = Broker(tmp_path / "s", Config.from_env(broker=True))
+    meta, idle = MetadataService(5.0), broker.fabric.meta  # a node without the fabric does not start its own
+    meta.start()
+    try:
+        broker.fabric.meta = meta
+        conn, theirs = _connected(broker)
+        token = new_token()
+        meta.add(token)
+        broker.fabric.client_tokens[conn.client] = token  # as its remote import made it
+        url = f"{meta.url(token)}?key=mooncake/rpc_meta/engine"
+        put = urllib.request.Request(url, data=b"{}", method="PUT")
+        with urllib.request.urlopen(put, timeout=10) as reply:  # the engine writes a key of its own
+            assert reply.status == 200
+        theirs.close()  # the process exited
+        _turn_of(broker, conn, False)
+        assert broker.conns.get(conn.fd) is not conn
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            urllib.request.urlopen(url, timeout=10)
+        assert gone.value.code == 404, "the engine's keys outlived its process"
+        assert conn.client not in broker.fabric.client_tokens
+    finally:
+        broker.fabric.meta = idle
+        meta.close()
+        broker.close()

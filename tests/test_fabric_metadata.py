@@ -220,6 +220,81 @@ def test_another_user_keeping_every_connection_busy_with_whole_requests_does_not
     assert http(service, "GET", path(mine), KEY)[0] == 200
 
 
+CROWD = """
+import socket, sys, threading, time
+port, count = int(sys.argv[1]), int(sys.argv[2])
+ask = b"GET /x/metadata?key=k HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n"
+
+
+def hold(kind: int) -> None:  # one connection held open, and opened again as soon as the service closes it
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                if kind == 0:  # whole requests, pipelined, answers never read
+                    while True:
+                        s.sendall(ask * 512)
+                elif kind == 1:  # a slow sender
+                    for byte in b"GET /" + b"a" * 100_000:
+                        s.sendall(bytes([byte]))
+                        time.sleep(0.1)
+                else:  # whole requests, each answered
+                    while True:
+                        s.sendall(ask)
+                        if not s.recv(4096):
+                            break
+        except OSError:
+            pass
+
+
+for i in range(count):
+    threading.Thread(target=hold, args=(i % 3,), daemon=True).start()
+print("holding", flush=True)
+sys.stdin.read()
+"""
+CROWD_RUNS = 4  # floods, each a fresh attacker
+ENGINE_ASKS = 12  # an engine's requests during each flood, each on a connection of its own
+ENGINE_TIMEOUT = 3.0  # the transfer engine's own HTTP timeout: a request answered later fails its start (507022)
+
+
+@pytest.mark.alone  # its flood takes the machine's cores, and the engine's 3 s timeout is wall-clock time
+def test_another_user_holding_hundreds_of_connections_does_not_keep_an_engine_out(
+        service: MetadataService, as_nobody: list[str]) -> None:
+    """The bystander: another local user holds 300 connections (whole requests pipelined and never read, slow
+    senders, whole requests answered), each opened again as soon as the service closes it. The service kept 64
+    and closed the rest, which came straight back and kept the kernel's queue of 128 connections waiting to be
+    accepted full, and it spent seconds a turn answering pipelined requests: an engine's connection was dropped
+    or answered after its HTTP timeout, in a few runs out of ten. The queue is now deep and taken first each turn,
+    and each user gets a bounded share of each turn: in every run of the flood, every request of an engine (a PUT
+    of its own key and GETs, each on a connection of its own) is answered within the engine's timeout."""
+    mine = new_token()
+    service.add(mine)
+    service.put(mine, KEY, DESC)
+    expected = json.dumps(DESC, separators=(",", ":")).encode()
+    for run in range(CROWD_RUNS):
+        attacker = subprocess.Popen([*as_nobody, sys.executable, "-c", CROWD, str(service.port), "300"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline() == "holding\n"
+            for ask in range(ENGINE_ASKS):
+                own = f"mooncake/rpc_meta/engine-{ask % 4}"  # rewritten: within the keys an engine may PUT
+                for method, key, body, want in (("PUT", own, b"{}", b""), ("GET", own, None, b"{}"),
+                                                ("GET", KEY, None, expected)):
+                    req = urllib.request.Request(f"http://127.0.0.1:{service.port}{path(mine)}?key={key}",
+                                                 data=body, method=method)
+                    try:
+                        with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT) as reply:
+                            got = (reply.status, reply.read())
+                    except OSError as exc:
+                        raise AssertionError(f"flood {run + 1}, request {ask + 1}: the engine's {method} was not "
+                                             f"answered within its {ENGINE_TIMEOUT:.0f} s timeout ({exc!r})") from None
+                    assert got == (200, want), (run, ask, method, got)
+            assert attacker.poll() is None, "the attack gave up"
+        finally:
+            attacker.kill()
+            attacker.wait(HANG_GUARD)
+
+
 FILL = """
 import socket, sys
 port, value, tokens = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]

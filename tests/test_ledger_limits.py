@@ -13,6 +13,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from test_ledger import (
     BAD_HANDLE,
@@ -495,3 +497,94 @@ def test_unknown_handles_still_refuse_before_quotas(books: Books) -> None:
     assert books.code(books.client(1), P.SetPids(1234, DEFAULT, (5,))) == BAD_HANDLE
     assert books.code(books.client(2), P.Import(1234, DEFAULT, bytes(32))) == BAD_HANDLE
     assert books.code(books.client(3), P.Ok()) == IPC_ERROR
+
+
+# ---------------------------------------------------------------- whom memory is charged to, as a property
+
+USERS = (1000, 2000)
+PROCS = 2  # processes of each user
+UNITS = 4  # the memory quota, in MiB2
+
+
+def _holders(books: Books, memory: Any) -> set[int]:
+    """The users that hold `memory` now (its charge, or an import of it)."""
+    return {held.client.uid for held in books.ledger.holds.values() if held.memory is memory}
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(steps=[("charge", 0, 0, 4), ("export", 0, 0, 1), ("import", 2, 0, 1), ("import", 1, 0, 1), ("free", 0, 0, 1),
+                ("charge", 0, 0, 4)])  # the first round of the attack the search found
+@given(st.lists(st.tuples(st.sampled_from(["charge", "export", "import", "free", "leave"]),
+                          st.integers(0, len(USERS) * PROCS - 1), st.integers(0, 3), st.integers(1, UNITS)),
+                max_size=40))
+def test_quota_memory_a_user_still_reads_is_charged_to_it_whatever_the_sequence(
+        steps: list[tuple[str, int, int, int]]) -> None:
+    """Random allocations, exports (no pid validation), imports, frees and exits of two processes of each of two
+    users (each step picks among the newest holds or exports: `pick` counts back), the books checked after every
+    step: memory a user still holds stays charged to that user (the charge moves only once none of its processes
+    holds it, and then to a user that chose to keep it alive by importing it); each user's tally is what is charged
+    to it; and a charge is accepted exactly when what that user is charged for plus the new memory fits its quota.
+    The books used to move the charge to the earliest remaining import when the allocating process freed, though a
+    second process of the same user still read the memory: a user read past its quota and another user paid."""
+    books = Books(quotas=Quotas(memory=UNITS * MiB2))
+    procs = [books.client(10 + i, uid=USERS[i // PROCS]) for i in range(len(USERS) * PROCS)]
+    shares: list[int] = []  # the values of exports made so far (revoked ones included)
+    charged: dict[int, int] = {}  # id(memory) -> the uid charged for it after the last step
+    for op, who, pick, units in steps:
+        proc = procs[who]
+        if proc not in books.ledger.clients:
+            procs[who] = proc = books.client(proc.pid, uid=proc.uid)  # the process's successor connects
+        holds = sorted(proc.holds)
+        if op == "charge":
+            mine = sum(m.size for m in {id(h.memory): h.memory for h in books.ledger.holds.values()}.values()
+                       if m.charger.uid == proc.uid and m.device == 0)
+            code = books.code(proc, P.Charge(0, units * MiB2))
+            assert (code == 0) == (mine + units * MiB2 <= UNITS * MiB2), (
+                f"uid {proc.uid} is charged {mine} bytes and asked for {units * MiB2}: {code}")
+        elif op == "export" and holds:
+            hold = holds[-1 - pick % len(holds)]
+            size = books.ledger.holds[hold].memory.size
+            reply = books.ask(proc, books.export_request(hold, flags=NO_PID_CHECK, size=size), books.memfd(size))
+            if isinstance(reply, P.Exported):
+                shares.append(int.from_bytes(reply.shareable, "little"))
+        elif op == "import" and shares:
+            books.imports(proc, shares[-1 - pick % len(shares)])  # refused once revoked
+        elif op == "free" and holds:
+            assert books.code(proc, P.Release(holds[-1 - pick % len(holds)])) == 0
+        elif op == "leave":
+            books.ledger.disconnect(proc)
+        live = {id(h.memory): h.memory for h in books.ledger.holds.values()}
+        for key, memory in live.items():
+            holders = _holders(books, memory)
+            payer = memory.charger.uid
+            assert payer in holders, f"uid {payer} is charged for memory only uids {holders} hold"
+            before = charged.get(key)
+            assert before is None or before == payer or before not in holders, (
+                f"the charge moved from uid {before}, which still holds the memory, to uid {payer}")
+        charged = {key: memory.charger.uid for key, memory in live.items()}
+        for uid in USERS:
+            owed = sum(m.size for m in live.values() if m.charger.uid == uid and m.device == 0)
+            tally = books.ledger.usage.users.get(uid)
+            assert (tally.memory[0] if tally is not None else 0) == owed, f"uid {uid}'s tally is not its charges"
+    for proc in procs:
+        books.ledger.disconnect(proc)
+    assert books.ledger.used == [0] * len(books.ledger.used) and not books.ledger.usage.users
+
+
+def test_quota_memory_a_second_process_of_the_allocating_user_keeps_the_charge() -> None:
+    """The sequence the property above found: a process of uid 1000 allocates its whole quota and exports it, a
+    process of uid 2000 imports it, a second process of uid 1000 imports it, the first frees. The charge went to
+    the earliest import (uid 2000's), so four rounds left uid 1000 reading four times its quota and uid 2000 unable
+    to allocate. It stays with uid 1000, whose second round is refused."""
+    books = Books(quotas=Quotas(memory=4 * MiB2))
+    first, keeper, victim = books.client(1, uid=1000), books.client(2, uid=1000), books.client(3, uid=2000)
+    hold, shareable, _, _ = books.export(first, flags=NO_PID_CHECK, size=4 * MiB2)
+    assert books.imports(victim, shareable) == 0
+    assert books.imports(keeper, shareable) == 0
+    assert books.code(first, P.Release(hold)) == 0
+    assert _held_memory(books, 1000) == 4 * MiB2 and _held_memory(books, 2000) == 0
+    assert books.code(first, P.Charge(0, 4 * MiB2)) == NO_MEMORY, "a second round of the same"
+    assert books.code(victim, P.Charge(0, 4 * MiB2)) == 0, "the other user's quota is its own"
+    books.ledger.disconnect(keeper)
+    assert _held_memory(books, 1000) == 0, "uid 1000 holds it no more"
+    assert _held_memory(books, 2000) == 8 * MiB2, "the importer that kept it alive pays from then on"

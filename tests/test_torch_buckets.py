@@ -324,9 +324,12 @@ import pickle, sys, torch
 import vmmshare.torch as vt
 sd = {"w": torch.zeros(300, 1000), "b": torch.zeros(77, dtype=torch.int64)}
 pub = vt.Publisher(sd, share_type="fabric")
-print(pickle.dumps(pub.ticket()).hex(), flush=True)
+print("ready", flush=True)
 for line in sys.stdin:
     cmd, *args = line.split()
+    if cmd == "ticket":  # made once the reader is allowed: it names each reader's record
+        print(pickle.dumps(pub.ticket()).hex(), flush=True)
+        continue
     if cmd == "allow":
         pub.allow([int(args[0])], server=int(args[1]))
     elif cmd == "publish":
@@ -378,10 +381,11 @@ def test_a_fabric_bucket_is_copied_into_local_tensors_on_another_server(request:
 
     try:
         pub = start(1, PUBLISHER)
-        ticket = ask(pub)
+        assert ask(pub) == "ready"
         sub = start(2, SUBSCRIBER)
         pid = int(ask(sub))
         assert ask(pub, f"allow {pid} {fabric.server_id(2)}") == "ok"
+        ticket = ask(pub, "ticket")
         assert ask(pub, "publish 1") == "1"
         assert ask(sub, ticket) == "no views"  # another server's memory: copies only
         assert ask(sub, "copy") == f"1 {300000.0} {77}"
@@ -405,7 +409,7 @@ def test_a_ticket_whose_layout_lies_is_refused() -> None:
                     replace(a, offset=2), replace(a, shape=(1 << 40,)), replace(a, offset=-4),
                     replace(a, name=["a"])):  # a name that is not text could not key the snapshot's dict
             with pytest.raises(vmmshare.InvalidParamError):
-                vt.Subscriber(vt.BucketTicket(t.header, t.slots, (bad,)))
+                vt.Subscriber(vt.BucketTicket(t.header, t.slots, (bad,), t.records))
         sub = vt.Subscriber(t)  # the true layout: the publisher's own process may read its bucket too
         with sub.latest() as snap:
             assert snap.version == 1 and float(snap["a"].sum()) == 40.0
@@ -438,6 +442,56 @@ def test_a_reader_that_scribbles_on_the_header_only_delays_a_publish(reader: Any
     good.run("held.release(); held = None")
     assert pub.publish(state(3), timeout=0) == 3
     assert good.run(f"snap = sub.latest(); {SUMMARY.strip()}; snap.release()") == [3, [3.0], 3]
+
+
+def test_a_hostile_subscriber_can_neither_move_another_readers_pin_nor_get_its_snapshot_overwritten(
+        reader: Any) -> None:
+    """The attack: a subscriber writes the bucket header's `current` and one slot's version word naming a version
+    never published (777). The victim's latest() pinned "777" on that slot, the publisher saw no reader on it and
+    overwrote it, and the victim's snapshot changed under it; and every reader's pin lay in the header, so the
+    attacker could also clear the victim's. Each reader now goes by a record of its own that only it and the
+    publisher can write: the victim pins the version truly published, its pin keeps its slot whatever the attacker
+    writes in the bucket, and the attacker cannot import the victim's record."""
+    bad, victim = reader(), reader()
+    pub = vt.Publisher(state(0), pids=[bad.pid, victim.pid])
+    assert pub.publish(state(1)) == 1
+    ticket = pickle.dumps(pub.ticket()).hex() + "\n"
+    bad.subscribe(ticket=ticket)
+    victim.subscribe(ticket=ticket)
+    bad.run("""
+        import ctypes
+        word = lambda off, v: setattr(ctypes.c_uint64.from_address(sub._h.ptr + off), "value", v)
+        slot = ctypes.c_uint64.from_address(sub._h.ptr + 8).value & 0xFF
+        word(8, 777 << 8 | slot)  # current: a version never published, in the slot that holds version 1
+        word(24 + 8 * slot, 777)  # and that slot's version word
+    """)
+    taken = victim.run(f"held = sub.latest(); snap = held; {SUMMARY.strip()}")
+    bad.run("""
+        import ctypes
+        for off in range(128, 4096, 8):  # every reader record the header had, the victim's pin among them
+            ctypes.c_uint64.from_address(sub._h.ptr + off).value = 0
+    """)
+    assert pub.publish(state(2)) == 2  # into the free slot
+    with pytest.raises(vmmshare.MemoryAllocationError, match=str(victim.pid)):
+        pub.publish(state(3), timeout=0)  # the only other slot is the victim's, pinned
+    assert victim.run(f"snap = held; {SUMMARY.strip()}") == taken == [1, [1.0], 1], (
+        "the victim's snapshot was not the version published, or was overwritten under it")
+    assert victim.run("result = sub.version") == 2
+    refused = bad.run(f"""
+        import pickle
+        t = pickle.loads(bytes.fromhex({ticket.strip()!r}))
+        blob = [b for server, pid, b in t.records if pid == {victim.pid}][0]
+        try:
+            pickle.loads(blob)
+            result = "imported"
+        except Exception as exc:
+            result = getattr(exc, "code", repr(exc))
+    """)
+    assert refused == 207006, f"another subscriber's record was open to the attacker: {refused}"
+    victim.run("held.release(); held = None")
+    assert pub.publish(state(3), timeout=0) == 3
+    assert victim.run(f"snap = sub.latest(); {SUMMARY.strip()}; snap.release()") == [3, [3.0], 3]
+    assert bad.run(f"snap = sub.latest(); {SUMMARY.strip()}; snap.release()") == [3, [3.0], 3]
 
 
 CLOSED_UNDER = r"""

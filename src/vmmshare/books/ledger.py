@@ -237,10 +237,7 @@ class Ledger:
             if memory.gone is not None:
                 memory.gone()
         elif share is not None and memory.charger is client and not self._still_holds(client, memory, self_import):
-            # the earliest remaining importer of this node: another server's user has no memory tally here, and
-            # memory only another server keeps alive is charged to its exporter's user (no quota is escaped that
-            # way, and a local importer that freed it is not left paying for another server's hold)
-            heir = next((c for c in share.importers.values() if c.server is None), share.exporter)
+            heir = _heir(share, client)
             if heir is not client:
                 self._recharge(memory, heir)
 
@@ -254,8 +251,9 @@ class Ledger:
 
     def _recharge(self, memory: ChargedMemory, holder: Client) -> None:
         """The client charged for `memory` let go of it while others hold it: charge the holder that keeps it alive
-        (the earliest remaining importer), as the driver's reference counts keep it alive for that holder. The
-        charge may take that user past its quota of memory: its own next charges are refused until it frees."""
+        (`_heir`), as the driver's reference counts keep it alive for that holder. The charge may take another user
+        past its quota of memory (its own next charges are refused until it frees); it never leaves the charged
+        user while a process of that user still holds the memory."""
         if memory.kind == KIND_HOST and memory.device != -1:
             self.usage.memory(memory.charger.uid, memory.device, -memory.size)
             self.usage.memory(holder.uid, memory.device, memory.size)
@@ -426,6 +424,24 @@ class Ledger:
         """One page of `vmmshare ls` as JSON (listing.py); the viewer's own connection is not counted."""
         others = len(self.clients) - (viewer in self.clients)
         return listing_page(self, offset, viewer, others)
+
+
+def _heir(share: Share, leaving: Client) -> Client:
+    """Who is charged for exported memory once `leaving`, charged for it, holds it no more: a process of the same
+    user that still imports it (memory a user still reads counts against that user's quota before any other's: a
+    user cannot push its charge onto another by keeping the memory alive through a second process of its own), else
+    the earliest remaining importer of this node (a user that chose to keep it alive), else its exporter (another
+    server's user has no memory tally here, so memory only another server keeps alive stays charged to its
+    exporter's user: no quota is escaped that way, and a local importer that freed it is not left paying for
+    another server's hold)."""
+    heir = None
+    for importer in share.importers.values():
+        if importer.server is None:
+            if importer.uid == leaving.uid:
+                return importer
+            if heir is None:
+                heir = importer
+    return heir if heir is not None else share.exporter
 
 
 def _not_the_owner(client: Client, sender: int) -> str:

@@ -10,6 +10,7 @@ import errno
 import functools
 import os
 import select
+from collections.abc import Iterable
 
 from ..books.records import Identity
 
@@ -37,6 +38,7 @@ DEAD: Identity = (-1, None)  # the identity of a pinned process that exited befo
 # pidfd_open's answers for a pid that no process has: none at all, a thread's id or a kernel thread's (ENOENT), one
 # beyond the pid range (EINVAL)
 _NO_PROCESS = (errno.ESRCH, errno.ENOENT, errno.EINVAL)
+MAX_PID = 0x7FFFFFFF
 
 
 def identity_of_pidfd(pid: int, pidfd: int) -> Identity:
@@ -76,6 +78,31 @@ def pin(pid: int) -> int:
         if exc.errno in _NO_PROCESS:
             return -1
         raise
+
+
+def pin_all(pids: Iterable[int], alive: set[int] | None) -> tuple[dict[int, int], tuple[int, OSError] | None]:
+    """Pin every pid of a call at once, before anything else is done with it: pid -> a pidfd for the process that
+    has it now, for each pid a process has (`alive`: the pids that have a process, from one snapshot of /proc,
+    where known: the others need no system call). One `pidfd_open` a live pid, in a loop with nothing else in it,
+    so that the time between reading a call and pinning its last pid is that of the system calls. On a failure
+    other than "no such process" (out of fds) every pidfd taken is closed and the pid and its error are returned
+    instead (fail closed)."""
+    live = alive.intersection(pids) if alive is not None else [p for p in dict.fromkeys(pids) if 0 < p <= MAX_PID]
+    fds: dict[int, int] = {}
+    pidfd_open = os.pidfd_open
+    pid = 0
+    try:
+        for pid in live:
+            try:
+                fds[pid] = pidfd_open(pid)
+            except OSError as exc:
+                if exc.errno not in _NO_PROCESS:
+                    raise
+    except OSError as exc:
+        for fd in fds.values():
+            os.close(fd)
+        return {}, (pid, exc)
+    return fds, None
 
 
 HIDING = {"2", "invisible", "4", "ptraceable"}  # hidepid= values under which /proc lists others' processes not

@@ -1,11 +1,11 @@
 """Requests with long trustlists, finished over the turns of the broker's loop.
 
-Each pid of such a request is pinned when the request is received (a pidfd for the process that has it then, one
-`pidfd_open` each, all before anything else is served), so that every entry is bound to the process that had the
-pid at that moment whatever happens later; naming each pinned process (its pidfs inode) and closing its pidfd is
-what is spread over the loop's turns: each turn gives it at most JOB_SECONDS, a few pids of each request in turn,
-so that the other clients are served in between (docs/security.md, T9). The connection of a deferred request is
-not read until it is answered."""
+Each pid of such a request is pinned as soon as the request is read (a pidfd for the process that has it then, one
+`pidfd_open` each, before the request is decoded and before anything else is served), so that every entry is bound
+to the process that had the pid at that moment whatever happens later; naming each pinned process (its pidfs inode)
+and closing its pidfd is what is spread over the loop's turns: each turn gives it at most JOB_SECONDS, a few pids of
+each request in turn, so that the other clients are served in between (docs/security.md, T9). The connection of a
+deferred request is not read until it is answered."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..books.records import NOBODY, Identity, Lookups
 from ..wire import local as P
-from .identity import identity_of_pinned, pin
+from .identity import identity_of_pinned
+from .identity import pin_all as identity_pin_all
 
 log = logging.getLogger("vmmshare.broker")
 JOB_SECONDS = 0.0005  # naming pinned processes, per turn of the loop, for all deferred requests together
@@ -40,14 +41,24 @@ class Job(Generic[T]):
     found: Lookups = field(default_factory=Lookups)
 
 
+@dataclass(eq=False)
+class Pins:
+    """The pids of a request pinned when it was read: pid -> pidfd, for each pid a process had (any other pid of
+    the request had none), or the pid whose pin failed and why (then nothing is pinned)."""
+
+    fds: dict[int, int]
+    failed: tuple[int, OSError] | None = None
+
+
 class Jobs(Generic[T]):
     """The deferred requests, named round-robin, and the pidfds they pin (`pinned`, counted against the broker's
     fds by the server)."""
 
     def __init__(self, close_fd: Callable[[int], None],
                  name: Callable[[int, int], Identity] = identity_of_pinned,
-                 pin_pid: Callable[[int], int] = pin) -> None:
-        self.close_fd, self.name, self.pin_pid = close_fd, name, pin_pid
+                 pin_all: Callable[[Iterable[int], set[int] | None], tuple[dict[int, int], tuple[int, OSError] | None]]
+                 = identity_pin_all) -> None:
+        self.close_fd, self.name, self.pin_all = close_fd, name, pin_all
         self.pending: list[Job[T]] = []  # changed in place, never rebound: the broker's loop holds this list
         self.pinned = 0
         self._next = 0
@@ -55,26 +66,38 @@ class Jobs(Generic[T]):
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def pin(self, job: Job[T], pids: list[int], alive: set[int] | None = None) -> bool:
-        """Pin every pid of `job` now, in order (`alive`: the pids that have a process now, where known: the others
-        need no system call). False when one could not be pinned (out of fds): nothing stays pinned and
-        `job.found` says which pid failed, so that the request is refused whole (fail closed)."""
-        if alive is not None:  # the pids no process has need no system call
-            job.found.ids.update(dict.fromkeys([pid for pid in pids if pid not in alive], NOBODY))
-            pids = [pid for pid in pids if pid in alive]
-        for pid in pids:
-            try:
-                fd = self.pin_pid(pid)
-            except OSError as exc:
-                job.found.failed[pid] = exc
-                self._unpin(job)
-                return False
-            if fd < 0:
-                job.found.ids[pid] = NOBODY
-            else:
-                job.todo.append((pid, fd))
-                self.pinned += 1
-        return True
+    def pin_now(self, pids: Iterable[int], alive: set[int] | None = None) -> Pins:
+        """Pin every pid of a request as it is read, before it is decoded or checked (`identity.pin_all`); the
+        pins are counted in `pinned` until `adopt` hands them to a job or `unpin` lets them go."""
+        fds, failed = self.pin_all(pids, alive)
+        pins = Pins(fds, failed)
+        self.pinned += len(pins.fds)
+        return pins
+
+    def adopt(self, job: Job[T], need: list[int], pins: Pins) -> None:
+        """Give `job` the pins of the pids it needs (a pid no process had is bound to nobody now) and close the
+        others. Where pinning failed (out of fds) every needed pid fails with that error, so that the request is
+        refused whole (fail closed)."""
+        fds = pins.fds
+        if pins.failed is not None:
+            _pid, exc = pins.failed
+            job.found.failed.update(dict.fromkeys(need, exc))
+        else:
+            for pid in need:
+                fd = fds.pop(pid, -1)
+                if fd >= 0:
+                    job.todo.append((pid, fd))
+                else:
+                    job.found.ids[pid] = NOBODY
+        self.unpin(pins)
+
+    def unpin(self, pins: Pins) -> None:
+        """Close the pins no job took."""
+        for fd in pins.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pinned -= len(pins.fds)
+        pins.fds = {}
 
     def add(self, job: Job[T]) -> None:
         self.pending.append(job)

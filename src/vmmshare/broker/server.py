@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import gc
 import logging
 import os
 import resource
 import selectors
 import socket
 import struct
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,16 +33,17 @@ from ..sockets import packets
 from ..sockets.poller import Poller
 from ..sockets.spinning import RunQueue, spin
 from ..wire import local as P
+from ..wire.framing import KIND_AT
 from ..wire.handles import MAX_TRUSTLIST
+from ..wire.local import HEADER, LAYOUTS, MAX_FRAME, Msg, ProtocolError, decode, encode, peek_request_id
 from ..wire.local import HOT_IMPORT as IMPORT
 from ..wire.local import HOT_IMPORTED as IMPORTED
 from ..wire.local import HOT_OK as OK
 from ..wire.local import HOT_RELEASE as RELEASE
-from ..wire.local import MAX_FRAME, ProtocolError, decode, encode, peek_request_id
 from . import system
 from .closer import Closer
 from .identity import CAN_PIN, PIDFS, identity_of_pid, identity_of_pidfd, live_pids
-from .jobs import Job, Jobs
+from .jobs import Job, Jobs, Pins
 from .ratelog import RateLimitedLog
 from .socketfile import bind_socket, retire_socket
 
@@ -51,6 +54,9 @@ REAP_AT_REFUSAL = 16  # ready connections of a user looked at for a closed one b
 INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; more are pinned (jobs.py)
 PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
 LONG_FRAME = P.HEADER.size + 64 + 4 * INLINE_LOOKUPS  # a request this long may carry more pids than that
+PIDS_AT = {int(kind): HEADER.size + LAYOUTS[kind].fixed.size for kind in (Msg.SET_PIDS, Msg.EXPORT)}  # their u32s
+PINNED_FROM = min(PIDS_AT.values()) + 4 * INLINE_LOOKUPS  # a frame longer than this may carry more pids than that
+LITTLE_ENDIAN = sys.byteorder == "little"  # the wire's u32s read in place
 TRIM_AFTER = 16384  # trustlist entries released by clients that make the broker hand memory back
 
 
@@ -467,6 +473,19 @@ class Broker:
         except OSError:
             self._drop(conn)
             return
+        if len(data) > PINNED_FROM and not truncated:  # first of all: pin the pids a long trustlist names
+            read = time.perf_counter()
+            debug = log.isEnabledFor(logging.DEBUG)
+            switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw if debug else 0
+            early = self._pin_on_read(data, sender == conn.client.pid)
+            if early is not None:
+                if debug:  # the window of docs/security.md, T18, as this broker measures it
+                    log.debug("pid %d request %d: its pids pinned %.0f us after the call was read (%d pinned, %d "
+                              "preemptions in between)", conn.client.pid, peek_request_id(data),
+                              (time.perf_counter() - read) * 1e6, len(early.fds),
+                              resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - switches)
+                self._serve(conn, data, fds, truncated, sender, early)
+                return
         if not fds:
             size = len(data)
             if not size:
@@ -515,8 +534,31 @@ class Broker:
             log.exception("internal error serving pid %d", conn.client.pid)
             return encode(P.Error(C.ACL_ERROR_RT_INTERNAL_ERROR, f"broker: {exc!r}"), peek_request_id(data)), ()
 
-    def _serve(self, conn: Conn, data: bytes, fds: list[int], truncated: bool, sender: int) -> None:
-        """Serve any request: decode it whole, and hand it to the fabric agent or the ledger."""
+    def _pin_on_read(self, data: bytes, own: bool) -> Pins | None:
+        """The pins of every pid of a long SET_PIDS or EXPORT just read (`own`: sent by the connection's process),
+        taken before it is decoded or anything else is done with it (docs/security.md, T18): read straight off the
+        frame's u32 tail, looked for in one snapshot of /proc, and pinned in one loop. None for any other frame, a
+        list of no more than INLINE_LOOKUPS pids (looked up whole when served), or when the broker is short of fds
+        to pin them (each is then looked up whole, now)."""
+        start = PIDS_AT.get(data[KIND_AT])
+        if start is None or not own or not CAN_PIN or not LITTLE_ENDIAN:
+            return None
+        count = (len(data) - start) >> 2
+        if count <= INLINE_LOOKUPS or count > self._pin_room():
+            return None
+        pids = memoryview(data)[start : start + 4 * count].cast("I")
+        collecting = gc.isenabled()
+        gc.disable()  # no collection of the broker's heap inside the window (a full one takes milliseconds)
+        try:
+            return self.jobs.pin_now(pids, live_pids(count))
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _serve(self, conn: Conn, data: bytes, fds: list[int], truncated: bool, sender: int,
+               early: Pins | None = None) -> None:
+        """Serve any request: decode it whole, and hand it to the fabric agent or the ledger (`early`: the pins of
+        its pids, taken when it was read; this lets go of those it does not use)."""
         pid = conn.client.pid
         try:
             if truncated:
@@ -530,9 +572,10 @@ class Broker:
                 return
             fd = fds.pop() if fds else -1  # the ledger's (or the job's) from here
             need = self.ledger.pids_to_bind(conn.client, request) if sender == pid else []
-            if len(need) > INLINE_LOOKUPS and CAN_PIN and len(need) <= self._pin_room():
+            if early is not None:  # each pid's process was pinned when the request was read
                 job = Job(conn, req, request, fd, sender)
-                if self.jobs.pin(job, need, live_pids(len(need))) and job.todo:  # each pid's process is held now
+                self.jobs.adopt(job, need, early)
+                if job.todo:
                     self._defer(job)
                     return
                 answer, reply_fd = self.ledger.handle(conn.client, request, fd, sender, job.found)
@@ -549,6 +592,8 @@ class Broker:
             reply_fds = ()
         finally:
             self.closer.close_all(fds)
+            if early is not None:
+                self.jobs.unpin(early)  # those no job took (all of them, where the request was refused)
         self._send(conn, reply, reply_fds)
 
     def _pin_room(self) -> int:
@@ -633,6 +678,8 @@ class Broker:
         before = self.ledger.usage.trust_entries()
         self.ledger.disconnect(conn.client)
         self.released += before - self.ledger.usage.trust_entries()
+        if conn.client in self.fabric.client_tokens:  # its engine's metadata go now, not at the loop's next wake-up
+            self.fabric.tick()
         if self.released >= TRIM_AFTER:  # large trustlists went away: give the memory back to the system
             self.released = 0
             system.trim_memory()

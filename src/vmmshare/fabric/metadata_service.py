@@ -125,6 +125,10 @@ class Store:
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large"}
 MAX_HEAD = 8 << 10  # bytes of a request line and headers
+BACKLOG = 1 << 16  # connections the kernel may queue for accept() (capped at net.core.somaxconn: 4,096 by default)
+ACCEPTS_PER_TURN = 256  # connections taken from the kernel's queue in one turn of the loop
+PER_TURN = 8  # requests of one connection answered in one turn of the loop; the rest wait for the next turn
+QUANTUM = 0.002  # seconds of answering each user's connections get in a turn (the last request may overrun it)
 
 
 class _Connection:
@@ -186,18 +190,26 @@ class Service:
     a client that trickles its bytes or sits idle is cut off. At most MAX_CONNECTIONS are open at once, shared
     among the local users whose engines connect: a connection past that closes the oldest connection of the user
     (by the kernel's uid of the connecting socket) that holds the most, so another user who keeps every slot busy
-    with whole requests cannot keep an engine out; each user is owed its share of the slots."""
+    with whole requests cannot keep an engine out; each user is owed its share of the slots.
+
+    Fair at the door: each turn of the loop takes the connections waiting in the kernel's queue first (a deep one,
+    so that a user whose closed connections come straight back cannot keep it full and another user's connection
+    out; ACCEPTS_PER_TURN at most, so that they cannot keep the turn from ending either), then gives each user at
+    most QUANTUM of answering, and each connection at most PER_TURN answers, so that
+    one user's hundreds of connections pipelining requests make no turn longer than a few milliseconds a user:
+    another user's request is answered within a turn of arriving, well inside the engine's HTTP timeout."""
 
     def __init__(self, store: Store, commands: int, answers: Any) -> None:
         self.store, self.commands, self.answers = store, commands, answers
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(128)
+        self.listener.listen(BACKLOG)
         self.port = self.listener.getsockname()[1]
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.sel.register(commands, selectors.EVENT_READ)
         self.conns: dict[socket.socket, _Connection] = {}  # in the order they were accepted
+        self.owed: dict[_Connection, None] = {}  # connections with whole requests left unanswered last turn
         self.diag = _diag_socket()
         self.listening = True
         self.pending = b""
@@ -207,21 +219,46 @@ class Service:
         while self.running:
             now = time.monotonic()
             wait = min((c.deadline for c in self.conns.values()), default=now + 60.0) - now
-            for key, mask in self.sel.select(max(0.0, wait)):
-                if key.fileobj is self.listener:
-                    self._accept()
-                elif key.fileobj == self.commands:
-                    self._commands()
-                else:
-                    conn = self.conns.get(key.fileobj)  # type: ignore[call-overload]
-                    if conn is not None:
-                        self._serve(conn, mask)
+            self._turn(self.sel.select(0.0 if self.owed else max(0.0, wait)))
             now = time.monotonic()
             for conn in [c for c in self.conns.values() if c.deadline <= now]:
                 self._close(conn)
 
+    def _turn(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """One turn: the broker's commands, every connection waiting to be accepted, then each user's connections
+        that are ready (or were left answers owed), for at most QUANTUM a user."""
+        ready: dict[int | None, dict[_Connection, int]] = {}
+        accept = False
+        for key, mask in events:
+            if key.fileobj is self.listener:
+                accept = True
+            elif key.fileobj == self.commands:
+                self._commands()
+            else:
+                conn = self.conns.get(key.fileobj)  # type: ignore[call-overload]
+                if conn is not None:
+                    ready.setdefault(conn.uid, {})[conn] = mask
+        if accept:
+            self._accept()
+        owed, self.owed = self.owed, {}
+        for conn in owed:
+            ready.setdefault(conn.uid, {}).setdefault(conn, 0)
+        clock = time.perf_counter
+        for queue in ready.values():
+            end = clock() + QUANTUM
+            for conn, mask in queue.items():
+                if conn.sock not in self.conns:
+                    continue  # closed during this turn
+                if clock() >= end:  # this user's time is up: the rest of its connections go next turn
+                    if conn.inbox:
+                        self.owed[conn] = None
+                    continue
+                self._serve(conn, mask)
+
     def _accept(self) -> None:
-        while True:
+        """Take the connections waiting in the kernel's queue, ACCEPTS_PER_TURN at most: a user whose connections
+        come back as fast as they are taken cannot keep the turn from ending (the rest wait for the next turn)."""
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 sock, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -270,6 +307,13 @@ class Service:
                 print(f"vmmshare metadata service: {answer}", file=sys.stderr, flush=True)
 
     def _serve(self, conn: _Connection, mask: int) -> None:
+        """A connection's turn: answer what its inbox holds (PER_TURN at most) or read more, and send."""
+        if conn.inbox and not conn.closing:
+            before = len(conn.inbox)
+            self._answer_inbox(conn)
+            if conn in self.owed or len(conn.inbox) != before:
+                self._flush(conn)  # it was owed answers: it reads more once they are given
+                return
         if mask & selectors.EVENT_READ and len(conn.outbox) < MAX_OUTBOX:
             try:
                 data = conn.sock.recv(1 << 16)
@@ -286,10 +330,14 @@ class Service:
         self._flush(conn)
 
     def _answer_inbox(self, conn: _Connection) -> None:
-        """Answer the whole requests in the inbox, until the answers waiting to be read reach MAX_OUTBOX (the rest
-        waits until the client has read them: one that never reads costs the service no more than that)."""
-        while not conn.closing and len(conn.outbox) < MAX_OUTBOX and self._one(conn):
-            pass
+        """Answer the whole requests in the inbox, PER_TURN at most (the connection is then owed the rest, next
+        turn) and until the answers waiting to be read reach MAX_OUTBOX (the rest waits until the client has read
+        them: one that never reads costs the service no more than that)."""
+        for _ in range(PER_TURN):
+            if conn.closing or len(conn.outbox) >= MAX_OUTBOX or not self._one(conn):
+                return
+        if conn.inbox and not conn.closing and len(conn.outbox) < MAX_OUTBOX:
+            self.owed[conn] = None
 
     def _one(self, conn: _Connection) -> bool:
         """Answer the first whole request in the inbox; False when there is none yet."""
@@ -355,7 +403,7 @@ class Service:
                 return
             del conn.outbox[:sent]
             if len(conn.outbox) < MAX_OUTBOX and conn.inbox and not conn.closing:
-                self._answer_inbox(conn)  # requests left waiting while their answers could not be queued
+                self.owed[conn] = None  # requests left waiting while their answers could not be queued: next turn
         if conn.closing and not conn.outbox:
             self._close(conn)
             return
@@ -366,6 +414,7 @@ class Service:
     def _close(self, conn: _Connection) -> None:
         if self.conns.pop(conn.sock, None) is None:
             return
+        self.owed.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()

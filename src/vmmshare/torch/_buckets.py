@@ -2,30 +2,39 @@
 
 A bucket is a `vmmshare.api.pools.MemoryPool` of one chunk (so one export, one handle) seen from torch: a header
 buffer and `versions` slot buffers carved from it, each slot holding every tensor at an aligned offset. The
-`Publisher` writes the next version into a slot no reader holds, then flips the header's `current` word to it; a
-`Subscriber` pins the current slot in its own reader record and maps it as a dict of tensor views, so it always
-sees one whole version, never a torn one.
+`Publisher` writes the next version into a slot no reader holds, then flips `current` to it; a `Subscriber` pins
+the current slot in its own reader record and maps it as a dict of tensor views, so it always sees one whole
+version, never a torn one.
 
-The header (the first 4 KiB), little-endian 64-bit words:
+Every subscriber maps the bucket writable, so nothing in it is trusted by anyone: each reader has a record of its own
+instead, a small pool the publisher makes and exports to that reader alone (the broker refuses any other importer),
+which only the publisher and that reader can write. The publisher writes there what a reader goes by (`current` and
+every slot's version word) and reads the reader's pin from there; a subscriber that scribbles on the bucket's
+header, or on its own record, can fool only itself, and can neither move another reader's pin nor make the
+publisher write into a slot another reader holds.
+
+A reader record (the first 4 KiB of its pool) and the bucket's header (its first 4 KiB, informative only), both
+little-endian 64-bit words:
 
     0   magic            8   current (version << 8 | slot; 0 before the first publish)
     16  slot count      24   slot_seq[8]: the version a slot holds, WRITING while it is being written
-    128 reader records, 24 bytes each: pid (u32) and flags (u32, the reader's), the reader's server id (u64), and the
-        pinned version (u64, written by the reader); the publisher writes pid and server
+    128 (record only) pid (u32) and flags (u32), the reader's      136 (record only) the pinned version, the reader's
 
 Ordering: a reader stores its pin, then checks that the slot still holds the version it pinned; the publisher marks
-a slot WRITING, then reads every pin. Both are store-then-load (Dekker), so they need a full fence between: the
-reader gets it for free and the publisher pays for both with membarrier(2) (the asymmetric-fence idiom), which makes
-every thread of every (registered) process pass a full barrier. Aligned 64-bit loads and stores are single-copy
-atomic on x86-64 and aarch64, the platforms vmmshare runs on.
+a slot WRITING in every record, then reads every pin. Both are store-then-load (Dekker), so they need a full fence
+between: the reader gets it for free and the publisher pays for both with membarrier(2) (the asymmetric-fence
+idiom), which makes every thread of every (registered) process pass a full barrier. Aligned 64-bit loads and stores
+are single-copy atomic on x86-64 and aarch64, the platforms vmmshare runs on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -50,10 +59,11 @@ HEADER = 4096
 MAGIC = int.from_bytes(b"vmmsbkt1", "little")
 MAX_SLOTS = 8
 SLOT_SEQ = 24
-READERS = 128
-RECORD = 24
-PINNED = 16  # where a record's pinned version lies in it
-MAX_READERS = (HEADER - READERS) // RECORD
+RECORD_BYTES = 4096  # a reader record (its pool rounds it up to the allocation granularity)
+RECORD_MAGIC = int.from_bytes(b"vmmsrec1", "little")
+READER = 128  # a record's pid (u32) and flags (u32), written by its reader
+PINNED = 136  # a record's pinned version, written by its reader
+MAX_READERS = 165
 WRITING = (1 << 64) - 1
 EXPEDITED = 1  # reader record flag: registered for MEMBARRIER_CMD_GLOBAL_EXPEDITED
 SLOT_ALIGNMENT = 4096
@@ -97,6 +107,7 @@ class BucketTicket:
     header: PoolBuffer
     slots: tuple[PoolBuffer, ...]
     entries: tuple[BucketEntry, ...]
+    records: tuple[tuple[int, int, bytes], ...] = ()  # (server id, pid, its record pickled): each imports its own
 
 
 def _layout(tensors: Mapping[str, torch.Tensor], alignment: int) -> tuple[tuple[BucketEntry, ...], int]:
@@ -163,8 +174,14 @@ class _Header:
         self._word.value = value
         runtime().copies.memcpy(self.ptr + offset, 8, ctypes.addressof(self._word), 8, ACL_MEMCPY_DEFAULT)
 
-    def record(self, index: int) -> int:
-        return READERS + index * RECORD
+
+@dataclass
+class _Record:
+    """A reader's record, as the publisher holds it: its own pool (exported to that reader alone) and its words."""
+
+    pool: MemoryPool
+    buf: PoolBuffer
+    words: _Header
 
 
 class Publisher:
@@ -204,7 +221,8 @@ class Publisher:
         for s in range(versions):
             self._h.store(SLOT_SEQ + 8 * s, 0)
         self._h.store(8, 0)
-        self._readers: dict[tuple[int, int], int] = {}  # (server id, pid) -> record index
+        self._device, self._share_type = device, share_type
+        self._readers: dict[tuple[int, int], _Record] = {}  # (server id, pid) -> its record
         self._server = runtime().config.server_id
         self._lock = threading.Lock()
         self.version = 0
@@ -212,7 +230,12 @@ class Publisher:
         self._current_slot = 0
         self._changed_at: dict[str, int] = {}  # name -> the version that last wrote it
         self._expedited = bool(mask & _CMD_GLOBAL_EXPEDITED)
-        self._add_readers(listed)
+        try:
+            self._add_readers(listed)
+        except BaseException:
+            self._close_records()
+            self.pool.close()
+            raise
 
     def __repr__(self) -> str:
         return (f"<Publisher of {len(self.entries)} tensors, {len(self._slots)} slots of {self.slot_size} bytes, "
@@ -230,12 +253,40 @@ class Publisher:
                 continue
             if len(self._readers) >= MAX_READERS:
                 raise InvalidParamError(f"a bucket has at most {MAX_READERS} subscribers")
-            index = len(self._readers)
-            rec = self._h.record(index)
-            self._h.store(rec + PINNED, 0)
-            self._h.store(rec + 8, where)
-            self._h.store(rec, pid)
-            self._readers[(where, pid)] = index
+            self._readers[(where, pid)] = self._new_record(pid, server)
+
+    def _new_record(self, pid: int, server: int | None) -> _Record:
+        """A reader's record: a pool of its own that only this publisher and that reader may import (and so
+        write), holding the words the reader goes by, as they are now."""
+        pool = MemoryPool(max_size=RECORD_BYTES, chunk_size=RECORD_BYTES, device=self._device,
+                          pids=[pid] if server is None else [], share_type=self._share_type, alignment=SLOT_ALIGNMENT)
+        try:
+            if server is not None:
+                pool.allow([pid], server)
+            buf = pool.allocate(RECORD_BYTES)
+            words = _Header(buf)
+            words.store(READER, pid)
+            words.store(PINNED, 0)
+            words.store(16, len(self._slots))
+            for s in range(len(self._slots)):
+                words.store(SLOT_SEQ + 8 * s, self._slot_versions.get(s, 0))
+            words.store(8, self.version << 8 | self._current_slot if self.version else 0)
+            words.store(0, RECORD_MAGIC)
+        except BaseException:
+            pool.close()
+            raise
+        return _Record(pool, buf, words)
+
+    def _tell(self, offset: int, value: int) -> None:
+        """Write a word every reader goes by into each reader's record (and the bucket's header, for show)."""
+        self._h.store(offset, value)
+        for record in self._readers.values():
+            record.words.store(offset, value)
+
+    def _close_records(self) -> None:
+        for record in self._readers.values():
+            with contextlib.suppress(Exception):
+                record.pool.close()
 
     def allow(self, pids: Iterable[int], server: int | None = None) -> None:
         """Let more processes (host pids) subscribe; with `server`, processes of that server (a FABRIC bucket read
@@ -248,20 +299,22 @@ class Publisher:
             self._add_readers(listed, server)
 
     def ticket(self) -> BucketTicket:
-        """What to send a subscriber (through pickle, a multiprocessing queue, ...)."""
-        return BucketTicket(self._header_buf, self._slots, self.entries)
+        """What to send a subscriber (through pickle, a multiprocessing queue, ...): it names the readers allowed
+        when it is made, each of which imports its own record (take a new ticket after `allow()`)."""
+        records = tuple((server, pid, pickle.dumps(record.buf)) for (server, pid), record in self._readers.items())
+        return BucketTicket(self._header_buf, self._slots, self.entries, records)
 
     def _fence(self) -> None:
         """A full barrier in this thread and in every thread of the subscribers (membarrier(2))."""
         expedited = self._expedited and all(
-            self._h.load(self._h.record(i)) >> 32 & EXPEDITED for i in self._readers.values())
+            r.words.load(READER) >> 32 & EXPEDITED for r in self._readers.values())
         if not _membarrier(_CMD_GLOBAL_EXPEDITED if expedited else _CMD_GLOBAL):
             err = ctypes.get_errno()
             raise FeatureNotSupportedError(f"membarrier(2) failed: {errno.errorcode.get(err, err)}")
 
     def _pins(self) -> dict[tuple[int, int], int]:
         """(server, pid) -> the version each reader has pinned (0: none)."""
-        return {key: self._h.load(self._h.record(i) + PINNED) for key, i in self._readers.items()}
+        return {key: r.words.load(PINNED) for key, r in self._readers.items()}
 
     def _importers(self) -> set[tuple[int, int]] | None:
         """The (server, pid)s that hold an import of the bucket now (the broker's word: a dead reader is not there);
@@ -288,7 +341,8 @@ class Publisher:
         seconds for readers to let go (a reader that died lets go: the broker no longer lists it as importing).
 
         The publisher goes by its own books (which slot is current, which version each holds), never by the header's
-        words, which every subscriber can write: a reader that scribbles on them can only delay a publish."""
+        words, which every subscriber can write, and reads each reader's pin from that reader's own record: a reader
+        that scribbles on the header, or on its own record, can only delay a publish."""
         current = self._current_slot if self.version else -1
         deadline = time.monotonic() + timeout
         pause = 0.0005
@@ -298,18 +352,18 @@ class Publisher:
                     continue
                 seq_at = SLOT_SEQ + 8 * s
                 held = self._slot_versions.get(s, 0)
-                self._h.store(seq_at, WRITING)
+                self._tell(seq_at, WRITING)
                 self._fence()
                 if held == 0 or held not in self._pins().values():
                     return s
-                self._h.store(seq_at, held)  # a reader holds it: leave it as it was
+                self._tell(seq_at, held)  # a reader holds it: leave it as it was
             pins = self._pins()
             live = self._importers()
             for key, v in pins.items():
                 if v and live is not None and key not in live:  # died (or let go of the bucket) holding a pin
                     log.info("bucket reader %d of server %#x is gone: its pin of version %d is dropped", key[1],
                              key[0], v)
-                    self._h.store(self._h.record(self._readers[key]) + PINNED, 0)
+                    self._readers[key].words.store(PINNED, 0)
             if time.monotonic() >= deadline:
                 holders = sorted(pid if server == self._server else f"{server:#x}:{pid}"
                                  for (server, pid), v in self._pins().items() if v)
@@ -358,7 +412,7 @@ class Publisher:
                             if at > held and name not in fresh:
                                 target[name].copy_(current[name])
             except BaseException:
-                self._h.store(SLOT_SEQ + 8 * s, 0)  # half written: no reader may take it
+                self._tell(SLOT_SEQ + 8 * s, 0)  # half written: no reader may take it
                 self._slot_versions[s] = 0
                 for name in self._index:
                     self._changed_at[name] = version  # every tensor is rewritten next time
@@ -368,8 +422,8 @@ class Publisher:
             self._fence()  # the data before the words that publish it
             self._h.store(0, MAGIC)  # rewritten each time: a subscriber may have scribbled on them
             self._h.store(16, len(self._slots))
-            self._h.store(SLOT_SEQ + 8 * s, version)
-            self._h.store(8, version << 8 | s)
+            self._tell(SLOT_SEQ + 8 * s, version)
+            self._tell(8, version << 8 | s)
             self._slot_versions[s] = version
             self._current_slot = s
             self.version = version
@@ -385,6 +439,7 @@ class Publisher:
             except BaseException:
                 self._views = [_views(s, self.entries) for s in self._slots]  # still usable, as it was
                 raise
+            self._close_records()
 
     def __enter__(self) -> Publisher:
         return self

@@ -1,9 +1,12 @@
-"""The reading side of a bucket (`_buckets.py` has its layout, header and ordering): a `Subscriber` pins the
-current version in its own reader record and sees it as a `Snapshot` of tensor views, or copies it out."""
+"""The reading side of a bucket (`_buckets.py` has its layout, records and ordering): a `Subscriber` pins the
+current version in its own reader record and sees it as a `Snapshot` of tensor views, or copies it out. It goes by
+its record alone, which only it and the publisher can write: nothing in the bucket's header, which every subscriber
+can write, is trusted."""
 
 from __future__ import annotations
 
 import math
+import pickle
 import threading
 import weakref
 from collections.abc import Iterator
@@ -11,15 +14,17 @@ from collections.abc import Iterator
 import torch
 
 from .._process import runtime
+from ..api.pool_buffers import PoolBuffer
 from ..constants import ACL_MEMCPY_DEFAULT
 from ..errors import FeatureNotSupportedError, InvalidParamError, MemoryAllocationError, NoPermissionError
 from ._buckets import (
     _CMD_REGISTER_GLOBAL_EXPEDITED,
     EXPEDITED,
-    MAGIC,
-    MAX_READERS,
     MAX_SLOTS,
     PINNED,
+    READER,
+    RECORD_BYTES,
+    RECORD_MAGIC,
     SLOT_SEQ,
     BucketEntry,
     BucketTicket,
@@ -65,27 +70,29 @@ class Subscriber:
     def __init__(self, ticket: BucketTicket) -> None:
         if not isinstance(ticket, BucketTicket):
             raise InvalidParamError(f"Subscriber takes a Publisher's ticket(), not {type(ticket).__name__}")
-        self._h = _Header(ticket.header)
-        if self._h.load(0) != MAGIC:
-            raise InvalidParamError("this memory is not a vmmshare bucket (its header has no bucket magic)")
-        nslots = self._h.load(16)
+        self._h = _Header(ticket.header)  # the bucket's header: only to refuse a closed bucket, never read for trust
+        pid, server = bare_pid(), runtime().config.server_id
+        records = ticket.records if isinstance(ticket.records, tuple) else ()
+        mine = [blob for entry in records if isinstance(entry, tuple) and len(entry) == 3
+                and entry[:2] == (server, pid) for blob in entry[2:]]
+        if not mine or not isinstance(mine[0], bytes):
+            raise NoPermissionError(f"this process (host pid {pid}) is not a subscriber of the bucket: the publisher "
+                                    f"must pass it in pids= or call allow([{pid}]), then make the ticket")
+        record = pickle.loads(mine[0])  # imports the record: the broker lets this process alone (and the publisher)
+        if not isinstance(record, PoolBuffer) or record.size < RECORD_BYTES:
+            raise InvalidParamError("the ticket's reader record is not a bucket record")
+        self._r = _Header(record)
+        if self._r.load(0) != RECORD_MAGIC or self._r.load(READER) & 0xFFFFFFFF != pid:
+            raise InvalidParamError("this memory is not a vmmshare bucket's reader record for this process")
+        nslots = self._r.load(16)
         if nslots != len(ticket.slots) or not 2 <= nslots <= MAX_SLOTS:
-            raise InvalidParamError(f"the bucket's header has {nslots} slots, the ticket {len(ticket.slots)}")
+            raise InvalidParamError(f"the bucket's record has {nslots} slots, the ticket {len(ticket.slots)}")
         self._slots = ticket.slots
         self.entries = _checked(ticket.entries, min(s.size for s in ticket.slots))
         self.remote = ticket.header.remote
-        pid, server = bare_pid(), runtime().config.server_id
-        self._record = -1
-        for i in range(MAX_READERS):
-            rec = self._h.record(i)
-            if self._h.load(rec) & 0xFFFFFFFF == pid and self._h.load(rec + 8) == server:
-                self._record = self._h.record(i)
-                break
-        if self._record < 0:
-            raise NoPermissionError(f"this process (host pid {pid}) is not a subscriber of the bucket: the publisher "
-                                    f"must pass it in pids= or call allow([{pid}])")
+        self._record_buf = record
         flags = EXPEDITED if not self.remote and _membarrier(_CMD_REGISTER_GLOBAL_EXPEDITED) else 0
-        self._h.store(self._record, pid | flags << 32)
+        self._r.store(READER, pid | flags << 32)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._pinned: Snapshot | None = None
         self._lock = threading.Lock()
@@ -93,19 +100,23 @@ class Subscriber:
     @property
     def version(self) -> int:
         """The latest version published (0: none yet)."""
-        return self._h.load(8) >> 8
+        if not self.remote:
+            self._h.load(0)  # 107000 once the bucket is closed here
+        return self._r.load(8) >> 8
 
     def _pin(self) -> tuple[int, int]:
         """Pin the current version in this reader's record: (version, slot)."""
+        if not self.remote:
+            self._h.load(0)  # 107000 once the bucket is closed here (its pages are unmapped): never a crash
         for _ in range(1000):
-            cur = self._h.load(8)
+            cur = self._r.load(8)
             if cur == 0:
                 raise InvalidParamError("nothing is published in this bucket yet")
             version, slot = cur >> 8, cur & 0xFF
             if slot >= len(self._slots):
                 raise InvalidParamError(f"the bucket's header names slot {slot} of {len(self._slots)}")
-            self._h.store(self._record + PINNED, version)
-            if self._h.load(SLOT_SEQ + 8 * slot) == version:
+            self._r.store(PINNED, version)
+            if self._r.load(SLOT_SEQ + 8 * slot) == version:
                 return version, slot
         raise MemoryAllocationError("the bucket's publisher overwrote every version this reader tried to take")
 
@@ -145,21 +156,21 @@ class Subscriber:
                         dst = out[e.name].data_ptr()
                         copies.memcpy(dst, e.nbytes, base + e.offset, e.nbytes, ACL_MEMCPY_DEFAULT)
             finally:
-                self._h.store(self._record + PINNED, 0)
+                self._r.store(PINNED, 0)
                 self._pinned = None
         return version, out
 
     def _unpin(self, snap: Snapshot) -> None:
         with self._lock:
             if self._pinned is snap:
-                self._h.store(self._record + PINNED, 0)
+                self._r.store(PINNED, 0)
                 self._pinned = None
 
     def close(self) -> None:
         """Release any snapshot and let go of the bucket (its memory goes when no tensor views it)."""
         with self._lock:
             if self._pinned is not None:
-                self._h.store(self._record + PINNED, 0)
+                self._r.store(PINNED, 0)
                 self._pinned = None
             self._views.clear()
 

@@ -55,12 +55,22 @@ static aclrtPhysicalMemProp device_prop(void)
     return p;
 }
 
+/* This process's open fds, but for what the waiters' watcher keeps on purpose for later waits (its eventfd and the
+ * pidfds of producers it has watched). */
 static int fd_count(void)
 {
     int n = 0;
     DIR *d = opendir("/proc/self/fd");
-    while (d != NULL && readdir(d) != NULL)
-        n++;
+    struct dirent *e;
+    while (d != NULL && (e = readdir(d)) != NULL) {
+        char path[300], target[64] = "";
+        snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+        ssize_t k = readlink(path, target, sizeof target - 1);
+        if (k > 0)
+            target[k] = '\0';
+        if (strcmp(target, "anon_inode:[pidfd]") != 0 && strcmp(target, "anon_inode:[eventfd]") != 0)
+            n++;
+    }
     if (d != NULL)
         closedir(d);
     return n;
@@ -259,8 +269,7 @@ static void bad_arguments(void)
     EXPECT(aclrtSynchronizeStream((aclrtStream)0x999), ACL_ERROR_RT_INVALID_HANDLE);
 
     /* the unsupported calls exist and say so */
-    aclrtEvent ev;
-    EXPECT(aclrtCreateEvent(&ev), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    EXPECT(aclrtResetEvent(NULL, NULL), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
     TRUE(fd_count() == fds); /* nothing leaked on the way */
 }
 
@@ -307,6 +316,63 @@ static void copies_and_streams(void)
     TRUE(flags == ACL_RT_MEM_ACCESS_FLAGS_READ);
     EXPECT(aclrtMemset(p, MIB2, 1, 16), ACL_ERROR_RT_PARAM_INVALID); /* read-only now */
     EXPECT(aclrtReleaseMemAddress(p), ACL_ERROR_RT_PARAM_INVALID);  /* still mapped */
+    unmap_free(p, h);
+}
+
+/* ---------------------------------------------------------------- events and notifies across a fork */
+
+/* The parent writes, then records an IPC event on a stream held by a local notify's wait; the child, which opened
+ * the event by its handle, waits and then sees the write; the parent's other stream releases the held one. */
+static void events_and_notifies(void)
+{
+    aclrtDrvMemHandle h;
+    unsigned char *p = alloc_mapped(&h, 0);
+    aclrtEvent ev;
+    EXPECT(aclrtCreateEventExWithFlag(&ev, ACL_EVENT_IPC), 0);
+    aclrtIpcEventHandle handle;
+    EXPECT(aclrtIpcGetEventHandle(ev, &handle), 0);
+    aclrtStream held, other;
+    EXPECT(aclrtCreateStream(&held), 0);
+    EXPECT(aclrtCreateStream(&other), 0);
+    aclrtNotify gate;
+    EXPECT(aclrtCreateNotify(&gate, 0), 0);
+    EXPECT(aclrtWaitAndResetNotify(gate, held, 0), 0); /* work on `held` waits from here */
+    int go[2];
+    TRUE(pipe(go) == 0);
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        aclrtEvent mine;
+        char c;
+        int rc = aclrtSetDevice(0) || aclrtIpcOpenEventHandle(handle, &mine) ? 2 : 0;
+        if (rc == 0 && read(go[0], &c, 1) != 1)
+            rc = 3;
+        if (rc == 0 && aclrtSynchronizeEventWithTimeout(mine, 30000) != 0)
+            rc = 4;
+        if (rc == 0 && p[100] != 0x5C) /* (the child's copy of the parent's mapping: the same memory) */
+            rc = 5;
+        if (rc == 0 && aclrtDestroyEvent(mine) != 0)
+            rc = 6;
+        _exit(rc);
+    }
+    memset(p, 0x5C, 4096);
+    EXPECT(aclrtRecordEvent(ev, held), 0);
+    aclrtEventRecordedStatus status;
+    EXPECT(aclrtQueryEventStatus(ev, &status), 0);
+    TRUE(status == ACL_EVENT_RECORDED_STATUS_NOT_READY); /* the stream has not got there */
+    TRUE(write(go[1], "g", 1) == 1);
+    EXPECT(aclrtRecordNotify(gate, other), 0); /* releases `held`: the record completes */
+    EXPECT(aclrtSynchronizeEvent(ev), 0);
+    int st = -1;
+    waitpid(child, &st, 0);
+    TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    EXPECT(aclrtSynchronizeStream(held), 0);
+    EXPECT(aclrtDestroyStream(held), 0);
+    EXPECT(aclrtDestroyStream(other), 0);
+    EXPECT(aclrtDestroyNotify(gate), 0);
+    EXPECT(aclrtDestroyEvent(ev), 0);
+    EXPECT(aclrtDestroyEvent(ev), ACL_ERROR_RT_INVALID_HANDLE);
+    close(go[0]), close(go[1]);
     unmap_free(p, h);
 }
 
@@ -391,6 +457,7 @@ int main(void)
     bad_arguments();
     copies_and_streams();
     forked_child();
+    events_and_notifies();
     eight_threads();
     TRUE(fd_count() == fds);
     EXPECT(aclrtResetDevice(0), 0);

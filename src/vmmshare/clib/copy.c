@@ -293,15 +293,32 @@ VS_API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t
     return do_memset(&err, devPtr, maxCount, value, count) ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 
-/* Work queued on a stream runs now, in order; a failure is kept for the stream's synchronize, and work queued
- * behind it does not run until then. */
-static void run_on(vs_stream *s, aclError rc, const vs_err *err, const char *what)
+/* A copy or fill queued on a stream: checked when queued, checked again and done when its turn comes (memory
+ * unmapped meanwhile fails then, reported by the stream's synchronize). */
+typedef struct copy_task {
+    bool fill;
+    void *dst;
+    size_t max;
+    const void *src;
+    size_t count;
+    int kind;
+    int32_t value;
+} copy_task;
+
+static aclError run_copy(void *arg, vs_err *err)
 {
-    if (rc && !s->failed) {
-        s->failed = rc;
-        snprintf(s->message, sizeof s->message, "%s on stream %#llx failed: %.400s", what,
-                 (unsigned long long)s->handle, err->message);
-    }
+    copy_task *t = arg;
+    return t->fill ? do_memset(err, t->dst, t->max, t->value, t->count)
+                   : vs_memcpy(err, t->dst, t->max, t->src, t->count, t->kind);
+}
+
+static aclError queue_copy(vs_err *err, vs_stream *s, const char *what, copy_task *t)
+{
+    copy_task *mine = malloc(sizeof *mine);
+    if (mine == NULL)
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory");
+    *mine = *t;
+    return vs_stream_do(err, s, what, run_copy, free, mine);
 }
 
 VS_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
@@ -319,9 +336,9 @@ VS_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, siz
     vs_lock();
     vs_stream *s = vs_stream_of(&err, (uintptr_t)stream, true);
     aclError rc = s == NULL ? err.code : plan_copy(&err, (uintptr_t)dst, (uintptr_t)src, count, (int)kind);
-    if (rc == ACL_SUCCESS && !s->failed) {
-        vs_err ran;
-        run_on(s, vs_memcpy(&ran, dst, destMax, src, count, (int)kind), &ran, "aclrtMemcpyAsync");
+    if (rc == ACL_SUCCESS) {
+        copy_task t = {false, dst, destMax, src, count, (int)kind, 0};
+        rc = queue_copy(&err, s, call, &t);
     }
     vs_unlock();
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
@@ -340,9 +357,9 @@ VS_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, s
     int sides = 0;
     vs_stream *s = vs_stream_of(&err, (uintptr_t)stream, true);
     aclError rc = s == NULL ? err.code : check_range(&err, (uintptr_t)devPtr, count, true, "devPtr", &sides);
-    if (rc == ACL_SUCCESS && !s->failed) {
-        vs_err ran;
-        run_on(s, do_memset(&ran, devPtr, maxCount, value, count), &ran, "aclrtMemsetAsync");
+    if (rc == ACL_SUCCESS) {
+        copy_task t = {true, devPtr, maxCount, NULL, count, 0, value};
+        rc = queue_copy(&err, s, call, &t);
     }
     vs_unlock();
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;

@@ -8,7 +8,9 @@
  * order, so it is done by the time aclrtSynchronizeStream returns, which reports the first failure since the last
  * synchronize (and work queued behind a failure does not run until then).
  */
+#include <errno.h>
 #include <stdio.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -106,14 +108,15 @@ static vs_context *default_context(int device)
     return NULL;
 }
 
-/* Drop a context and its streams. */
-static void forget_context(vs_context *ctx)
+/* Drop a context and its streams from the tables (the lock held); the streams go into `gone`, to be closed once the
+ * lock is let go (their work may need it). */
+static void forget_context(vs_context *ctx, vs_vec *gone)
 {
     for (size_t i = 0; i < vs_rt.streams.count;) {
         vs_stream *s = VS_AT(vs_rt.streams, vs_stream *, i);
         if (s->context == ctx->handle) {
             vs_vec_remove(&vs_rt.streams, i);
-            free(s);
+            *(vs_stream **)vs_vec_push(gone, sizeof(vs_stream *)) = s;
         } else {
             i++;
         }
@@ -123,8 +126,16 @@ static void forget_context(vs_context *ctx)
             vs_vec_remove(&vs_rt.contexts, i);
             break;
         }
-    free(ctx->stream);
+    if (ctx->stream != NULL)
+        *(vs_stream **)vs_vec_push(gone, sizeof(vs_stream *)) = ctx->stream;
     free(ctx);
+}
+
+static void close_all(vs_vec *gone)
+{
+    for (size_t i = 0; i < gone->count; i++)
+        vs_stream_close(VS_AT(*gone, vs_stream *, i), false);
+    free(gone->items);
 }
 
 VS_API aclError aclrtSetDevice(int32_t deviceId)
@@ -150,15 +161,17 @@ static aclError reset(int32_t deviceId, bool force, const char *call)
     START(call);
     if (vs_device_id(&err, deviceId))
         return vs_raise(&err, call);
+    vs_vec gone = {NULL, 0, 0, sizeof(vs_stream *)};
     vs_lock();
     int refs = force ? 0 : vs_rt.device_refs[deviceId] - 1;
     vs_rt.device_refs[deviceId] = refs < 0 ? 0 : refs;
     if (vs_rt.device_refs[deviceId] == 0) {
         vs_context *c = default_context(deviceId);
         if (c != NULL)
-            forget_context(c);
+            forget_context(c, &gone);
     }
     vs_unlock();
+    close_all(&gone);
     return ACL_SUCCESS;
 }
 
@@ -228,6 +241,7 @@ VS_API aclError aclrtDestroyContext(aclrtContext context)
     if (context == NULL)
         return vs_fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyContext", "context is NULL");
     uint64_t h = (uintptr_t)context;
+    vs_vec gone = {NULL, 0, 0, sizeof(vs_stream *)};
     vs_lock();
     vs_context *c = context_of(h);
     aclError rc = ACL_SUCCESS;
@@ -239,8 +253,9 @@ VS_API aclError aclrtDestroyContext(aclrtContext context)
                      "context %#llx is device %d's default context: aclrtResetDevice releases it, "
                      "aclrtDestroyContext only those aclrtCreateContext made", (unsigned long long)h, c->device);
     else
-        forget_context(c);
+        forget_context(c, &gone);
     vs_unlock();
+    close_all(&gone);
     return rc;
 }
 
@@ -277,6 +292,172 @@ VS_API aclError aclrtGetCurrentContext(aclrtContext *context)
     return ACL_SUCCESS;
 }
 
+/* ---------------------------------------------------------------- streams: the worker */
+
+vs_stream *vs_stream_new(uint64_t handle, uint64_t context, int device)
+{
+    vs_stream *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return NULL;
+    s->handle = handle;
+    s->context = context;
+    s->device = device;
+    pthread_mutex_init(&s->m, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    return s;
+}
+
+static void record_failure(vs_stream *s, aclError rc, const char *what, const vs_err *err)
+{
+    if (rc && !s->failed) {
+        s->failed = rc;
+        snprintf(s->message, sizeof s->message, "%s on stream %#llx failed: %.400s", what,
+                 (unsigned long long)s->handle, err->message);
+    }
+}
+
+static void *worker(void *arg)
+{
+    vs_stream *s = arg;
+    pthread_mutex_lock(&s->m);
+    for (;;) {
+        while (s->head == NULL && !s->closed)
+            pthread_cond_wait(&s->cv, &s->m);
+        vs_task *t = s->head;
+        if (t == NULL)
+            break;
+        s->head = t->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        s->running = true;
+        bool skip = s->failed && !t->always;
+        pthread_mutex_unlock(&s->m);
+        vs_err err;
+        aclError rc = skip ? 0 : t->run(t->arg, &err);
+        if (t->drop != NULL)
+            t->drop(t->arg);
+        pthread_mutex_lock(&s->m);
+        s->running = false;
+        record_failure(s, rc, t->what, &err);
+        s->skipped += skip;
+        free(t);
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->m);
+    return NULL;
+}
+
+aclError vs_stream_submit(vs_err *err, vs_stream *s, const char *what, aclError (*run)(void *, vs_err *),
+                          void (*drop)(void *), void *arg, bool always)
+{
+    vs_task *t = calloc(1, sizeof *t);
+    if (t == NULL) {
+        if (drop != NULL)
+            drop(arg);
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory");
+    }
+    t->run = run;
+    t->drop = drop;
+    t->arg = arg;
+    t->what = what;
+    t->always = always;
+    pthread_mutex_lock(&s->m);
+    if (!s->has_thread) {
+        if (pthread_create(&s->thread, NULL, worker, s) != 0) {
+            pthread_mutex_unlock(&s->m);
+            free(t);
+            if (drop != NULL)
+                drop(arg);
+            return vs_set(err, ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, "cannot start the stream's worker thread");
+        }
+        s->has_thread = true;
+    }
+    if (s->tail != NULL)
+        s->tail->next = t;
+    else
+        s->head = t;
+    s->tail = t;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->m);
+    return ACL_SUCCESS;
+}
+
+aclError vs_stream_run_or_submit(vs_err *err, vs_stream *s, const char *what, aclError (*run)(void *, vs_err *),
+                                 void (*drop)(void *), void *arg)
+{
+    pthread_mutex_lock(&s->m);
+    if (s->head == NULL && !s->running) { /* the stream is here: nothing queued later can pass it */
+        vs_err ran;
+        aclError rc = run(arg, &ran);
+        if (drop != NULL)
+            drop(arg);
+        record_failure(s, rc, what, &ran);
+        pthread_mutex_unlock(&s->m);
+        return ACL_SUCCESS;
+    }
+    pthread_mutex_unlock(&s->m);
+    return vs_stream_submit(err, s, what, run, drop, arg, true);
+}
+
+aclError vs_stream_do(vs_err *err, vs_stream *s, const char *what, aclError (*run)(void *, vs_err *),
+                      void (*drop)(void *), void *arg)
+{
+    pthread_mutex_lock(&s->m);
+    if (s->head == NULL && !s->running) { /* nothing ahead of it: it runs now, in the caller's thread */
+        if (s->failed) {
+            s->skipped++;
+        } else {
+            vs_err ran;
+            record_failure(s, run(arg, &ran), what, &ran);
+        }
+        if (drop != NULL)
+            drop(arg);
+        pthread_mutex_unlock(&s->m);
+        return ACL_SUCCESS;
+    }
+    pthread_mutex_unlock(&s->m);
+    return vs_stream_submit(err, s, what, run, drop, arg, false);
+}
+
+bool vs_stream_idle(vs_stream *s)
+{
+    pthread_mutex_lock(&s->m);
+    bool idle = s->head == NULL && !s->running;
+    pthread_mutex_unlock(&s->m);
+    return idle;
+}
+
+/* Stop a stream no table names any more (called without the runtime's lock: its tasks may take it). */
+void vs_stream_close(vs_stream *s, bool force)
+{
+    if (s == NULL)
+        return;
+    pthread_mutex_lock(&s->m);
+    if (force) {
+        s->aborted = true;
+        while (s->head != NULL) {
+            vs_task *t = s->head;
+            s->head = t->next;
+            if (t->drop != NULL)
+                t->drop(t->arg);
+            free(t);
+        }
+        s->tail = NULL;
+    }
+    s->closed = true;
+    pthread_cond_broadcast(&s->cv);
+    void *waiting = force ? s->waiting : NULL;
+    bool joined = s->has_thread;
+    pthread_mutex_unlock(&s->m);
+    if (waiting != NULL)
+        vs_sync_kick(waiting); /* a task blocked in a wait gives up, so the thread ends */
+    if (joined && !pthread_equal(s->thread, pthread_self()))
+        pthread_join(s->thread, NULL);
+    pthread_mutex_destroy(&s->m);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
 /* ---------------------------------------------------------------- streams */
 
 /* The live stream `stream` (0: the current context's default stream); with `here`, it must belong to the
@@ -291,13 +472,11 @@ vs_stream *vs_stream_of(vs_err *err, uint64_t stream, bool here)
             return NULL;
         }
         if (cur->stream == NULL) {
-            cur->stream = calloc(1, sizeof(vs_stream));
+            cur->stream = vs_stream_new(0, cur->handle, cur->device);
             if (cur->stream == NULL) {
                 vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory");
                 return NULL;
             }
-            cur->stream->context = cur->handle;
-            cur->stream->device = cur->device;
         }
         return cur->stream;
     }
@@ -326,13 +505,9 @@ VS_API aclError aclrtCreateStream(aclrtStream *stream)
         return vs_fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateStream", "stream is NULL");
     vs_lock();
     vs_context *c = current_context();
-    vs_stream *s = c != NULL ? calloc(1, sizeof *s) : NULL;
-    if (s != NULL) {
-        s->handle = 0x57000000ULL + vs_rt.next_id++;
-        s->context = c->handle;
-        s->device = c->device;
+    vs_stream *s = c != NULL ? vs_stream_new(0x57000000ULL + vs_rt.next_id++, c->handle, c->device) : NULL;
+    if (s != NULL)
         *(vs_stream **)vs_vec_push(&vs_rt.streams, sizeof(vs_stream *)) = s;
-    }
     vs_unlock();
     if (c == NULL)
         return vs_fail(ACL_ERROR_RT_CONTEXT_NULL, "aclrtCreateStream",
@@ -343,7 +518,9 @@ VS_API aclError aclrtCreateStream(aclrtStream *stream)
     return ACL_SUCCESS;
 }
 
-static aclError destroy_stream(aclrtStream stream, const char *call)
+/* Destroy a stream once its queued work has run (`force`: dropping what has not started, and waking a task blocked
+ * in a wait, which then fails). */
+static aclError destroy_stream(aclrtStream stream, bool force, const char *call)
 {
     START(call);
     if (stream == NULL)
@@ -354,46 +531,80 @@ static aclError destroy_stream(aclrtStream stream, const char *call)
         for (size_t i = 0; i < vs_rt.streams.count; i++)
             if (VS_AT(vs_rt.streams, vs_stream *, i) == s) {
                 vs_vec_remove(&vs_rt.streams, i);
-                free(s);
                 break;
             }
     vs_unlock();
-    return s == NULL ? vs_raise(&err, call) : ACL_SUCCESS;
+    if (s == NULL)
+        return vs_raise(&err, call);
+    vs_stream_close(s, force);
+    return ACL_SUCCESS;
 }
 
 VS_API aclError aclrtDestroyStream(aclrtStream stream)
 {
-    return destroy_stream(stream, "aclrtDestroyStream");
+    return destroy_stream(stream, false, "aclrtDestroyStream");
 }
 
 VS_API aclError aclrtDestroyStreamForce(aclrtStream stream)
 {
-    return destroy_stream(stream, "aclrtDestroyStreamForce");
+    return destroy_stream(stream, true, "aclrtDestroyStreamForce");
 }
 
-/* Report (and clear) the first failure of work queued on `s` since the last synchronize. */
-static aclError report(vs_stream *s, const char *call)
+/* Wait until the stream's queued work has run (at most `timeout_ms`, -1: no limit), then report (and clear) the
+ * first failure since the last synchronize. Called without the runtime's lock (the work may need it). */
+static aclError report(vs_stream *s, int32_t timeout_ms, const char *call)
 {
-    if (!s->failed)
-        return ACL_SUCCESS;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    if (timeout_ms > 0) {
+        deadline.tv_sec += timeout_ms / 1000;
+        deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&s->m);
+    while (s->head != NULL || s->running) {
+        if (timeout_ms > 0) {
+            if (pthread_cond_timedwait(&s->cv, &s->m, &deadline) == ETIMEDOUT && (s->head != NULL || s->running)) {
+                int left = s->running;
+                for (vs_task *t = s->head; t != NULL; t = t->next)
+                    left++;
+                pthread_mutex_unlock(&s->m);
+                return vs_fail(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, call, "stream %#llx still has %d task(s) after "
+                               "%d ms", (unsigned long long)s->handle, left, timeout_ms);
+            }
+        } else {
+            pthread_cond_wait(&s->cv, &s->m);
+        }
+    }
     aclError code = s->failed;
+    int skipped = s->skipped;
+    char message[512];
+    snprintf(message, sizeof message, "%s", s->message);
     s->failed = 0;
-    return vs_fail(code, call, "%s", s->message);
+    s->skipped = 0;
+    pthread_mutex_unlock(&s->m);
+    if (!code)
+        return ACL_SUCCESS;
+    if (skipped)
+        return vs_fail(code, call, "%s; %d task(s) queued after it did not run", message, skipped);
+    return vs_fail(code, call, "%s", message);
 }
 
-static aclError sync_stream(aclrtStream stream, const char *call)
+static aclError sync_stream(aclrtStream stream, int32_t timeout_ms, const char *call)
 {
     START(call);
     vs_lock();
     vs_stream *s = vs_stream_of(&err, (uintptr_t)stream, false);
-    aclError rc = s == NULL ? vs_raise(&err, call) : report(s, call);
     vs_unlock();
-    return rc;
+    return s == NULL ? vs_raise(&err, call) : report(s, timeout_ms, call);
 }
 
 VS_API aclError aclrtSynchronizeStream(aclrtStream stream)
 {
-    return sync_stream(stream, "aclrtSynchronizeStream");
+    return sync_stream(stream, -1, "aclrtSynchronizeStream");
 }
 
 static aclError check_timeout(int32_t timeout, const char *call)
@@ -407,7 +618,7 @@ static aclError check_timeout(int32_t timeout, const char *call)
 VS_API aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)
 {
     aclError bad = check_timeout(timeout, "aclrtSynchronizeStreamWithTimeout");
-    return bad ? bad : sync_stream(stream, "aclrtSynchronizeStreamWithTimeout");
+    return bad ? bad : sync_stream(stream, timeout, "aclrtSynchronizeStreamWithTimeout");
 }
 
 VS_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
@@ -417,48 +628,49 @@ VS_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
         return vs_fail(ACL_ERROR_INVALID_PARAM, "aclrtStreamQuery", "status is NULL");
     vs_lock();
     vs_stream *s = vs_stream_of(&err, (uintptr_t)stream, false);
+    if (s != NULL)
+        *status = vs_stream_idle(s) ? ACL_STREAM_STATUS_COMPLETE : ACL_STREAM_STATUS_NOT_READY;
     vs_unlock();
-    if (s == NULL)
-        return vs_raise(&err, "aclrtStreamQuery");
-    *status = ACL_STREAM_STATUS_COMPLETE; /* queued work has run by the time the call that queued it returned */
-    return ACL_SUCCESS;
+    return s == NULL ? vs_raise(&err, "aclrtStreamQuery") : ACL_SUCCESS;
 }
 
-static aclError sync_device(const char *call)
+static aclError sync_device(int32_t timeout_ms, const char *call)
 {
     START(call);
     int device = 0;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
+    vs_vec mine = {NULL, 0, 0, sizeof(vs_stream *)};
     vs_lock();
-    aclError rc = ACL_SUCCESS;
     for (size_t i = 0; i < vs_rt.streams.count; i++) {
         vs_stream *s = VS_AT(vs_rt.streams, vs_stream *, i);
-        if (s->device == device && s->failed) {
-            aclError got = report(s, call);
-            rc = rc ? rc : got;
-        }
+        if (s->device == device)
+            *(vs_stream **)vs_vec_push(&mine, sizeof(vs_stream *)) = s;
     }
     for (size_t i = 0; i < vs_rt.contexts.count; i++) {
         vs_context *c = VS_AT(vs_rt.contexts, vs_context *, i);
-        if (c->device == device && c->stream != NULL && c->stream->failed) {
-            aclError got = report(c->stream, call);
-            rc = rc ? rc : got;
-        }
+        if (c->device == device && c->stream != NULL)
+            *(vs_stream **)vs_vec_push(&mine, sizeof(vs_stream *)) = c->stream;
     }
     vs_unlock();
+    aclError rc = ACL_SUCCESS; /* every stream is waited for; the first failure is the one reported */
+    for (size_t i = 0; i < mine.count; i++) {
+        aclError got = report(VS_AT(mine, vs_stream *, i), timeout_ms, call);
+        rc = rc ? rc : got;
+    }
+    free(mine.items);
     return rc;
 }
 
 VS_API aclError aclrtSynchronizeDevice(void)
 {
-    return sync_device("aclrtSynchronizeDevice");
+    return sync_device(-1, "aclrtSynchronizeDevice");
 }
 
 VS_API aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout)
 {
     aclError bad = check_timeout(timeout, "aclrtSynchronizeDeviceWithTimeout");
-    return bad ? bad : sync_device("aclrtSynchronizeDeviceWithTimeout");
+    return bad ? bad : sync_device(timeout, "aclrtSynchronizeDeviceWithTimeout");
 }
 
 /* ---------------------------------------------------------------- peers */

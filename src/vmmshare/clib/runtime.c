@@ -428,6 +428,7 @@ static void after_fork_child(void)
     vs_rt.registered.count = 0;
     vs_rt.ipc_exports.count = vs_rt.ipc_imports.count = vs_rt.ipc_attrs.count = 0;
     vs_devices_after_fork();
+    vs_sync_after_fork();
     vs_node_after_fork();
 }
 

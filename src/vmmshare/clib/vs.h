@@ -106,12 +106,35 @@ typedef struct vs_ipc_import {
     int count;
 } vs_ipc_import;
 
+/* An error a helper returns to its caller, which adds the call's name (vs_raise). */
+typedef struct vs_err {
+    aclError code;
+    char message[640];
+} vs_err;
+
+/* Work queued on a stream: run by its worker thread in order (a failure is kept for synchronize). */
+typedef struct vs_task {
+    aclError (*run)(void *arg, vs_err *err); /* 0 or a code (its message in err) */
+    void (*drop)(void *arg);                 /* frees `arg` (after run, or instead of it when dropped) */
+    void *arg;
+    const char *what;
+    bool always;             /* runs even behind a failure (a record: waiters elsewhere wait for it) */
+    struct vs_task *next;
+} vs_task;
+
 typedef struct vs_stream {
     uint64_t handle;
     uint64_t context;
     int device;
+    pthread_mutex_t m;       /* over everything below */
+    pthread_cond_t cv;
+    vs_task *head, *tail;
+    bool running, closed, aborted, has_thread;
+    pthread_t thread;
     int failed;              /* the first failure of work queued on it, reported by synchronize */
+    int skipped;             /* tasks queued behind it that did not run */
     char message[512];
+    void *waiting;           /* the sync page a task of it is blocked on (kicked by a forced destroy) */
 } vs_stream;
 
 typedef struct vs_context {
@@ -170,11 +193,6 @@ extern vs_runtime vs_rt;
 
 /* Record `code` and a message ("<call>: <text>") for this thread; returns `code`. */
 aclError vs_fail(aclError code, const char *call, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-/* An error a helper returns to its caller, which adds the call's name (vs_raise). */
-typedef struct vs_err {
-    aclError code;
-    char message[640];
-} vs_err;
 aclError vs_set(vs_err *err, aclError code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 aclError vs_raise(const vs_err *err, const char *call);
 
@@ -240,6 +258,21 @@ aclError vs_current_device(vs_err *err, int *device);   /* 107002 without a curr
 aclError vs_device_id(vs_err *err, int64_t device);     /* 107001 for a device this process does not see */
 int vs_logical(int device);                             /* the node's number for a user device id */
 vs_stream *vs_stream_of(vs_err *err, uint64_t stream, bool here);
+vs_stream *vs_stream_new(uint64_t handle, uint64_t context, int device);
+/* Queue a task (the lock held, so the stream is live); `arg` is the task's (dropped on failure to queue). */
+aclError vs_stream_submit(vs_err *err, vs_stream *s, const char *what, aclError (*run)(void *, vs_err *),
+                          void (*drop)(void *), void *arg, bool always);
+/* Run a short task now if the stream is idle (it has reached this point), else queue it to run even behind a
+ * failure: an event's or a notify's record. */
+aclError vs_stream_run_or_submit(vs_err *err, vs_stream *s, const char *what, aclError (*run)(void *, vs_err *),
+                                 void (*drop)(void *), void *arg);
+/* Run ordinary work now if the stream is idle (skipped behind a failure), else queue it. */
+aclError vs_stream_do(vs_err *err, vs_stream *s, const char *what, aclError (*run)(void *, vs_err *),
+                      void (*drop)(void *), void *arg);
+bool vs_stream_idle(vs_stream *s);
+void vs_stream_close(vs_stream *s, bool force); /* wait for (or, forced, drop) its work; end its thread; free it */
+void vs_sync_kick(void *page);                  /* sync.c: wake every waiter of a page to look again */
+void vs_sync_after_fork(void);
 void vs_devices_after_fork(void);
 
 /* ---------------------------------------------------------------- broker.c (the node) */

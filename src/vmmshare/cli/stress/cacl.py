@@ -38,6 +38,10 @@ class ServerPid(C.Structure):
     _fields_ = [("sdid", C.c_uint32), ("pid", C.POINTER(C.c_int32)), ("num", C.c_size_t)]
 
 
+class IpcEventHandle(C.Structure):
+    _fields_ = [("reserved", C.c_char * 64)]
+
+
 class BadArgument(Exception):
     """A Python value that does not fit the C argument (the binding's own refusal)."""
 
@@ -680,6 +684,93 @@ class _Calls:
     def host_get_device_pointer(p: object, flag: object) -> Any:
         out = C.c_void_p()
         return [C.c_void_p(_ptr("pHost", p)), C.byref(out), _u32("flag", flag)], (0,), lambda: (out.value or 0,)
+
+    # ------------------------------------------------------------ events and notifies
+
+    @_register((0,))
+    def create_event() -> Any:
+        out = C.c_void_p()
+        return [C.byref(out)], (0,), lambda: (out.value or 0,)
+
+    @_register((0,))
+    def create_event_with_flag(flag: object) -> Any:
+        out = C.c_void_p()
+        return [C.byref(out), _u32("flag", flag)], (0,), lambda: (out.value or 0,)
+
+    @_register((0,))
+    def create_event_ex_with_flag(flag: object) -> Any:
+        return _Calls.create_event_with_flag(flag)
+
+    @_register(())
+    def destroy_event(e: object) -> Any:
+        return _none(C.c_void_p(_ptr("event", e)))
+
+    @_register(())
+    def record_event(e: object, s: object) -> Any:
+        return _none(C.c_void_p(_ptr("event", e)), C.c_void_p(_ptr("stream", s)))
+
+    @_register((0,))
+    def query_event_status(e: object) -> Any:
+        out = C.c_int()
+        return [C.c_void_p(_ptr("event", e)), C.byref(out)], (0,), lambda: (out.value,)
+
+    @_register(())
+    def synchronize_event(e: object) -> Any:
+        return _none(C.c_void_p(_ptr("event", e)))
+
+    @_register(())
+    def synchronize_event_with_timeout(e: object, t: object) -> Any:
+        return _none(C.c_void_p(_ptr("event", e)), _i32("timeout", t))
+
+    @_register(())
+    def stream_wait_event(s: object, e: object) -> Any:
+        return _none(C.c_void_p(_ptr("stream", s)), C.c_void_p(_ptr("event", e)))
+
+    @_register((None,))
+    def ipc_get_event_handle(e: object) -> Any:
+        buf = C.create_string_buffer(64)
+        return [C.c_void_p(_ptr("event", e)), buf], (None,), lambda: (buf.raw,)
+
+    @_register((0,))
+    def ipc_open_event_handle(handle: object) -> Any:
+        if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+            raise BadArgument("handle must be the 64 bytes of an aclrtIpcEventHandle")
+        out = C.c_void_p()
+        return [IpcEventHandle.from_buffer_copy(bytes(handle)), C.byref(out)], (0,), lambda: (out.value or 0,)
+
+    @_register((0,))
+    def create_notify(flag: object) -> Any:
+        out = C.c_void_p()
+        return [C.byref(out), C.c_uint64(_u64("flag", flag))], (0,), lambda: (out.value or 0,)
+
+    @_register(())
+    def destroy_notify(n: object) -> Any:
+        return _none(C.c_void_p(_ptr("notify", n)))
+
+    @_register(())
+    def record_notify(n: object, s: object) -> Any:
+        return _none(C.c_void_p(_ptr("notify", n)), C.c_void_p(_ptr("stream", s)))
+
+    @_register(())
+    def wait_and_reset_notify(n: object, s: object, timeout: object) -> Any:
+        return _none(C.c_void_p(_ptr("notify", n)), C.c_void_p(_ptr("stream", s)), _u32("timeout", timeout))
+
+    @_register(("",))
+    def notify_get_export_key(n: object, key_len: object, flags: object) -> Any:
+        length = _u64("len", key_len)
+        buf = C.create_string_buffer(max(1, min(length, 1024)))
+        return ([C.c_void_p(_ptr("notify", n)), buf, C.c_size_t(length), C.c_uint64(_u64("flags", flags))], ("",),
+                lambda: (buf.value.decode(),))
+
+    @_register(())
+    def notify_set_import_pid(n: object, pids: object) -> Any:
+        array, count = _pids("pid_list", pids)
+        return _none(C.c_void_p(_ptr("notify", n)), array, C.c_size_t(count))
+
+    @_register((0,))
+    def notify_import_by_key(key: object, flags: object) -> Any:
+        out = C.c_void_p()
+        return [C.byref(out), _text("key", key), C.c_uint64(_u64("flags", flags))], (0,), lambda: (out.value or 0,)
 
     @_register((None,))
     def pointer_get_attributes(p: object) -> Any:

@@ -23,6 +23,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
@@ -45,7 +46,7 @@ for _var in ("VMMSHARE_DEVICE_MEMORY", "VMMSHARE_PREPOPULATE", "VMMSHARE_BACKEND
 
 import vmmshare.acl as _acl  # noqa: E402
 from cacl import c_name  # noqa: E402
-from procs import start_zygote, stop_zygote, zygote_for  # noqa: E402
+from procs import Actor, BrokerProc, start_zygote, stop_zygote, zygote_for  # noqa: E402
 from vmmshare._process import runtime  # noqa: E402
 from vmmshare.errors import set_recent_error  # noqa: E402
 
@@ -650,3 +651,32 @@ def as_nobody() -> list[str]:
     require(prefix is not None, why)
     assert prefix is not None
     return prefix
+
+
+class Node:
+    """A broker of its own, and actors on it on either surface (vmmshare.acl, or the C library through `cacl`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.broker = BrokerProc(folder)
+        self.made: list[Actor] = []
+
+    def actor(self, surface: str) -> Actor:
+        a = Actor({**self.broker.env, "VMMSHARE_ACTOR_SURFACE": surface})
+        self.made.append(a)
+        return a
+
+    def ls(self) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "-m", "vmmshare", "ls", "--json"], capture_output=True, text=True,
+                             env=self.broker.env, check=True).stdout
+        return dict(json.loads(out))
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    try:
+        yield n
+    finally:
+        for a in n.made:
+            a.kill()
+        n.broker.kill()

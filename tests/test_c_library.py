@@ -22,11 +22,11 @@ import threading
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2, clean_env, fails, ok
+from conftest import Node
+from procs import PROP, Actor, MiB2, clean_env, fails, ok
 from vmmshare import constants as C
 from vmmshare.acl import _unsupported
 from vmmshare.sdk import LIBRARIES, ROOT, arch_folder
@@ -407,35 +407,6 @@ def test_a_lying_broker_gets_an_error_and_a_message_never_a_crash_a_hang_or_a_le
 
 
 # ---------------------------------------------------------------- C and Python on one broker
-
-
-class Node:
-    """A broker of its own, and actors on it on either surface."""
-
-    def __init__(self, folder: Path) -> None:
-        self.broker = BrokerProc(folder)
-        self.made: list[Actor] = []
-
-    def actor(self, surface: str) -> Actor:
-        a = Actor({**self.broker.env, "VMMSHARE_ACTOR_SURFACE": surface})
-        self.made.append(a)
-        return a
-
-    def ls(self) -> dict[str, Any]:
-        out = subprocess.run([sys.executable, "-m", "vmmshare", "ls", "--json"], capture_output=True, text=True,
-                             env=self.broker.env, check=True).stdout
-        return dict(json.loads(out))
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        for a in n.made:
-            a.kill()
-        n.broker.kill()
 
 
 @pytest.mark.parametrize(("exporter", "importer"), [("c", "python"), ("python", "c")])

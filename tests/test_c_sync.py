@@ -5,39 +5,15 @@ fails the waiters with 507057, and bad handles get the runtime's codes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from procs import PROP, Actor, BrokerProc, MiB2, fails, ok
+from conftest import Node
+from procs import PROP, Actor, MiB2, fails, ok
 
 IPC = 0x40
 NOT_READY, COMPLETE = 0, 1
 SYNC_TIMEOUT, PRODUCER_DIED, BAD_HANDLE, NO_PERMISSION, PARAM = 507047, 507057, 107017, 207006, 107000
 DISABLE_PID_CHECK = 0x2
-
-
-class Node:
-    def __init__(self, folder: Path) -> None:
-        self.broker = BrokerProc(folder)
-        self.made: list[Actor] = []
-
-    def actor(self, surface: str) -> Actor:
-        a = Actor({**self.broker.env, "VMMSHARE_ACTOR_SURFACE": surface})
-        self.made.append(a)
-        return a
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        for a in n.made:
-            a.kill()
-        n.broker.kill()
 
 
 def shared_memory(e: Actor, i: Actor) -> tuple[int, int, int, int]:

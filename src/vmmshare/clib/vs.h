@@ -211,6 +211,9 @@ aclError vs_raise(const vs_err *err, const char *call);
 
 /* ---------------------------------------------------------------- runtime.c */
 
+/* config.c: read the variables into `c`; -1 when one cannot be used (its message in c->error). */
+int vs_read_config(vs_config *c);
+
 /* The runtime, set up on first use (the configuration read); 0 or the configuration's error. */
 aclError vs_start(vs_err *err);
 void vs_lock(void);
@@ -271,6 +274,8 @@ aclError vs_stream_do(vs_err *err, vs_stream *s, const char *what, aclError (*ru
                       void (*drop)(void *), void *arg);
 bool vs_stream_idle(vs_stream *s);
 void vs_stream_close(vs_stream *s, bool force); /* wait for (or, forced, drop) its work; end its thread; free it */
+/* Wait for its queued work (at most timeout_ms, -1: no limit), then report the first failure since the last time. */
+aclError vs_stream_report(vs_stream *s, int32_t timeout_ms, const char *call);
 void vs_sync_kick(void *page);                  /* sync.c: wake every waiter of a page to look again */
 void vs_sync_after_fork(void);
 void vs_devices_after_fork(void);
@@ -290,6 +295,8 @@ aclError vs_node_bare_tgid(vs_err *err, uint32_t *pid);
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
                                  const uint32_t *pids, size_t n);
 void vs_node_after_fork(void);
+/* reach.c: a connection to a trusted broker at the configured socket, started when none answers. */
+aclError vs_reach_broker(vs_err *err, int *fd);
 void vs_node_prepare(void);
 
 /* ---------------------------------------------------------------- sharing (share.c) and others */

@@ -125,6 +125,7 @@ uid, argv, keep = sys.argv[1], sys.argv[2:], [p for p in os.environ.pop("SANDBOX
 writable = [p for p in os.environ.pop("SANDBOX_WRITABLE", "").split(":") if p]
 def mount(*args):
     subprocess.run(["mount", *args], check=True)
+keep = [p for p in keep if not any(p.startswith(q + "/") for q in keep)]  # one mount each: an inner one would be hidden
 hidden = [h for h in ("/home", "/root", "/run/user", "/tmp", "/var/tmp") if os.path.isdir(h)]
 stash = []
 for i, path in enumerate(p for p in keep if any(p == h or p.startswith(h + "/") for h in hidden)):

@@ -103,10 +103,8 @@ VS_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     const char *call = "aclrtRecordEvent";
     START(call);
     ACL_REQUIRE(event != NULL, call, "event is NULL");
-    vs_stream *s = sync_stream_here(&err, stream);
-    if (s == NULL)
-        return vs_raise(&err, call);
-    sync_obj *o = so_use(&err, (uintptr_t)event, false);
+    vs_stream *s;
+    sync_obj *o = so_use_on(&err, (uintptr_t)event, false, stream, &s);
     if (o == NULL)
         return vs_raise(&err, call);
     record_arg *r = malloc(sizeof *r);
@@ -128,10 +126,7 @@ VS_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     pg_unlock(p);
     r->o = o;
     r->ticket = ticket;
-    vs_lock(); /* (the stream stays in its table while it is queued to) */
-    aclError rc = vs_stream_run_or_submit(&err, s, "aclrtRecordEvent", complete_record, drop_record, r);
-    vs_unlock();
-    return rc ? vs_raise(&err, call) : ACL_SUCCESS;
+    return sync_queue(&err, s, call, complete_record, drop_record, r, true) ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 
 VS_API aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
@@ -216,10 +211,8 @@ VS_API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     START(call);
     if (event == NULL)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "event is NULL");
-    vs_stream *s = sync_stream_here(&err, stream);
-    if (s == NULL)
-        return vs_raise(&err, call);
-    sync_obj *o = so_use(&err, (uintptr_t)event, false);
+    vs_stream *s;
+    sync_obj *o = so_use_on(&err, (uintptr_t)event, false, stream, &s);
     if (o == NULL)
         return vs_raise(&err, call);
     uint32_t target = *pg_word(o->pg, W_ISSUED);
@@ -235,10 +228,7 @@ VS_API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     a->o = o;
     a->s = s;
     a->target = target;
-    vs_lock();
-    aclError rc = vs_stream_submit(&err, s, call, stream_wait, so_drop_wait, a, false);
-    vs_unlock();
-    return rc ? vs_raise(&err, call) : ACL_SUCCESS;
+    return sync_queue(&err, s, call, stream_wait, so_drop_wait, a, false) ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 
 VS_API aclError aclrtIpcGetEventHandle(aclrtEvent event, aclrtIpcEventHandle *handle)

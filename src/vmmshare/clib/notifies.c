@@ -58,16 +58,11 @@ VS_API aclError aclrtRecordNotify(aclrtNotify notify, aclrtStream stream)
     const char *call = "aclrtRecordNotify";
     START(call);
     ACL_REQUIRE(notify != NULL, call, "notify is NULL");
-    vs_stream *s = sync_stream_here(&err, stream);
-    if (s == NULL)
-        return vs_raise(&err, call);
-    sync_obj *o = so_use(&err, (uintptr_t)notify, true);
+    vs_stream *s;
+    sync_obj *o = so_use_on(&err, (uintptr_t)notify, true, stream, &s);
     if (o == NULL)
         return vs_raise(&err, call);
-    vs_lock();
-    aclError rc = vs_stream_run_or_submit(&err, s, call, set_flag, so_unuse, o);
-    vs_unlock();
-    return rc ? vs_raise(&err, call) : ACL_SUCCESS;
+    return sync_queue(&err, s, call, set_flag, so_unuse, o, true) ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 
 static aclError wait_and_reset(void *arg, vs_err *err)
@@ -134,10 +129,7 @@ VS_API aclError aclrtWaitAndResetNotify(aclrtNotify notify, aclrtStream stream, 
     a->s = s;
     a->seconds = timeout;
     a->timeout = timeout == 0 || timeout == 0xFFFFFFFFu ? -1 : (double)timeout;
-    vs_lock();
-    aclError rc = vs_stream_submit(&err, s, call, wait_and_reset, so_drop_wait, a, false);
-    vs_unlock();
-    return rc ? vs_raise(&err, call) : ACL_SUCCESS;
+    return sync_queue(&err, s, call, wait_and_reset, so_drop_wait, a, false) ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 
 VS_API aclError aclrtNotifyGetExportKey(aclrtNotify notify, char *key, size_t len, uint64_t flags)

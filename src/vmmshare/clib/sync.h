@@ -100,5 +100,8 @@ void so_lock(void);
 void so_unlock(void);
 vs_stream *sync_stream_here(vs_err *err, aclrtStream stream);
 void so_after_fork(void);
+sync_obj *so_use_on(vs_err *err, uint64_t handle, bool notify, aclrtStream stream, vs_stream **s);
+aclError sync_queue(vs_err *err, vs_stream *s, const char *call, aclError (*run)(void *, vs_err *), void (*drop)(void *),
+                    void *arg, bool record);
 
 #endif /* VMMSHARE_CLIB_SYNC_H */

@@ -113,6 +113,26 @@ vs_stream *sync_stream_here(vs_err *err, aclrtStream stream)
     return s;
 }
 
+/* The event or notify `handle`, in use, and the stream its work goes on (`stream`; 0: the default one); NULL, with
+ * err set, when either is not there. */
+sync_obj *so_use_on(vs_err *err, uint64_t handle, bool notify, aclrtStream stream, vs_stream **s)
+{
+    *s = sync_stream_here(err, stream);
+    return *s == NULL ? NULL : so_use(err, handle, notify);
+}
+
+/* Queue `run` on stream s (a record: run at once when the stream is idle) under the table's lock, which keeps the
+ * stream in its table while it is queued to; `drop` gives `arg` back, on failure too. */
+aclError sync_queue(vs_err *err, vs_stream *s, const char *call, aclError (*run)(void *, vs_err *), void (*drop)(void *),
+                    void *arg, bool record)
+{
+    vs_lock();
+    aclError rc = record ? vs_stream_run_or_submit(err, s, call, run, drop, arg)
+                         : vs_stream_submit(err, s, call, run, drop, arg, false);
+    vs_unlock();
+    return rc;
+}
+
 /* A wait's task is done with: the object it used goes back. */
 void so_drop_wait(void *arg)
 {

@@ -215,6 +215,28 @@ def test_the_sanitized_c_program_shares_refuses_and_leaks_nothing(built: Path, p
     assert (Path(private_env["VMMSHARE_SOCKET"]).parent / "broker.log").exists()  # the broker it started
 
 
+def test_a_batch_whose_counts_exceed_its_arrays_is_refused_before_they_are_read(built: Path,
+                                                                                private_env: dict[str, str]) -> None:
+    """tests/c/batch_counts.c: numAttrs past numBatches is 107000 from the counts (as the Python runtime checks
+    them), never a read past the caller's attribute array."""
+    proc = run([str(cc(built / "batch_counts", TESTS_C / "batch_counts.c"))], private_env)
+    assert "runtime error" not in proc.stderr and "ERROR: AddressSanitizer" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"{PARAM} ") and "numAttrs 4 must be less than or equal to count 1" in proc.stdout
+
+
+def test_a_peer_holding_a_notifys_page_lock_stalls_its_record_and_nothing_else(built: Path,
+                                                                                private_env: dict[str, str]) -> None:
+    """tests/c/sync_peer_lock.c: an importer of a notify holds its page's record lock; the exporter's record of it
+    blocks (its thread shows in /proc/locks) while its other threads create streams and events and allocate; once
+    the importer lets go the record completes."""
+    proc = run([str(cc(built / "sync_peer_lock", TESTS_C / "sync_peer_lock.c"))], private_env)
+    assert "runtime error" not in proc.stderr and "ERROR: AddressSanitizer" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # (an alarm ends it at 60 s: a stalled call)
+    assert proc.stdout.split("\n")[:5] == ["create 0", "key 0", "others 0 0 0 0 while the record waits 1",
+                                           "record 0 child 0", "destroy 0"], proc.stdout
+
+
 def test_a_program_bound_only_by_dlopen_finds_every_name_and_shares(built: Path, private_env: dict[str, str]) -> None:
     exe = cc(built / "dlopen_probe", TESTS_C / "dlopen_probe.c", flags=("-ldl",), with_library=False)
     proc = run([str(exe)], {**private_env, "LD_LIBRARY_PATH": str(LIB64)})

@@ -213,9 +213,6 @@ VS_API aclError aclrtMemcpyBatch(void **dsts, size_t *destMaxs, void **srcs, siz
     for (size_t i = 0; i < numBatches; i++)
         ACL_REQUIRE(destMaxs[i] >= sizes[i], call, "sizes[%zu]=%zu exceeds destMaxs[%zu]=%zu", i, sizes[i], i,
                     destMaxs[i]);
-    for (size_t i = 0; i < numAttrs; i++)
-        for (int k = 0; k < 16; k++)
-            ACL_REQUIRE(attrs[i].rsv[k] == 0, call, "attrs[%zu].rsv must be 0", i);
     if (numAttrs == 0)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "numAttrs is 0");
     if (numAttrs > numBatches)
@@ -224,6 +221,9 @@ VS_API aclError aclrtMemcpyBatch(void **dsts, size_t *destMaxs, void **srcs, siz
     if (numBatches > MAX_BATCH)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "count %zu must be less than or equal to %d", numBatches,
                        MAX_BATCH);
+    for (size_t i = 0; i < numAttrs; i++)
+        for (int k = 0; k < 16; k++)
+            ACL_REQUIRE(attrs[i].rsv[k] == 0, call, "attrs[%zu].rsv must be 0", i);
     if (attrsIndexes[0] != 0)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "attrsIndexes[0] is %zu: it must be 0", attrsIndexes[0]);
     for (size_t i = 1; i < numAttrs; i++) {

@@ -164,11 +164,10 @@ void vs_stream_close(vs_stream *s, bool force)
     }
     s->closed = true;
     pthread_cond_broadcast(&s->cv);
-    void *waiting = force ? s->waiting : NULL;
+    if (force && s->waiting != NULL) /* a task blocked in a wait gives up, so the thread ends (kicked under the */
+        vs_sync_kick(s->waiting);    /* stream's lock: the wait clears `waiting` under it before its page can go) */
     bool joined = s->has_thread;
     pthread_mutex_unlock(&s->m);
-    if (waiting != NULL)
-        vs_sync_kick(waiting); /* a task blocked in a wait gives up, so the thread ends */
     if (joined && !pthread_equal(s->thread, pthread_self()))
         pthread_join(s->thread, NULL);
     pthread_mutex_destroy(&s->m);

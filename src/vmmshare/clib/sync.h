@@ -40,8 +40,10 @@ typedef struct page {
     pthread_mutex_t *lock;   /* this process's lock of the file (shared by the pages of one file) */
     uint64_t id;             /* in the registry the watcher looks pages up in */
     uint32_t magic;
-    ident watched[MAX_HOLDERS];
+    ident watched[MAX_HOLDERS]; /* the producers this process last watched (under the lock) */
     int nwatched;
+    int pins;                /* the watcher's uses (under the registry's lock) */
+    bool closing;            /* closed while pinned: the last unpin finishes it */
 } page;
 
 typedef struct sync_obj {

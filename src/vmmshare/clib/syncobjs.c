@@ -87,17 +87,14 @@ aclError so_destroy(vs_err *err, uint64_t handle, bool notify)
                 break;
             }
         }
-    bool done = o->users == 0;
+    o->users++; /* (a wait ending meanwhile must not free the page this still uses) */
     pthread_mutex_unlock(&objs_lock);
     if (last_open) { /* no longer one of its producers */
         pg_lock(o->pg);
         pg_remove_holder(o->pg, sync_me());
         pg_unlock(o->pg);
     }
-    if (done) {
-        pg_close(o->pg);
-        free(o);
-    }
+    so_unuse(o);
     return ACL_SUCCESS;
 }
 
@@ -121,16 +118,14 @@ sync_obj *so_use_on(vs_err *err, uint64_t handle, bool notify, aclrtStream strea
     return *s == NULL ? NULL : so_use(err, handle, notify);
 }
 
-/* Queue `run` on stream s (a record: run at once when the stream is idle) under the table's lock, which keeps the
- * stream in its table while it is queued to; `drop` gives `arg` back, on failure too. */
+/* Queue `run` on stream s (a record: run at once when the stream is idle); `drop` gives `arg` back, on failure too.
+ * Not under the runtime's lock: a record takes the page's lock, which an importing process can hold, and that must
+ * stall this stream only, never the process's other calls. */
 aclError sync_queue(vs_err *err, vs_stream *s, const char *call, aclError (*run)(void *, vs_err *), void (*drop)(void *),
                     void *arg, bool record)
 {
-    vs_lock();
-    aclError rc = record ? vs_stream_run_or_submit(err, s, call, run, drop, arg)
-                         : vs_stream_submit(err, s, call, run, drop, arg, false);
-    vs_unlock();
-    return rc;
+    return record ? vs_stream_run_or_submit(err, s, call, run, drop, arg)
+                  : vs_stream_submit(err, s, call, run, drop, arg, false);
 }
 
 /* A wait's task is done with: the object it used goes back. */
@@ -175,5 +170,7 @@ void so_unlock(void)
 void so_after_fork(void)
 {
     pthread_mutex_init(&objs_lock, NULL);
+    for (size_t i = 0; i < objs.count; i++) /* (their pages go with the registry's) */
+        free(VS_AT(objs, sync_obj *, i));
     objs.count = opens.count = 0;
 }

@@ -154,19 +154,14 @@ static page *pg_new(uint8_t *addr, int fd)
 
 /* Unmap and close a page and let the node's hold go (an exporter's release revokes its export). The fd is closed
  * under the file's lock: closing any fd of the file drops this process's record lock on it. */
-void pg_close(page *p)
+static void pg_finish(page *p)
 {
-    pthread_mutex_lock(&registry);
-    for (size_t i = 0; i < pages.count; i++)
-        if (VS_AT(pages, page *, i) == p) {
-            vs_vec_remove(&pages, i);
-            break;
-        }
-    pthread_mutex_lock(p->lock);
+    pthread_mutex_lock(p->lock); /* (never while holding the registry: a peer may hold the page's record lock) */
     munmap(p->addr, PAGE);
     if (p->fd >= 0)
         close(p->fd);
     pthread_mutex_unlock(p->lock);
+    pthread_mutex_lock(&registry);
     for (size_t i = 0; i < file_locks.count; i++) {
         file_lock *f = &VS_AT(file_locks, file_lock, i);
         if (f->m == p->lock && --f->users == 0) {
@@ -180,6 +175,22 @@ void pg_close(page *p)
     if (p->token)
         vs_node_release(p->token);
     free(p);
+}
+
+/* Off the registry; gone now, or once the watcher no longer uses it. */
+void pg_close(page *p)
+{
+    pthread_mutex_lock(&registry);
+    for (size_t i = 0; i < pages.count; i++)
+        if (VS_AT(pages, page *, i) == p) {
+            vs_vec_remove(&pages, i);
+            break;
+        }
+    bool now = p->pins == 0;
+    p->closing = !now;
+    pthread_mutex_unlock(&registry);
+    if (now)
+        pg_finish(p);
 }
 
 void vs_sync_kick(void *pg)
@@ -270,7 +281,7 @@ static bool pg_pending(page *p)
     return sync_newer(*pg_word(p, W_ISSUED), w & STATE);
 }
 
-/* `id` exited: off the list; if no producer is left while a waiter needs one, DEAD. (The registry lock held.) */
+/* `id` exited: off the list; if no producer is left while a waiter needs one, DEAD. */
 static void pg_producer_died(page *p, ident id)
 {
     pg_lock(p);
@@ -298,16 +309,32 @@ static int watch_efd = -1;
 static bool watch_thread;
 static uint64_t watch_clock;
 
+/* The pages `id` was a producer of are pinned under the registry's lock and updated after it (a page's lock may be
+ * held by a peer process for as long as it likes: that must not stall the registry, every page's creation). */
 static void died(const ident *id, const vs_vec *ids)
 {
+    vs_vec hit = {NULL, 0, 0, sizeof(page *)};
     pthread_mutex_lock(&registry);
     for (size_t k = 0; k < ids->count; k++)
         for (size_t i = 0; i < pages.count; i++) {
             page *p = VS_AT(pages, page *, i);
-            if (p->id == VS_AT(*ids, uint64_t, k))
-                pg_producer_died(p, *id);
+            if (p->id == VS_AT(*ids, uint64_t, k)) {
+                p->pins++;
+                *(page **)vs_vec_push(&hit, sizeof(page *)) = p;
+            }
         }
     pthread_mutex_unlock(&registry);
+    for (size_t i = 0; i < hit.count; i++)
+        pg_producer_died(VS_AT(hit, page *, i), *id);
+    for (size_t i = 0; i < hit.count; i++) {
+        page *p = VS_AT(hit, page *, i);
+        pthread_mutex_lock(&registry);
+        bool last = --p->pins == 0 && p->closing;
+        pthread_mutex_unlock(&registry);
+        if (last)
+            pg_finish(p);
+    }
+    free(hit.items);
 }
 
 static void *watch_run(void *unused)
@@ -315,6 +342,7 @@ static void *watch_run(void *unused)
     (void)unused;
     for (;;) {
         struct pollfd fds[MAX_PIDFDS + 1];
+        ident polled[MAX_PIDFDS + 1]; /* (an fd evicted meanwhile may be reused for another process) */
         pthread_mutex_lock(&watch_lock);
         fds[0].fd = watch_efd;
         fds[0].events = POLLIN;
@@ -322,6 +350,7 @@ static void *watch_run(void *unused)
         for (size_t i = 0; i < watching.count; i++) {
             fds[n].fd = VS_AT(watching, watched, i).pidfd;
             fds[n].events = POLLIN;
+            polled[n] = VS_AT(watching, watched, i).id;
             n++;
         }
         pthread_mutex_unlock(&watch_lock);
@@ -339,7 +368,8 @@ static void *watch_run(void *unused)
             watched gone = {0};
             bool found = false;
             for (size_t i = 0; i < watching.count; i++)
-                if (VS_AT(watching, watched, i).pidfd == fds[k].fd) {
+                if (VS_AT(watching, watched, i).pidfd == fds[k].fd &&
+                    sync_same(&VS_AT(watching, watched, i).id, &polled[k])) {
                     gone = VS_AT(watching, watched, i);
                     vs_vec_remove(&watching, i);
                     found = true;
@@ -423,10 +453,8 @@ static void watch(page *p, const ident *ids, int n)
             (void)0; /* (the counter is full: the thread is awake anyway) */
     }
     if (ngone) {
-        pthread_mutex_lock(&registry);
-        for (int k = 0; k < ngone; k++)
+        for (int k = 0; k < ngone; k++) /* (p is in its waiter's use) */
             pg_producer_died(p, gone[k]);
-        pthread_mutex_unlock(&registry);
     }
 }
 
@@ -464,12 +492,17 @@ int pg_wait(page *p, ready_fn ready, uint32_t target, double timeout, vs_stream 
         }
         if (p->fd >= 0) {
             ident now[MAX_HOLDERS];
-            pg_lock(p);
+            pg_lock(p); /* (the list, and what this process last watched of it, under the page's lock) */
             int n = pg_holders(p, now);
-            pg_unlock(p);
-            if (n != p->nwatched || memcmp(now, p->watched, sizeof(ident) * (size_t)n) != 0) {
+            bool changed = n != p->nwatched;
+            for (int i = 0; i < n && !changed; i++)
+                changed = !sync_same(&now[i], &p->watched[i]);
+            if (changed) {
                 memcpy(p->watched, now, sizeof(ident) * (size_t)n);
                 p->nwatched = n;
+            }
+            pg_unlock(p);
+            if (changed) {
                 watch(p, now, n);
                 continue; /* a producer found gone already set DEAD: read the word again */
             }
@@ -595,6 +628,21 @@ void vs_sync_after_fork(void)
     pthread_mutex_init(&registry, NULL);
     pthread_mutex_init(&watch_lock, NULL);
     so_after_fork();
+    for (size_t i = 0; i < pages.count; i++) { /* (their node holds are the parent's: not released here) */
+        page *p = VS_AT(pages, page *, i);
+        munmap(p->addr, PAGE);
+        if (p->fd >= 0)
+            close(p->fd);
+        free(p);
+    }
+    for (size_t i = 0; i < file_locks.count; i++)
+        free(VS_AT(file_locks, file_lock, i).m);
+    for (size_t i = 0; i < watching.count; i++) {
+        close(VS_AT(watching, watched, i).pidfd);
+        free(VS_AT(watching, watched, i).pages.items);
+    }
+    if (watch_efd >= 0)
+        close(watch_efd);
     pages.count = file_locks.count = watching.count = 0;
     watch_thread = false;
     watch_efd = -1;

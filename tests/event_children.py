@@ -1,10 +1,14 @@
-"""Targets of the spawned children of test_event_pythonic.py (a module of their own: a spawned child imports the
-module its target lives in, and a test module's conftest would point the child at another broker)."""
+"""Targets of the spawned children of test_event_pythonic.py and test_torch_events.py (a module of their own: a
+spawned child imports the module its target lives in, and a test module's conftest would point the child at another
+broker), and the held stream both use."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -35,3 +39,21 @@ def installed_consumer(q: Any, back: Any) -> None:
     back.put("ready")
     t = q.get()
     back.put(float(t.sum().item()))
+
+
+@contextlib.contextmanager
+def held_stream() -> Iterator[tuple[int, threading.Event]]:
+    """A stream of this thread's context, busy with a task the test holds until the block ends."""
+    from vmmshare._process import runtime
+
+    rt = runtime()
+    rt.devices.set(0)
+    stream = rt.devices.create_stream()
+    gate = threading.Event()
+    rt.devices.stream(stream).submit("a task the test holds", gate.wait)
+    try:
+        yield stream, gate
+    finally:
+        gate.set()
+        rt.devices.destroy_stream(stream)
+        rt.devices.reset(0)

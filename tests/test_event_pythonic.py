@@ -3,37 +3,19 @@ child, a forked child), is opened once per process, and its waits raise the runt
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import pickle
-import threading
-from collections.abc import Iterator
 
 import pytest
 
 import event_children
 import vmmshare
 from conftest import read, write
-from vmmshare._process import runtime
 
 SYNC_TIMEOUT = 507047
 
 
-@contextlib.contextmanager
-def held_stream() -> Iterator[tuple[int, threading.Event]]:
-    """A stream of this thread's context, busy with a task the test holds until the block ends."""
-    rt = runtime()
-    rt.devices.set(0)
-    stream = rt.devices.create_stream()
-    gate = threading.Event()
-    rt.devices.stream(stream).submit("a task the test holds", gate.wait)
-    try:
-        yield stream, gate
-    finally:
-        gate.set()
-        rt.devices.destroy_stream(stream)
-        rt.devices.reset(0)
 
 
 def test_rule_19_an_event_travels_with_its_memory_to_a_child() -> None:
@@ -48,7 +30,7 @@ def test_rule_19_an_event_travels_with_its_memory_to_a_child() -> None:
     child = ctx.Process(target=event_children.consumer, args=(q, back))
     child.start()
     try:
-        with held_stream() as (stream, gate):
+        with event_children.held_stream() as (stream, gate):
             ev.record(stream)
             assert not ev.done
             q.put((memory, ev, ev))
@@ -71,7 +53,7 @@ def test_rule_19_an_event_is_opened_once_per_process_and_waits_raise() -> None:
         assert again is pickle.loads(pickle.dumps(ev)) and again.opened and not ev.opened
         assert ev.done and again.done  # never recorded
         again.wait(0)
-        with held_stream() as (stream, _):
+        with event_children.held_stream() as (stream, _):
             ev.record(stream)
             assert not again.done
             with pytest.raises(vmmshare.AclError) as err:
@@ -102,7 +84,7 @@ def test_rule_19_a_forked_child_opens_the_event_it_inherited() -> None:
     m = memory.map()
     r, w = os.pipe()
     try:
-        with held_stream() as (stream, gate):
+        with event_children.held_stream() as (stream, gate):
             ev.record(stream)
             pid = os.fork()
             if pid == 0:  # the child: waits for the parent's record, then reads the shared mapping

@@ -3,10 +3,7 @@ once the producer's record completed (reduce_tensor's `event=`, install's `event
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,22 +12,6 @@ torch = pytest.importorskip("torch")
 import event_children  # noqa: E402
 import vmmshare  # noqa: E402
 import vmmshare.torch as vt  # noqa: E402
-from vmmshare._process import runtime  # noqa: E402
-
-
-@contextlib.contextmanager
-def held_stream() -> Iterator[tuple[int, threading.Event]]:
-    rt = runtime()
-    rt.devices.set(0)
-    stream = rt.devices.create_stream()
-    gate = threading.Event()
-    rt.devices.stream(stream).submit("a task the test holds", gate.wait)
-    try:
-        yield stream, gate
-    finally:
-        gate.set()
-        rt.devices.destroy_stream(stream)
-        rt.devices.reset(0)
 
 
 def test_rule_19_a_rebuilt_tensor_waits_for_the_producers_event() -> None:
@@ -41,7 +22,7 @@ def test_rule_19_a_rebuilt_tensor_waits_for_the_producers_event() -> None:
     child = ctx.Process(target=event_children.tensor_consumer, args=(q, back))
     child.start()
     try:
-        with held_stream() as (stream, gate):
+        with event_children.held_stream() as (stream, gate):
             ev.record(stream)
             q.put(vt.reduce_tensor(t, validate_pids=False, event=ev))
             assert back.get(timeout=120) == "got"
@@ -64,7 +45,7 @@ def test_rule_19_install_sends_the_event_with_every_tensor() -> None:
     try:
         assert back.get(timeout=120) == "ready"
         t = vt.zeros(10)
-        with held_stream() as (stream, gate):
+        with event_children.held_stream() as (stream, gate):
             ev.record(stream)
             q.put(t)
             t += 7

@@ -391,8 +391,9 @@ class Watcher:
         polled: set[int] = set()
         poller.register(self._efd, select.POLLIN)
         while True:
-            with self._lock:
-                fds = set(self._by_fd)
+            with self._lock:  # (which process each fd was polled for: one evicted meanwhile may name another)
+                idents = {fd: entry.ident for fd, entry in self._by_fd.items()}
+                fds = set(idents)
             for fd in polled - fds:
                 with contextlib.suppress(KeyError):
                     poller.unregister(fd)
@@ -410,7 +411,7 @@ class Watcher:
                     continue
                 with self._lock:
                     entry = self._by_fd.get(fd)
-                    if entry is None:
+                    if entry is None or entry.ident != idents.get(fd):
                         continue
                     pages = list(entry.pages)
                     self._drop(entry)

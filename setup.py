@@ -24,7 +24,7 @@ CLIB = Path("src/vmmshare/clib")
 LIBRARIES = ("libascendcl.so", "libacl_rt.so")
 
 
-def c_library_command(out: Path, sanitize: bool = False) -> list[str]:
+def c_library_command(out: Path) -> list[str]:
     """The compiler line that builds the C library at `out`, named by its file name (its SONAME, unversioned)."""
     compiler = ["cc"]  # $CC, else the compiler Python was built with, where this machine has it, else cc
     for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC")):
@@ -35,11 +35,7 @@ def c_library_command(out: Path, sanitize: bool = False) -> list[str]:
     sources = sorted(str(HERE / CLIB / name) for name in os.listdir(HERE / CLIB) if name.endswith(".c"))
     flags = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread",
              "-Wall", "-Wextra", f"-I{HERE / 'src/vmmshare/sdk/include'}", f'-DVS_PYTHON="{sys.executable}"',
-             f"-Wl,--version-script={HERE / CLIB / 'exports.map'}", f"-Wl,-soname,{out.name}"]
-    if sanitize:
-        flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
-    else:
-        flags += ["-Wl,--no-undefined"]
+             f"-Wl,--version-script={HERE / CLIB / 'exports.map'}", f"-Wl,-soname,{out.name}", "-Wl,--no-undefined"]
     # (no -Werror here: a new compiler's new warning must not leave an install without its library; the tests
     # build the same sources with -Werror)
     return [*compiler, *flags, *sources, "-ldl", "-o", str(out)]

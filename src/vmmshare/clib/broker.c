@@ -59,7 +59,6 @@ static int spin_skip, spin_misses; /* requests left to wait for without polling;
 static int loadavg_fd = -1;
 
 static reply scratch; /* the reply being read (under conn_lock) */
-static reply *scratch_reply = &scratch;
 static uint8_t frame_buf[VS_WIRE_MAX_FRAME]; /* the request being sent (under conn_lock) */
 
 static double now(void)
@@ -232,7 +231,7 @@ static int wait_reply(int fd)
 /* The broker's refusal of this connection (an ERROR to request 0), if it left one before closing it. */
 static aclError refusal(vs_err *err, int fd)
 {
-    reply *r = scratch_reply;
+    reply *r = &scratch;
     if (recv_packet(fd, r, MSG_DONTWAIT) != 0)
         return 0;
     close_fds(r->fds, r->nfds);
@@ -357,7 +356,7 @@ static aclError connect_fresh(vs_err *err)
     if (rc)
         return rc;
     conn = fd;
-    reply *r = scratch_reply;
+    reply *r = &scratch;
     for (size_t i = 0; i < holds.count; i++) {
         hold *h = &VS_AT(holds, hold, i);
         if (!h->charge)
@@ -386,7 +385,7 @@ static aclError connect_fresh(vs_err *err)
 static reply *begin(void)
 {
     pthread_mutex_lock(&conn_lock);
-    return scratch_reply;
+    return &scratch;
 }
 
 static void end(void)
@@ -407,16 +406,9 @@ static uint64_t new_token(uint64_t hold_id, bool charge, int32_t device, uint64_
 
 /* ---------------------------------------------------------------- the node's calls */
 
-#define BEGIN_OR_FAIL(r)                                                                   \
-    reply *r = begin();                                                                    \
-    if (r == NULL) {                                                                       \
-        end();                                                                             \
-        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a reply");   \
-    }
-
 aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
 {
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     vs_fields f = {0};
     f.v[0] = (uint64_t)(int64_t)device;
     f.v[1] = size;
@@ -431,7 +423,7 @@ void vs_node_release(uint64_t token)
 {
     reply *r = begin();
     hold *h = hold_of(token);
-    if (h != NULL && r != NULL && h->hold != 0) {
+    if (h != NULL && h->hold != 0) {
         vs_fields f = {0};
         vs_err ignored;
         request(&ignored, VS_RELEASE, &f, 0, token, NULL, 0, VS_OK, r);
@@ -442,7 +434,7 @@ void vs_node_release(uint64_t token)
 
 aclError vs_node_mem_info(vs_err *err, int device, uint64_t *free_bytes, uint64_t *total)
 {
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     vs_fields f = {0};
     f.v[0] = (uint32_t)device;
     aclError rc = request(err, VS_MEM_INFO, &f, -1, 0, NULL, 0, VS_MEM, r);
@@ -457,7 +449,7 @@ aclError vs_node_mem_info(vs_err *err, int device, uint64_t *free_bytes, uint64_
 aclError vs_node_export(vs_err *err, uint64_t token, int fd, const vs_prop *prop, uint64_t size, uint32_t flags,
                         uint32_t share_type, uint8_t *out, size_t *outlen)
 {
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     vs_fields f = {0};
     f.v[1] = size;
     f.v[2] = flags;
@@ -486,7 +478,7 @@ aclError vs_node_export(vs_err *err, uint64_t token, int fd, const vs_prop *prop
 
 aclError vs_node_revoke(vs_err *err, uint64_t token)
 {
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     aclError rc = ACL_SUCCESS;
     if (hold_of(token) != NULL) {
         vs_fields f = {0};
@@ -506,19 +498,44 @@ static const uint8_t *pids_tail(const uint32_t *pids, size_t n)
     return tail;
 }
 
-aclError vs_node_set_pids(vs_err *err, uint64_t shareable, uint32_t share_type, const uint32_t *pids, size_t n)
+/* A trustlist request: `kind` SET_PIDS (this server's pids) or SET_REMOTE_PIDS (those of `server`). */
+static aclError pids_request(vs_err *err, int kind, uint64_t shareable, uint32_t share_type, uint32_t server,
+                             const uint32_t *pids, size_t n)
 {
     if (n > VS_WIRE_MAX_PIDS)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids: at most %d per call", n, VS_WIRE_MAX_PIDS);
     const uint8_t *tail = pids_tail(pids, n);
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     vs_fields f = {0};
     f.v[0] = shareable;
     f.v[1] = share_type;
+    f.v[2] = server;
     f.tail = tail;
     f.tail_len = 4 * n;
-    aclError rc = request(err, VS_SET_PIDS, &f, -1, 0, NULL, 0, VS_OK, r);
+    aclError rc = request(err, kind, &f, -1, 0, NULL, 0, VS_OK, r);
     end();
+    return rc;
+}
+
+aclError vs_node_set_pids(vs_err *err, uint64_t shareable, uint32_t share_type, const uint32_t *pids, size_t n)
+{
+    return pids_request(err, VS_SET_PIDS, shareable, share_type, 0, pids, n);
+}
+
+/* Ask the broker again for `shareable`, as the driver checks a handle on each import, and let the hold go: 107017
+ * once revoked, 207006 once the trustlist no longer admits this process; `size`: what was exported. */
+aclError vs_node_still_admitted(vs_err *err, uint64_t shareable, uint32_t share_type, const uint8_t *secret,
+                                uint64_t *size)
+{
+    int fd;
+    uint64_t token;
+    vs_prop prop;
+    bool gpu;
+    aclError rc = vs_node_import(err, shareable, share_type, secret, &fd, &token, size, &prop, &gpu);
+    if (rc == ACL_SUCCESS) {
+        close(fd);
+        vs_node_release(token);
+    }
     return rc;
 }
 
@@ -526,7 +543,7 @@ aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, co
                         uint64_t *token, uint64_t *size, vs_prop *prop, bool *gpu)
 {
     static const uint8_t none[VS_SECRET_SIZE];
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     vs_fields f = {0};
     f.v[0] = shareable;
     f.v[1] = share_type;
@@ -569,7 +586,7 @@ aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, co
 
 aclError vs_node_bare_tgid(vs_err *err, uint32_t *pid)
 {
-    BEGIN_OR_FAIL(r);
+    reply *r = begin();
     vs_fields f = {0};
     aclError rc = request(err, VS_BARE_TGID, &f, -1, 0, NULL, 0, VS_PID, r);
     if (rc == ACL_SUCCESS)
@@ -601,17 +618,5 @@ void vs_node_after_fork(void)
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
                                  const uint32_t *pids, size_t n)
 {
-    if (n > VS_WIRE_MAX_PIDS)
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids: at most %d per call", n, VS_WIRE_MAX_PIDS);
-    const uint8_t *tail = pids_tail(pids, n);
-    BEGIN_OR_FAIL(r);
-    vs_fields f = {0};
-    f.v[0] = shareable;
-    f.v[1] = share_type;
-    f.v[2] = server;
-    f.tail = tail;
-    f.tail_len = 4 * n;
-    aclError rc = request(err, VS_SET_REMOTE_PIDS, &f, -1, 0, NULL, 0, VS_OK, r);
-    end();
-    return rc;
+    return pids_request(err, VS_SET_REMOTE_PIDS, shareable, share_type, server, pids, n);
 }

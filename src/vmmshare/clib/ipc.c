@@ -204,7 +204,7 @@ static aclError set_local_pids(vs_err *err, const key *k, const char *text, cons
     if (open_to_all)
         return vs_set(err, ACL_ERROR_RT_NO_PERMISSION, "key %s was exported with "
                       "ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION: it has no trustlist to set", text);
-    return vs_set_pids(err, k->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, pids, n);
+    return vs_node_set_pids(err, k->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, pids, n);
 }
 
 VS_API aclError aclrtIpcMemSetImportPid(const char *keyText, int32_t *pid, size_t num)
@@ -321,14 +321,9 @@ VS_API aclError aclrtIpcMemImportByKey(void **devPtr, const char *keyText, uint6
     uintptr_t ptr = done != NULL ? done->ptr : 0;
     vs_unlock();
     if (done != NULL) { /* the same pointer, if the broker still admits this process to the key */
-        int fd;
-        uint64_t token, size;
-        vs_prop prop;
-        bool gpu;
-        rc = vs_node_import(&err, k.value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, NULL, &fd, &token, &size, &prop, &gpu);
+        uint64_t size;
+        rc = vs_node_still_admitted(&err, k.value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, NULL, &size);
         if (rc == ACL_SUCCESS) {
-            close(fd);
-            vs_node_release(token);
             vs_lock();
             done = import_of(k.value);
             if (done != NULL)

@@ -218,7 +218,7 @@ VS_API aclError aclrtNotifySetImportPid(aclrtNotify notify, int32_t *pid, size_t
     aclError rc = num > VS_IPC_MAX_PIDS
         ? vs_set(&err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids in one call: at most %d; call again for more", num,
                  VS_IPC_MAX_PIDS)
-        : vs_set_pids(&err, o->pg->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, pids, num);
+        : vs_node_set_pids(&err, o->pg->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, pids, num);
     so_unuse(o);
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
 }
@@ -254,7 +254,7 @@ VS_API aclError aclrtNotifySetImportPidInterServer(aclrtNotify notify, aclrtServ
     for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++) {
         uint32_t one = (uint32_t)serverPids[i].pid[0];
         if (serverPids[i].sdid == vs_rt.config.server_id)
-            rc = vs_set_pids(&err, o->pg->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, &one, 1);
+            rc = vs_node_set_pids(&err, o->pg->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, &one, 1);
     }
     so_unuse(o);
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;

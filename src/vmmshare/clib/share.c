@@ -189,11 +189,6 @@ VS_API aclError aclrtMemExportToShareableHandleV2(aclrtDrvMemHandle handle, uint
 
 /* ---------------------------------------------------------------- trustlists */
 
-aclError vs_set_pids(vs_err *err, uint64_t value, uint32_t share_type, const uint32_t *pids, size_t n)
-{
-    return vs_node_set_pids(err, value, share_type, pids, n);
-}
-
 static aclError set_pids(const shareable *s, const int32_t *pid, size_t n, const char *call)
 {
     vs_err err;
@@ -209,7 +204,7 @@ static aclError set_pids(const shareable *s, const int32_t *pid, size_t n, const
         rc = vs_set(&err, ACL_ERROR_RT_NO_PERMISSION, "this FABRIC handle was exported on server %#x: only its "
                     "exporting process, there, may set its trustlist", s->server_id);
     if (rc == ACL_SUCCESS)
-        rc = vs_set_pids(&err, s->value, s->share_type, pids, n);
+        rc = vs_node_set_pids(&err, s->value, s->share_type, pids, n);
     free(pids);
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
 }
@@ -295,19 +290,13 @@ aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const
     return ACL_SUCCESS;
 }
 
-/* Ask the broker again, as the driver checks a handle on each import: 107017 once revoked, 207006 once the
- * trustlist no longer admits this process. */
+/* Ask the broker again (vs_node_still_admitted), and check a FABRIC handle's size against the export's. */
 static aclError still_admitted(vs_err *err, const shareable *s)
 {
-    int fd;
-    uint64_t token, size;
-    vs_prop prop;
-    bool gpu;
-    aclError rc = vs_node_import(err, s->value, s->share_type, s->secret, &fd, &token, &size, &prop, &gpu);
+    uint64_t size;
+    aclError rc = vs_node_still_admitted(err, s->value, s->share_type, s->secret, &size);
     if (rc)
         return rc;
-    close(fd);
-    vs_node_release(token);
     if (s->share_type == ACL_MEM_SHARE_HANDLE_TYPE_FABRIC && s->size != size)
         return vs_set(err, ACL_ERROR_RT_INVALID_HANDLE,
                       "this FABRIC handle says %llu bytes but its memory was exported with %llu: it does not match "
@@ -417,12 +406,10 @@ void vs_forget_exports(vs_alloc *a)
 {
     if (a->imported_from && a->in_imports) {
         a->in_imports = false;
-    } else if (a->exported && a->export_live) {
-        a->export_live = false;
-        if (a->maps) {
-            vs_err ignored;
-            vs_node_revoke(&ignored, a->token);
-        }
+    } else if (a->maps) {
+        vs_revoke_alloc(a);
+    } else {
+        a->export_live = false; /* (unmapped: the node's release revokes it) */
     }
 }
 

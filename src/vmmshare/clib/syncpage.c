@@ -127,10 +127,14 @@ static page *pg_new(uint8_t *addr, int fd)
         return NULL;
     p->addr = addr;
     p->fd = fd;
-    pthread_mutex_lock(&registry);
     struct stat st;
+    if (fd >= 0 && fstat(fd, &st) != 0) {
+        free(p);
+        return NULL;
+    }
+    pthread_mutex_lock(&registry);
     file_lock *found = NULL;
-    if (fd >= 0 && fstat(fd, &st) == 0)
+    if (fd >= 0)
         for (size_t i = 0; i < file_locks.count && found == NULL; i++) {
             file_lock *f = &VS_AT(file_locks, file_lock, i);
             if (f->dev == st.st_dev && f->ino == st.st_ino)
@@ -138,6 +142,11 @@ static page *pg_new(uint8_t *addr, int fd)
         }
     if (found == NULL) {
         pthread_mutex_t *m = malloc(sizeof *m);
+        if (m == NULL) {
+            pthread_mutex_unlock(&registry);
+            free(p);
+            return NULL;
+        }
         pthread_mutex_init(m, NULL);
         found = vs_vec_push(&file_locks, sizeof(file_lock));
         found->dev = fd >= 0 ? st.st_dev : 0;

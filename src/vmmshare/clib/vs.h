@@ -247,7 +247,6 @@ void vs_forget_exports(vs_alloc *a);
 
 /* Properties and checks shared by several calls (memory.c). */
 size_t vs_prop_granularity(const vs_prop *p);
-size_t vs_prop_huge_page(const vs_prop *p);
 aclError vs_check_prop_acl(vs_err *err, const vs_prop *p, bool for_malloc);
 aclError vs_check_prop_rt(vs_err *err, const vs_prop *p);
 vs_prop vs_prop_from(const aclrtPhysicalMemProp *p);
@@ -292,6 +291,8 @@ aclError vs_node_set_pids(vs_err *err, uint64_t shareable, uint32_t share_type, 
 aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, const uint8_t *secret, int *fd,
                         uint64_t *token, uint64_t *size, vs_prop *prop, bool *gpu);
 aclError vs_node_bare_tgid(vs_err *err, uint32_t *pid);
+aclError vs_node_still_admitted(vs_err *err, uint64_t shareable, uint32_t share_type, const uint8_t *secret,
+                                uint64_t *size);
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
                                  const uint32_t *pids, size_t n);
 void vs_node_after_fork(void);
@@ -306,7 +307,6 @@ aclError vs_export_alloc(vs_err *err, vs_alloc *a, uint32_t share_type, bool pid
 aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const uint8_t *secret, int device,
                          enum vs_owner owner, size_t fabric_size, vs_alloc **out);
 void vs_revoke_alloc(vs_alloc *a);
-aclError vs_set_pids(vs_err *err, uint64_t value, uint32_t share_type, const uint32_t *pids, size_t n);
 /* A trustlist argument: at most 4096 pids, each positive (the caller's checks of count 0 and NULL come first). */
 aclError vs_read_pids(vs_err *err, const int32_t *pid, size_t n, uint32_t *out);
 void vs_ipc_forget_block(vs_alloc *a);

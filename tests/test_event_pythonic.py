@@ -3,6 +3,7 @@ child, a forked child), is opened once per process, and its waits raise the runt
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -12,6 +13,7 @@ import pytest
 import event_children
 import vmmshare
 from conftest import read, write
+from vmmshare.runtime.syncpage import futex_wait
 
 SYNC_TIMEOUT = 507047
 
@@ -74,8 +76,24 @@ def test_rule_19_an_event_is_opened_once_per_process_and_waits_raise() -> None:
     for bad in (b"x" * 63, "text", bytes(64)):
         with pytest.raises(vmmshare.AclError):
             vmmshare.Event.open(bad)
-    with pytest.raises(vmmshare.InvalidParamError):
-        vmmshare.Event().wait(-1)
+    for bad_timeout in (-1, float("nan")):
+        with pytest.raises(vmmshare.InvalidParamError):
+            vmmshare.Event().wait(bad_timeout)
+
+
+def test_rule_19_a_timeout_past_any_timespec_is_no_limit() -> None:
+    """An infinite or vast timeout is no limit, never an overflow: the futex wait takes it (and returns at once,
+    the word not being what it expects), and an event's wait with it returns once the record completed."""
+    word = ctypes.c_uint32(5)
+    for timeout in (float("inf"), 1e30, 2**80):
+        assert futex_wait(ctypes.addressof(word), 7, timeout)
+    with event_children.held_stream() as (stream, gate):
+        ev = vmmshare.Event()
+        ev.record(stream)
+        gate.set()
+        ev.wait(float("inf"))
+        assert ev.done
+        ev.close()
 
 
 def test_rule_19_a_forked_child_opens_the_event_it_inherited() -> None:

@@ -22,6 +22,7 @@ BAD_HANDLE = 107017
 SYNC_TIMEOUT = 507047
 PRODUCER_DIED = 507057
 IPC = 0x40
+MEMORY_ALLOCATION = 207001
 COMPLETE, NOT_READY = 1, 0
 
 
@@ -331,6 +332,28 @@ def test_rule_19_nothing_leaks(acl, vmm, peer):
         ok(acl.rt.destroy_event(e))
         aok(b, "rt.destroy_event", be)
     assert (fds(), map_count()) == (fds_before, maps)
+
+
+def test_rule_2_an_event_page_that_cannot_be_made_loses_nothing(acl, vmm, monkeypatch):
+    """The page's memfd cannot be made (out of fds) while the broker checks its charge: the creation fails with
+    207001, the charge goes back and the connection stays in step (the next event is made)."""
+    host = runtime().shared.host
+
+    def out_of_fds(*args: Any) -> Any:
+        raise OSError(24, "Too many open files")
+
+    e, _ = ipc_event(acl)  # (the first opens what lives on: the broker's connection)
+    ok(acl.rt.destroy_event(e))
+    node = runtime().node
+    holds_before = len(node._holds)  # the broker's holds of this process: the charge would stay among them
+    fds_before = fds()
+    with monkeypatch.context() as m:
+        m.setattr(host, "allocate", out_of_fds)
+        msg = expect_fail(MEMORY_ALLOCATION, acl.rt.create_event_ex_with_flag, IPC)
+    assert "Too many open files" in msg
+    assert (len(node._holds), fds()) == (holds_before, fds_before)
+    e, _ = ipc_event(acl)
+    ok(acl.rt.destroy_event(e))
 
 
 def test_rule_19_a_record_runs_behind_a_failed_task(acl, vmm):

@@ -13,6 +13,7 @@ the receiver opens it by its 64-byte handle.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 
@@ -88,9 +89,9 @@ class Event(Owned):
         """Return once the last record (made before this call) completed, at once if there is none; raises
         AclError 507047 after `timeout` seconds, 507057 if the process that recorded it exited first."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout < 0):
+                                    or not timeout >= 0):  # (NaN too)
             raise InvalidParamError(f"timeout must be None or seconds >= 0, got {timeout!r}")
-        runtime().events.synchronize(self._live(), timeout)
+        runtime().events.synchronize(self._live(), None if timeout == math.inf else timeout)
 
     def wait_on(self, stream: int) -> None:
         """Make work queued on `stream` after this wait for the event's last record."""

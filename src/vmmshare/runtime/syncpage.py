@@ -62,10 +62,14 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+MAX_WAIT = float(2**31 - 1)  # seconds: a longer limit is none (and would not fit the timespec)
+
+
 def futex_wait(addr: int, expected: int, timeout: float | None) -> bool:
     """Sleep while the u32 at `addr` is `expected` (at most `timeout` seconds); False when the time ran out."""
     spec = ts = None
     if timeout is not None:
+        timeout = min(timeout, MAX_WAIT)
         whole = int(timeout)
         spec = _Timespec(whole, int((timeout - whole) * 1e9))
         ts = ctypes.addressof(spec)  # (`spec` lives until the call returns)

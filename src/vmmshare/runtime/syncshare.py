@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .. import constants as C
 from ..backends.host import HostMemory
-from ..errors import InvalidHandleError
+from ..errors import InvalidHandleError, MemoryAllocationError
 from ..wire.handles import ShareableHandle, ShareType
 from ..wire.props import prop_of
 from .syncpage import MAGIC, PAGE, SyncPage
@@ -46,9 +46,13 @@ class Backing:
 def create(s: Shared, magic: int) -> Backing:
     """A fresh page of this process, charged to the node, with `magic` in its kind word."""
     made: list[HostMemory] = []
+    failed: list[BaseException] = []
 
-    def make() -> None:
-        made.append(s.host.allocate(PAGE, -1, 0))
+    def make() -> None:  # runs while the broker checks the capacity: it must not raise (the reply is still to read)
+        try:
+            made.append(s.host.allocate(PAGE, -1, 0))
+        except BaseException as exc:
+            failed.append(exc)
 
     try:
         node_ref = s.node.charge(-1, PAGE, make)
@@ -56,6 +60,12 @@ def create(s: Shared, magic: int) -> Backing:
         for mem in made:
             mem.close()
         raise
+    if failed:
+        s.safe_node_call(s.node.release, node_ref)
+        exc = failed[0]
+        if isinstance(exc, OSError):
+            raise MemoryAllocationError(f"cannot create the event's or notify's page: {exc.strerror}") from None
+        raise exc
     mem = made[0]
     try:
         page = SyncPage.of_fd(mem.fd)

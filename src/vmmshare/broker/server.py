@@ -53,7 +53,6 @@ QUANTUM = 0.0005  # seconds of serving each user's requests gets per turn of the
 REAP_AT_REFUSAL = 16  # ready connections of a user looked at for a closed one before it is refused another
 INLINE_LOOKUPS = 64  # pids of one request looked up whole when it is received; more are pinned (jobs.py)
 PIN_LIMIT = 8192  # pidfds pinned for requests in flight, all clients together
-LONG_FRAME = P.HEADER.size + 64 + 4 * INLINE_LOOKUPS  # a request this long may carry more pids than that
 PIDS_AT = {int(kind): HEADER.size + LAYOUTS[kind].fixed.size for kind in (Msg.SET_PIDS, Msg.EXPORT)}  # their u32s
 PINNED_FROM = min(PIDS_AT.values()) + 4 * INLINE_LOOKUPS  # a frame longer than this may carry more pids than that
 LITTLE_ENDIAN = sys.byteorder == "little"  # the wire's u32s read in place
@@ -613,7 +612,7 @@ class Broker:
             size = conn.sock.recv_into(bytearray(1), 1, socket.MSG_PEEK | socket.MSG_TRUNC | socket.MSG_DONTWAIT)
         except OSError:
             return False  # read it, and find out
-        return size > LONG_FRAME
+        return size > PINNED_FROM
 
     def _send(self, conn: Conn, reply: bytes, fds: tuple[int, ...]) -> None:
         try:

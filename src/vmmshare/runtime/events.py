@@ -51,13 +51,8 @@ class Event:
     device: int
     page: SyncPage
     backing: syncshare.Backing | None  # an IPC event's shared page
-    opened: bool = False  # opened from a handle (not made here)
     users: int = 0  # waits and stream tasks still using the page
     destroyed: bool = False
-
-    @property
-    def ipc(self) -> bool:
-        return self.flags == C.ACL_EVENT_IPC
 
 
 def _pending(page: SyncPage) -> bool:
@@ -270,7 +265,7 @@ class Events:
     def ipc_handle(self, handle: int) -> bytes:
         """The 64 bytes another process opens the IPC event by (its first export happens now)."""
         ev = self._live(handle)
-        if not ev.ipc or ev.backing is None:
+        if ev.backing is None:  # (an IPC event's shared page)
             raise InvalidParamError(f"event {handle:#x} was created with flag {ev.flags:#x}: only an event of "
                                     "create_event_ex_with_flag(ACL_EVENT_IPC) has an IPC handle")
         backing = ev.backing
@@ -293,4 +288,4 @@ class Events:
         device = self.s.devices.current_or(0)
         backing = syncshare.open_page(self.s, value, syncshare.MAGIC_EVENT)
         backing.page.pending = _pending
-        return self._add(Event(0, C.ACL_EVENT_IPC, device, backing.page, backing, opened=True))
+        return self._add(Event(0, C.ACL_EVENT_IPC, device, backing.page, backing))

@@ -33,7 +33,6 @@ class Backing:
     fd: int
     node_ref: int
     value: int = 0
-    exported: bool = False
 
     def close(self, s: Shared) -> None:
         """Unmap, close and let the node go (an exporter's release revokes its export: no new imports)."""
@@ -82,7 +81,6 @@ def export(s: Shared, backing: Backing, pid_validation: bool) -> int:
     flags = 0 if pid_validation else C.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION
     raw = s.node.export(backing.node_ref, backing.fd, PROP, PAGE, flags, ShareType.DEFAULT, [])
     backing.value = ShareableHandle.of(ShareType.DEFAULT, raw).value
-    backing.exported = True
     return backing.value
 
 

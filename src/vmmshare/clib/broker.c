@@ -61,13 +61,6 @@ static int loadavg_fd = -1;
 static reply scratch; /* the reply being read (under conn_lock) */
 static uint8_t frame_buf[VS_WIRE_MAX_FRAME]; /* the request being sent (under conn_lock) */
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 static void close_fds(int *fds, int n)
 {
     for (int i = 0; i < n; i++)
@@ -204,14 +197,14 @@ static int wait_reply(int fd)
     if (spin > 0 && spin_skip > 0) {
         spin_skip--;
     } else if (spin > 0 && core_free()) {
-        double deadline = now() + (double)spin / 1e6;
+        double deadline = vs_now() + (double)spin / 1e6;
         struct pollfd p = {fd, POLLIN, 0};
         for (;;) {
             if (poll(&p, 1, 0) > 0) {
                 spin_misses = 0;
                 return 1;
             }
-            if (now() >= deadline)
+            if (vs_now() >= deadline)
                 break;
             sched_yield();
         }

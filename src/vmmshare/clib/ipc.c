@@ -189,14 +189,11 @@ VS_API aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *keyOut,
     return ACL_SUCCESS;
 }
 
-/* Add this server's pids to the trustlist of a key this process exported. */
-static aclError set_local_pids(vs_err *err, const key *k, const char *text, const uint32_t *pids, size_t n)
+/* A key of this server whose export has a trustlist to set (207006 for one exported without pid validation). */
+static aclError has_trustlist(vs_err *err, const key *k, const char *text)
 {
     if (local_key(err, k))
         return err->code;
-    if (n > VS_IPC_MAX_PIDS)
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids in one call: at most %d; call again for more", n,
-                      VS_IPC_MAX_PIDS);
     vs_lock();
     vs_ipc_export *done = export_of(k->value);
     bool open_to_all = done != NULL && !done->pid_validation;
@@ -204,6 +201,17 @@ static aclError set_local_pids(vs_err *err, const key *k, const char *text, cons
     if (open_to_all)
         return vs_set(err, ACL_ERROR_RT_NO_PERMISSION, "key %s was exported with "
                       "ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION: it has no trustlist to set", text);
+    return ACL_SUCCESS;
+}
+
+/* Add this server's pids to the trustlist of a key this process exported. */
+static aclError set_local_pids(vs_err *err, const key *k, const char *text, const uint32_t *pids, size_t n)
+{
+    if (has_trustlist(err, k, text))
+        return err->code;
+    if (n > VS_IPC_MAX_PIDS)
+        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%zu pids in one call: at most %d; call again for more", n,
+                      VS_IPC_MAX_PIDS);
     return vs_node_set_pids(err, k->value, ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT, pids, n);
 }
 
@@ -242,7 +250,6 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key is NULL");
     if (serverPids == NULL || num == 0)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "server_pids is %s", serverPids == NULL ? "NULL" : "empty");
-    size_t total = 0;
     for (size_t i = 0; i < num; i++) {
         if (serverPids[i].pid == NULL)
             return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "server_pids[%zu].pid is NULL", i);
@@ -251,7 +258,6 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
         if (serverPids[i].num > VS_MAX_TRUSTLIST)
             return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "server_pids[%zu] has %zu pids; at most %d", i,
                            serverPids[i].num, VS_MAX_TRUSTLIST);
-        total += serverPids[i].num;
     }
     int device = 0;
     if (vs_current_device(&err, &device))
@@ -263,24 +269,15 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
         if (serverPids[i].num > VS_IPC_MAX_PIDS)
             return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "server_pids[%zu] has %zu pids: at most %d per entry", i,
                            serverPids[i].num, VS_IPC_MAX_PIDS);
-    uint32_t *pids = malloc(sizeof(uint32_t) * (total ? total : 1));
-    if (pids == NULL)
-        return vs_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "out of memory");
+    uint32_t pids[VS_IPC_MAX_PIDS];
     aclError rc = ACL_SUCCESS;
-    for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++)
+    for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++) /* every entry checked before any takes effect */
         rc = vs_read_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
     /* other servers' pids first (the broker refuses them with 207000 without the cross-server transport) */
     for (size_t i = 0; i < num && rc == ACL_SUCCESS; i++) {
         if (serverPids[i].sdid == vs_rt.config.server_id)
             continue;
-        rc = local_key(&err, &k);
-        vs_lock();
-        vs_ipc_export *done = export_of(k.value);
-        bool open_to_all = done != NULL && !done->pid_validation;
-        vs_unlock();
-        if (rc == ACL_SUCCESS && open_to_all)
-            rc = vs_set(&err, ACL_ERROR_RT_NO_PERMISSION, "key %s was exported with ACL_RT_IPC_MEM_EXPORT_FLAG_"
-                        "DISABLE_PID_VALIDATION: it has no trustlist to set", keyText);
+        rc = has_trustlist(&err, &k, keyText);
         if (rc == ACL_SUCCESS)
             rc = vs_read_pids(&err, serverPids[i].pid, serverPids[i].num, pids);
         if (rc == ACL_SUCCESS)
@@ -294,7 +291,6 @@ VS_API aclError aclrtIpcMemImportPidInterServer(const char *keyText, aclrtServer
         if (rc == ACL_SUCCESS)
             rc = set_local_pids(&err, &k, keyText, pids, serverPids[i].num);
     }
-    free(pids);
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
 }
 

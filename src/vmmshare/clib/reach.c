@@ -32,13 +32,6 @@
 #define CONNECT_TIMEOUT_S 10.0
 #define START_TIMEOUT_S 20.0
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 static bool trusted(uid_t uid)
 {
     return uid == getuid() || uid == 0 || (vs_rt.config.broker_user >= 0 && (long)uid == vs_rt.config.broker_user);
@@ -81,7 +74,7 @@ static aclError try_connect(vs_err *err, int *fd)
     struct sockaddr_un addr = {0};
     addr.sun_family = AF_UNIX;
     snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
-    double deadline = now() + CONNECT_TIMEOUT_S;
+    double deadline = vs_now() + CONNECT_TIMEOUT_S;
     long pause_us = 500;
     int s;
     for (;;) {
@@ -96,7 +89,7 @@ static aclError try_connect(vs_err *err, int *fd)
             return 1;
         if (e != EAGAIN)
             return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "cannot reach the broker at %s: %s", path, strerror(e));
-        if (now() >= deadline)
+        if (vs_now() >= deadline)
             return vs_set(err, ACL_ERROR_RT_IPC_ERROR,
                           "the broker at %s does not take connections (stopped, or overloaded) within %.0f s", path,
                           CONNECT_TIMEOUT_S);
@@ -236,12 +229,12 @@ static aclError spawn_broker(vs_err *err, const char *folder)
     int status;
     while (waitpid(first, &status, 0) < 0 && errno == EINTR)
         ;
-    double deadline = now() + START_TIMEOUT_S;
+    double deadline = vs_now() + START_TIMEOUT_S;
     char line[64];
     size_t got = 0;
     aclError code = ACL_SUCCESS;
     for (;;) {
-        double left = deadline - now();
+        double left = deadline - vs_now();
         struct pollfd p = {pipefd[0], POLLIN, 0};
         int ready = left > 0 ? poll(&p, 1, (int)(left * 1000)) : 0;
         if (ready < 0 && errno == EINTR)
@@ -288,9 +281,9 @@ aclError vs_reach_broker(vs_err *err, int *fd)
     int lock = open_private(err, lock_path, O_RDWR);
     if (lock < 0)
         return err->code;
-    double deadline = now() + START_TIMEOUT_S;
+    double deadline = vs_now() + START_TIMEOUT_S;
     while (flock(lock, LOCK_EX | LOCK_NB) != 0) {
-        if (now() > deadline) {
+        if (vs_now() > deadline) {
             close(lock);
             return vs_set(err, ACL_ERROR_RT_IPC_ERROR,
                           "%s stayed locked for %.0f s: another process is stuck starting the broker", lock_path,

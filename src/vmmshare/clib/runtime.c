@@ -100,6 +100,14 @@ static void after_fork_child(void)
     vs_node_after_fork();
 }
 
+/* Seconds on the monotonic clock (the connection's and the broker start's deadlines). */
+double vs_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
 /* ---------------------------------------------------------------- tables */
 
 vs_range *vs_reservation_at(uintptr_t ptr)

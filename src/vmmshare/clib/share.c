@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "vs.h"
+#include "wire.h"
 
 /* A shareable handle as the calls take it: its node-local value and, for FABRIC, the decoded fields. */
 typedef struct shareable {
@@ -19,14 +20,6 @@ typedef struct shareable {
     uint64_t size;
     const uint8_t *secret;
 } shareable;
-
-static uint64_t le(const uint8_t *p, int n)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
 
 /* Decode a FABRIC handle (wire.handles.decode_fabric): 107017 for content that is not a handle, 107000 for a
  * malformed endpoint. */
@@ -38,7 +31,7 @@ static aclError decode_fabric(vs_err *err, const uint8_t *raw, shareable *out)
     if (raw[4] != 1 || raw[5] != ACL_MEM_SHARE_HANDLE_TYPE_FABRIC)
         return vs_set(err, ACL_ERROR_RT_INVALID_HANDLE, "FABRIC handle version %u / share type %u is not supported",
                       raw[4], raw[5]);
-    uint64_t flags = le(raw + 6, 2), value = le(raw + 16, 8);
+    uint64_t flags = vs_wire_get_le(raw + 6, 2), value = vs_wire_get_le(raw + 16, 8);
     bool reserved = false;
     for (int i = 96; i < 128; i++)
         reserved |= raw[i] != 0;
@@ -54,8 +47,8 @@ static aclError decode_fabric(vs_err *err, const uint8_t *raw, shareable *out)
     }
     out->share_type = ACL_MEM_SHARE_HANDLE_TYPE_FABRIC;
     out->value = value;
-    out->server_id = (uint32_t)le(raw + 8, 4);
-    out->size = le(raw + 24, 8);
+    out->server_id = (uint32_t)vs_wire_get_le(raw + 8, 4);
+    out->size = vs_wire_get_le(raw + 24, 8);
     out->secret = raw + 64;
     return ACL_SUCCESS;
 }

@@ -216,6 +216,7 @@ int vs_read_config(vs_config *c);
 
 /* The runtime, set up on first use (the configuration read); 0 or the configuration's error. */
 aclError vs_start(vs_err *err);
+double vs_now(void); /* seconds on the monotonic clock */
 void vs_lock(void);
 void vs_unlock(void);
 void *vs_vec_push(vs_vec *v, size_t size);

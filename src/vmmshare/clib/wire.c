@@ -72,7 +72,7 @@ static void put_le(uint8_t *p, uint64_t v, size_t len)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
-static uint64_t get_le(const uint8_t *p, size_t len)
+uint64_t vs_wire_get_le(const uint8_t *p, size_t len)
 {
     uint64_t v = 0;
     for (size_t i = 0; i < len; i++)
@@ -186,7 +186,7 @@ int vs_wire_decode(const uint8_t *frame, size_t n, int nfds, unsigned *kind, uin
         *why = scratch;
         return -1;
     }
-    uint64_t length = get_le(frame + 8, 4);
+    uint64_t length = vs_wire_get_le(frame + 8, 4);
     size_t fixed = vs_wire_fixed_size(layout);
     if (length < fixed || length > fixed + layout->max_tail) {
         snprintf(scratch, 160, "%s body of %llu bytes: it takes %zu to %zu", layout->name,
@@ -214,9 +214,9 @@ int vs_wire_decode(const uint8_t *frame, size_t n, int nfds, unsigned *kind, uin
         if (code == 's')
             f->bytes[bytes++] = frame + at;
         else if (code == 'i')
-            f->v[slot] = (uint64_t)(int64_t)(int32_t)(uint32_t)get_le(frame + at, 4);
+            f->v[slot] = (uint64_t)(int64_t)(int32_t)(uint32_t)vs_wire_get_le(frame + at, 4);
         else
-            f->v[slot] = get_le(frame + at, len);
+            f->v[slot] = vs_wire_get_le(frame + at, len);
         at += len;
     }
     f->tail = frame + at;
@@ -232,6 +232,6 @@ int vs_wire_decode(const uint8_t *frame, size_t n, int nfds, unsigned *kind, uin
         return -1;
     }
     *kind = layout->kind;
-    *req = (uint32_t)get_le(frame + 4, 4);
+    *req = (uint32_t)vs_wire_get_le(frame + 4, 4);
     return 0;
 }

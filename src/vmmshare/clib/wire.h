@@ -48,6 +48,8 @@ const vs_layout *vs_wire_layout(unsigned kind);
 size_t vs_wire_fixed_size(const vs_layout *layout);
 /* Encode a frame into `out` (at least VS_WIRE_MAX_FRAME bytes); its length, or 0 with `why` set when a value does
  * not fit its field or the tail is over its maximum. */
+/* The little-endian unsigned integer of `len` bytes (at most 8) at p. */
+uint64_t vs_wire_get_le(const uint8_t *p, size_t len);
 size_t vs_wire_encode(unsigned kind, uint32_t req, const vs_fields *f, uint8_t *out, const char **why);
 /* Decode one whole frame that came with `nfds` descriptors; 0 on success, else -1 with `why` (a static text or
  * `scratch`, which must hold 160 bytes) saying what is wrong. The fields point into `frame`. */

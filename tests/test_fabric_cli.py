@@ -112,8 +112,10 @@ def test_bench_fabric_reports_every_ratio(tmp_path: Path) -> None:
     res = json.loads(path.read_text())
     assert set(res["throughput"]) == {"read 1 MiB", "read 4 MiB", "write 1 MiB", "write 4 MiB"}
     for row in res["throughput"].values():
-        assert set(row) == {"vmmshare", "engine", "engine_to_broker", "tcp"} and all(v > 0 for v in row.values())
+        assert set(row) == {"vmmshare", "c", "engine", "engine_to_broker", "tcp"} and all(v > 0 for v in row.values())
     assert res["ratios"]["latency_4k_vs_engine"] > 0 and res["import_map_us"]["median"] > 0
+    assert res["ratios"]["c_latency_4k_vs_engine"] > 0 and set(res["ratios"]["c_throughput_vs_engine"]) == set(
+        res["throughput"])
     assert "4 KiB read latency" in out.stdout and "import + reserve + map" in out.stdout
 
 

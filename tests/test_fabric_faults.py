@@ -19,7 +19,10 @@ require(not cluster_problem(), cluster_problem())
 IMP = "rt.mem_import_from_shareable_handle_v2"
 
 
-def test_a_killed_exporting_broker_is_a_clear_error_and_frees_cleanly(fabric: TestCluster) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_a_killed_exporting_broker_is_a_clear_error_and_frees_cleanly(fabric: TestCluster, surface: str) -> None:
+    """The importers are Python programs, or C ones (the C library through `cacl`)."""
+    fabric.surfaces = {2: surface}
     a, b, c = fabric.actor(1), fabric.actor(2), fabric.actor(2)
     _, s, _ = export(a, pids=[b.pid, c.pid])
     ih, rp = import_map(b, s)
@@ -59,7 +62,10 @@ def test_a_frozen_exporting_broker_times_out_and_recovers(fabric: TestCluster) -
 
 
 @pytest.mark.slow
-def test_a_link_down_is_a_clear_error_and_up_again_works(fabric: TestCluster) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_a_link_down_is_a_clear_error_and_up_again_works(fabric: TestCluster, surface: str) -> None:
+    """The importers are Python programs, or C ones (the C library through `cacl`)."""
+    fabric.surfaces = {2: surface}
     a, b, c = fabric.actor(1), fabric.actor(2), fabric.actor(2)
     _, s, ap = export(a, pids=[b.pid, c.pid])
     a.call("!write", ap, 0x44, M2)
@@ -99,10 +105,12 @@ def test_what_an_importer_held_is_released_when_it_or_its_server_goes(fabric: Te
 
 
 @pytest.mark.slow
-def test_after_its_broker_restarts_a_process_imports_and_copies_again(fabric: TestCluster) -> None:
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_after_its_broker_restarts_a_process_imports_and_copies_again(fabric: TestCluster, surface: str) -> None:
     """The importing broker restarts under a process that imported: the process's next remote import comes with a
-    new metadata namespace (the new broker's service), and its copies use an engine started there."""
-    a, b = fabric.actor(1), fabric.actor(2)
+    new metadata namespace (the new broker's service), and its copies use an engine started there (a Python
+    importer's), or reach the exporting engine again (a C importer's)."""
+    a, b = fabric.actor(1), fabric.actor(2, VMMSHARE_ACTOR_SURFACE=surface)
     _, s, ap = export(a, pids=[b.pid])
     a.call("!write", ap, 0x33, M2)
     h, rp = import_map(b, s)

@@ -7,6 +7,7 @@ Needs root and the transfer engine; CI has both, so there these tests must run (
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -68,12 +69,36 @@ def served_nothing(c: TestCluster, n: int = 1) -> bool:
     return b.memfd_mappings() == 0 and not any(r.get("remote_importers") for r in rows)
 
 
+# ---------------------------------------------------------------- both surfaces
+
+
+@pytest.fixture(params=["python", "c"])
+def fab(request: pytest.FixtureRequest, shared_fabric: TestCluster) -> Iterator[TestCluster]:
+    """The module's cluster with every actor on one surface: vmmshare.acl, or the C library (libascendcl.so) through
+    `cacl`, so that each rule across servers runs on both."""
+    shared_fabric.surfaces = {1: request.param, 2: request.param}
+    yield shared_fabric
+    shared_fabric.surfaces = {}
+
+
+@pytest.fixture(params=["python-python", "c-c", "c-python", "python-c"])
+def pair(request: pytest.FixtureRequest, shared_fabric: TestCluster) -> Iterator[TestCluster]:
+    """The module's cluster with server 1's actors (the exporters) on one surface and server 2's (the importers) on
+    another: each way between a C and a Python program."""
+    exporter, importer = request.param.split("-")
+    shared_fabric.surfaces = {1: exporter, 2: importer}
+    yield shared_fabric
+    shared_fabric.surfaces = {}
+
+
 # ---------------------------------------------------------------- the sample flow
 
 
-def test_the_sharing_sample_flow_across_servers(shared_fabric: TestCluster) -> None:
+def test_the_sharing_sample_flow_across_servers(pair: TestCluster) -> None:
     """Server 1 exports and trustlists server 2's process by its bare tgid; server 2 imports, maps, and copies in
-    every direction between that range and its own memory (malloc_host, malloc, a local VMM mapping), and sets it."""
+    every direction between that range and its own memory (malloc_host, malloc, a local VMM mapping), and sets it:
+    C and Python programs, each way."""
+    shared_fabric = pair
     a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     tgid = ok(b, "rt.device_get_bare_tgid")
     assert tgid == b.pid
@@ -164,7 +189,8 @@ print("OK")
 # ---------------------------------------------------------------- the rules across servers
 
 
-def test_rule_11_only_trusted_pids_of_other_servers_import(shared_fabric: TestCluster) -> None:
+def test_rule_11_only_trusted_pids_of_other_servers_import(fab: TestCluster) -> None:
+    shared_fabric = fab
     a, b, c = shared_fabric.actor(1), shared_fabric.actor(2), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a, pids=[b.pid])
@@ -178,8 +204,10 @@ def test_rule_11_only_trusted_pids_of_other_servers_import(shared_fabric: TestCl
     eventually(lambda: served_nothing(shared_fabric), "remote holds left behind")
 
 
-def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(shared_fabric: TestCluster) -> None:
-    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
+@pytest.mark.parametrize("importer", ["python", "c"])
+def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(shared_fabric: TestCluster, importer: str) -> None:
+    """`allow(server=)` is the Pythonic objects' (the exporter is a Python program); the importer is either."""
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2, VMMSHARE_ACTOR_SURFACE=importer)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a)
     a.call("!allow_server", s, shared_fabric.server_id(2) ^ 0xFF, [b.pid])  # b's pid, but of a server b is not on
@@ -193,7 +221,8 @@ def test_rule_11_server_and_pid_pairs_admit_that_servers_pid_only(shared_fabric:
     eventually(lambda: served_nothing(shared_fabric), "remote holds left behind")
 
 
-def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(shared_fabric: TestCluster) -> None:
+def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(fab: TestCluster) -> None:
+    shared_fabric = fab
     """ipc_mem_import_pid_inter_server: {sdid, pids} admits those pids of server sdid, not the same pid numbers on
     the exporter's own server."""
     a, local = shared_fabric.actor(1), shared_fabric.actor(1)
@@ -209,7 +238,8 @@ def test_rule_11_an_ipc_entry_of_another_server_admits_that_servers_pid_only(sha
     ok(a, "rt.free", ptr)
 
 
-def test_rule_12_only_the_exporting_process_sets_the_trustlist(shared_fabric: TestCluster) -> None:
+def test_rule_12_only_the_exporting_process_sets_the_trustlist(fab: TestCluster) -> None:
+    shared_fabric = fab
     a, b, neighbour = shared_fabric.actor(1), shared_fabric.actor(2), shared_fabric.actor(1)
     _, s, _ = export(a)
     msg = fails(b, NO_PERMISSION, "rt.mem_set_pid_to_shareable_handle_v2", s, FABRIC, [b.pid])
@@ -218,7 +248,8 @@ def test_rule_12_only_the_exporting_process_sets_the_trustlist(shared_fabric: Te
     fails(b, NO_PERMISSION, "rt.mem_import_from_shareable_handle_v2", s, FABRIC, 0)  # none of it took effect
 
 
-def test_rule_13_the_same_handle_twice_in_one_process(shared_fabric: TestCluster) -> None:
+def test_rule_13_the_same_handle_twice_in_one_process(fab: TestCluster) -> None:
+    shared_fabric = fab
     a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a, pids=[b.pid])
@@ -237,7 +268,8 @@ def test_rule_13_the_same_handle_twice_in_one_process(shared_fabric: TestCluster
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["free", "exit"])
 def test_rule_14_the_exporters_free_or_death_revokes_while_remote_importers_keep_the_memory(
-        shared_fabric: TestCluster, how: str) -> None:
+        fab: TestCluster, how: str) -> None:
+    shared_fabric = fab
     a, b, late = shared_fabric.actor(1), shared_fabric.actor(2), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     h, s, ap = export(a, 2 * M2, pids=[b.pid, late.pid])
@@ -260,7 +292,8 @@ def test_rule_14_the_exporters_free_or_death_revokes_while_remote_importers_keep
     assert shared_fabric.brokers[1].listing()["used"] == {}
 
 
-def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(shared_fabric: TestCluster) -> None:
+def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(fab: TestCluster) -> None:
+    shared_fabric = fab
     a, b = shared_fabric.actor(1), shared_fabric.actor(2)
     imp = "rt.mem_import_from_shareable_handle_v2"
     _, s, _ = export(a, flags=NO_PID_CHECK)
@@ -281,7 +314,8 @@ def test_rule_16_forged_and_garbled_handles_are_refused_and_nothing_leaks(shared
     eventually(lambda: all(shared_fabric.brokers[n].fd_count() <= fds[n] for n in (1, 2)), "a broker holds more fds")
 
 
-def test_without_the_transport_a_remote_handle_says_what_to_configure(shared_fabric: TestCluster) -> None:
+def test_without_the_transport_a_remote_handle_says_what_to_configure(fab: TestCluster) -> None:
+    shared_fabric = fab
     plain = {"VMMSHARE_FABRIC": "off", "VMMSHARE_SOCKET": str(shared_fabric.root / "plain" / "broker.sock")}
     a, b = shared_fabric.actor(1), shared_fabric.actor(2, **plain)  # b's broker (auto-started) has no transport
     _, s, _ = export(a, flags=NO_PID_CHECK)

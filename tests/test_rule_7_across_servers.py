@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from conftest import require
 from fabric_cluster import TestCluster, cluster_problem
 from procs import ok
@@ -20,8 +22,10 @@ PARAM = 107000
 DEFAULT_KIND = 4
 
 
-def test_rule_7_a_local_mapping_next_to_a_remote_one_is_one_range(shared_fabric: TestCluster) -> None:
-    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
+@pytest.mark.parametrize("surface", ["python", "c"])
+def test_rule_7_a_local_mapping_next_to_a_remote_one_is_one_range(shared_fabric: TestCluster, surface: str) -> None:
+    """The importer is a Python program, or a C one (the C library through `cacl`)."""
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2, VMMSHARE_ACTOR_SURFACE=surface)
     h = ok(a, "rt.malloc_physical", M2, PROP, 0)
     p = ok(a, "rt.reserve_mem_address", M2, 0, 0, 0)
     ok(a, "rt.map_mem", p, M2, 0, h, 0)

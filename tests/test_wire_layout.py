@@ -100,9 +100,9 @@ CASES = [
     ("remote_imported", 27,
      P.RemoteImported(hold=0x0102030405060708, size=0x200000, memory_kind=0, handle_type=0, allocation_type=0,
                       mem_attr=5, location_type=1, location_id=0, address=0x00007F1122334000, metadata_port=12345,
-                      metadata_token=bytes(range(16)), segment="vmmshare-0011223344556677"), 0,
-     "5642 01 48 1b000000 4c000000  0807060504030201 0000200000000000 00  00 00 05 01 00000000 0040332211 7f0000"
-     "  3930 000102030405060708090a0b0c0d0e0f  766d6d73686172652d30303131323233333434353536363737"),
+                      metadata_token=bytes(range(16)), data_port=0x4321, segment="vmmshare-0011223344556677"), 0,
+     "5642 01 48 1b000000 4e000000  0807060504030201 0000200000000000 00  00 00 05 01 00000000 0040332211 7f0000"
+     "  3930 000102030405060708090a0b0c0d0e0f 2143  766d6d73686172652d30303131323233333434353536363737"),
 ]
 
 IDS = [c[0] for c in CASES]

@@ -5,7 +5,9 @@ exports memory as a FABRIC handle; it also runs a bare transfer engine with a re
 a plain TCP socket server. Server 2 measures, in one run and interleaved:
 - remote read and write throughput (memcpy between a remote mapping and malloc_host memory) at each size, against
   the bare engine (`transfer_sync_read/write` on pre-registered buffers) and the TCP socket (the link's limit);
-- 4 KiB read latency against the same two;
+- the same copies by the C library (libascendcl.so, called in the same process through ctypes: `c`), which speaks
+  the engine's TCP data protocol itself (docs/architecture.md, "One data plane");
+- 4 KiB read latency against the same;
 - import + reserve + map of the remote handle, in microseconds.
 Needs root (network namespaces) and the engine (pip install 'vmmshare[fabric]').
 """
@@ -142,6 +144,7 @@ def _measurer(info: dict[str, Any], sizes: list[int], reps: int, latency_reps: i
     node: Any = runtime().node
     to_broker.initialize(os.environ["VMMSHARE_FABRIC_ADDR"], node.metadata_url, "tcp", "")
     to_broker.register_memory(la, top)
+    c_copy = _c_library(shareable, top)
     sock = socket.create_connection(tuple(info["tcp"]))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sview = memoryview(bytearray(top))
@@ -162,12 +165,14 @@ def _measurer(info: dict[str, Any], sizes: list[int], reps: int, latency_reps: i
     ways = {
         "read": {
             "vmmshare": lambda n: check(acl.rt.memcpy(buf, n, rp, n, 2)),
+            "c": lambda n: check(c_copy(n, False)),
             "engine": lambda n: check(raw.transfer_sync_read(seg, la, ra, n)),
             "engine_to_broker": lambda n: check(to_broker.transfer_sync_read(served.segment, la, served.address, n)),
             "tcp": tcp_read,
         },
         "write": {
             "vmmshare": lambda n: check(acl.rt.memcpy(rp, n, buf, n, 1)),
+            "c": lambda n: check(c_copy(n, True)),
             "engine": lambda n: check(raw.transfer_sync_write(seg, la, ra, n)),
             "engine_to_broker": lambda n: check(to_broker.transfer_sync_write(served.segment, la, served.address, n)),
             "tcp": tcp_write,
@@ -206,6 +211,35 @@ def _measurer(info: dict[str, Any], sizes: list[int], reps: int, latency_reps: i
     return res
 
 
+def _c_library(shareable: bytes, top: int) -> Any:
+    """The C library in this process (a client of the node's broker of its own): the same handle imported,
+    reserved and mapped through it, and a copy of `n` bytes between that mapping and its malloc_host memory
+    (`write`: host to remote), which returns the call's code."""
+    from ..sdk import library
+
+    lib = ctypes.CDLL(str(library()))
+    vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+    lib.aclrtMemcpy.argtypes = [vp, ctypes.c_size_t, vp, ctypes.c_size_t, ctypes.c_int]
+    lib.aclrtMemImportFromShareableHandleV2.argtypes = [ctypes.c_char_p, ctypes.c_int, u64, ctypes.POINTER(vp)]
+    lib.aclrtReserveMemAddress.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_size_t, vp, u64]
+    lib.aclrtMapMem.argtypes = [vp, ctypes.c_size_t, ctypes.c_size_t, vp, u64]
+    lib.aclrtMallocHost.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t]
+    h, rp, buf = vp(), vp(), vp()
+    for rc in (lib.aclrtSetDevice(0), lib.aclrtMemImportFromShareableHandleV2(shareable, 2, 0, ctypes.byref(h)),
+               lib.aclrtReserveMemAddress(ctypes.byref(rp), top, 0, None, 0), lib.aclrtMapMem(rp, top, 0, h, 0),
+               lib.aclrtMallocHost(ctypes.byref(buf), top)):
+        if rc:
+            raise SystemExit(f"the C library's import failed ({rc})")
+    memcpy, r, b = lib.aclrtMemcpy, rp.value, buf.value
+    assert r is not None and b is not None
+    ctypes.memset(b, 1, top)
+
+    def copy(n: int, write: bool) -> int:
+        return int(memcpy(r, n, b, n, 1) if write else memcpy(b, n, r, n, 2))
+
+    return copy
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -239,6 +273,10 @@ def run(sizes: list[int], reps: int, latency_reps: int) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
     res["ratios"] = {
         "throughput_vs_engine": {k: v["vmmshare"] / v["engine"] for k, v in res["throughput"].items()},
+        "c_throughput_vs_engine": {k: v["c"] / v["engine"] for k, v in res["throughput"].items()},
+        "c_throughput_vs_python": {k: v["c"] / v["vmmshare"] for k, v in res["throughput"].items()},
+        "c_latency_4k_vs_engine": res["latency_4k_us"]["c"] / res["latency_4k_us"]["engine"],
+        "c_latency_4k_vs_python": res["latency_4k_us"]["c"] / res["latency_4k_us"]["vmmshare"],
         "throughput_vs_tcp": {k: v["vmmshare"] / v["tcp"] for k, v in res["throughput"].items()},
         "latency_4k_vs_engine": res["latency_4k_us"]["vmmshare"] / res["latency_4k_us"]["engine"],
         "latency_4k_vs_tcp": res["latency_4k_us"]["vmmshare"] / res["latency_4k_us"]["tcp"],
@@ -246,19 +284,22 @@ def run(sizes: list[int], reps: int, latency_reps: int) -> dict[str, Any]:
     res["targets"] = {
         "throughput >= 0.9x engine": all(r >= 0.9 for r in res["ratios"]["throughput_vs_engine"].values()),
         "4 KiB latency <= 1.2x engine": res["ratios"]["latency_4k_vs_engine"] <= 1.2,
+        "C throughput >= 0.9x engine": all(r >= 0.9 for r in res["ratios"]["c_throughput_vs_engine"].values()),
+        "C 4 KiB latency <= 1.2x engine": res["ratios"]["c_latency_4k_vs_engine"] <= 1.2,
     }
     return res
 
 
 def print_report(res: dict[str, Any]) -> None:
     print("cross-server copies (two network namespaces over veth, TCP): GB/s, medians")
-    print(f"  {'':18s} {'vmmshare':>9s} {'engine':>9s} {'tcp':>9s}   vs engine  vs tcp")
+    print(f"  {'':18s} {'vmmshare':>9s} {'C':>9s} {'engine':>9s} {'tcp':>9s}   vs engine  C vs engine  vs tcp")
     for key, v in res["throughput"].items():
-        print(f"  {key:18s} {v['vmmshare']:9.2f} {v['engine']:9.2f} {v['tcp']:9.2f}   "
-              f"{v['vmmshare'] / v['engine']:8.2f}x {v['vmmshare'] / v['tcp']:6.2f}x")
+        print(f"  {key:18s} {v['vmmshare']:9.2f} {v['c']:9.2f} {v['engine']:9.2f} {v['tcp']:9.2f}   "
+              f"{v['vmmshare'] / v['engine']:8.2f}x {v['c'] / v['engine']:11.2f}x {v['vmmshare'] / v['tcp']:6.2f}x")
     lat = res["latency_4k_us"]
-    print(f"  4 KiB read latency, µs: vmmshare {lat['vmmshare']:.1f}, engine {lat['engine']:.1f}, tcp {lat['tcp']:.1f}"
-          f" ({res['ratios']['latency_4k_vs_engine']:.2f}x engine); the bare engine reading the broker's served "
+    print(f"  4 KiB read latency, µs: vmmshare {lat['vmmshare']:.1f}, C {lat['c']:.1f}, engine {lat['engine']:.1f}, "
+          f"tcp {lat['tcp']:.1f} ({res['ratios']['latency_4k_vs_engine']:.2f}x engine, C "
+          f"{res['ratios']['c_latency_4k_vs_engine']:.2f}x); the bare engine reading the broker's served "
           f"memory: {lat['engine_to_broker']:.1f}")
     im = res["import_map_us"]
     print(f"  import + reserve + map of a remote handle: {im['median']:.0f} µs (the process's first, which "

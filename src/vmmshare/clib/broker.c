@@ -613,3 +613,30 @@ aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share
 {
     return pids_request(err, VS_SET_REMOTE_PIDS, shareable, share_type, server, pids, n);
 }
+
+/* Another server's FABRIC memory (the 128 bytes of `handle`), imported through this node's broker, which asks the
+ * exporting node's: the hold's token, the memory's size and properties, its address in the exporting node's
+ * transfer engine and the port that engine takes transfers on (at the handle's fabric address). No fd comes: the
+ * memory stays on its server. */
+aclError vs_node_remote_import(vs_err *err, const uint8_t *handle, uint64_t *token, uint64_t *size, vs_prop *prop,
+                               uint64_t *address, uint16_t *data_port)
+{
+    reply *r = begin();
+    vs_fields f = {0};
+    f.bytes[0] = handle;
+    aclError rc = request(err, VS_REMOTE_IMPORT, &f, -1, 0, NULL, 0, VS_REMOTE_IMPORTED, r);
+    if (rc == ACL_SUCCESS) {
+        *token = new_token(r->f.v[0], false, 0, 0);
+        *size = r->f.v[1];
+        memset(prop, 0, sizeof *prop);
+        prop->handle_type = (uint32_t)r->f.v[3];
+        prop->allocation_type = (uint32_t)r->f.v[4];
+        prop->mem_attr = (uint32_t)r->f.v[5];
+        prop->loc_type = (uint32_t)r->f.v[6];
+        prop->loc_id = (int64_t)r->f.v[7];
+        *address = r->f.v[8];
+        *data_port = (uint16_t)r->f.v[11];
+    }
+    end();
+    return rc;
+}

@@ -253,6 +253,23 @@ static int read_spin(vs_config *c)
     return 0;
 }
 
+/* VMMSHARE_FABRIC_TIMEOUT (config.fabric_timeout): seconds in [0.2, 3600], 5 by default. */
+static int read_fabric_timeout(vs_config *c)
+{
+    const char *v = raw("VMMSHARE_FABRIC_TIMEOUT");
+    c->fabric_timeout = 5.0;
+    if (v == NULL)
+        return 0;
+    char *end;
+    double s = strtod(v, &end);
+    while (*end == ' ' || *end == '\t' || *end == '\n')
+        end++;
+    if (end == v || *end || !(s >= 0.2 && s <= 3600))
+        return bad(c, "%s='%s' is not a number of seconds in [0.2, 3600]", "VMMSHARE_FABRIC_TIMEOUT", v);
+    c->fabric_timeout = s;
+    return 0;
+}
+
 static int read_broker_user(vs_config *c)
 {
     const char *v = raw("VMMSHARE_BROKER_USER");
@@ -343,7 +360,7 @@ int vs_read_config(vs_config *c)
     c->broker_user = -1;
     c->nvisible = -1;
     if (read_devices(c) || read_memory(c) || read_socket(c) || read_server_id(c) || read_backend(c) ||
-        read_broker_user(c) || read_spin(c))
+        read_broker_user(c) || read_spin(c) || read_fabric_timeout(c))
         return -1;
     c->prepopulate = read_flag("VMMSHARE_PREPOPULATE");
     read_visible(c);

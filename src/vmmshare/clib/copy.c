@@ -129,113 +129,33 @@ VS_API aclError aclrtFreeHost(void *hostPtr)
     return rc;
 }
 
-/* ---------------------------------------------------------------- checking a range */
-
-/* Whether /proc/self/maps shows [ptr, ptr+size) readable (and writable when asked), end to end. */
-bool vs_process_range_ok(uintptr_t ptr, size_t size, bool write)
-{
-    FILE *f = fopen("/proc/self/maps", "re");
-    if (f == NULL)
-        return false;
-    uintptr_t cursor = ptr, end = ptr + size;
-    char line[512];
-    bool ok = false;
-    while (fgets(line, sizeof line, f) != NULL) {
-        unsigned long lo, hi;
-        char perms[8];
-        if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3)
-            break;
-        if (hi <= cursor)
-            continue;
-        if (lo > cursor || perms[0] != 'r' || (write && perms[1] != 'w'))
-            break;
-        cursor = hi;
-        if (cursor >= end) {
-            ok = true;
-            break;
-        }
-    }
-    fclose(f);
-    return ok;
-}
-
-enum { SIDE_HOST = 1, SIDE_DEVICE = 2 };
-
-/* Check that [ptr, ptr+size) is memory this process may read (or write): the mappings it runs through end to end,
- * or a malloc_host block, or memory the process mapped itself. `sides` collects whether host or device memory is in
- * it. The lock is held. */
-static aclError check_range(vs_err *err, uintptr_t ptr, size_t size, bool write, const char *what, int *sides)
-{
-    if (ptr == 0)
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s is NULL", what);
-    if (ptr + size < ptr)
-        return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s range %#lx+%zu wraps around the address space", what,
-                      (unsigned long)ptr, size);
-    vs_mapping *m = vs_mapping_at(ptr);
-    if (m == NULL) {
-        if (vs_reservation_at(ptr) != NULL)
-            return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s %#lx is reserved but not mapped: aclrtMapMem it first",
-                          what, (unsigned long)ptr);
-        *sides |= SIDE_HOST;
-        for (size_t i = 0; i < vs_rt.host_blocks.count; i++) {
-            vs_hostblock *b = &VS_AT(vs_rt.host_blocks, vs_hostblock, i);
-            if (b->ptr <= ptr && ptr - b->ptr < b->size) {
-                if (ptr + size > b->ptr + b->size)
-                    return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s range %#lx+%zu runs past its aclrtMallocHost "
-                                  "block", what, (unsigned long)ptr, size);
-                return ACL_SUCCESS;
-            }
-        }
-        if (!vs_process_range_ok(ptr, size, write))
-            return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s %#lx+%zu is not %s memory", what, (unsigned long)ptr,
-                          size, write ? "writable" : "readable");
-        return ACL_SUCCESS;
-    }
-    uint64_t need = write ? ACL_RT_MEM_ACCESS_FLAGS_READWRITE : ACL_RT_MEM_ACCESS_FLAGS_READ;
-    uintptr_t cursor = ptr, end = ptr + size;
-    for (;;) {
-        if ((m->effective & need) != need)
-            return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%s mapping at %#lx is not %s", what, (unsigned long)m->ptr,
-                          write ? "writable" : "readable");
-        *sides |= m->alloc->prop.loc_type == ACL_MEM_LOCATION_TYPE_DEVICE ? SIDE_DEVICE : SIDE_HOST;
-        uintptr_t stop = m->ptr + m->size;
-        if (stop >= end)
-            return ACL_SUCCESS;
-        cursor = stop;
-        m = vs_mapping_at(cursor);
-        if (m == NULL)
-            return vs_set(err, ACL_ERROR_RT_PARAM_INVALID,
-                          "%s range %#lx+%zu runs into %#lx, which is %s: a copy may span mappings only where they "
-                          "lie end to end", what, (unsigned long)ptr, size, (unsigned long)cursor,
-                          vs_reservation_at(cursor) != NULL ? "reserved but not mapped" : "not mapped");
-    }
-}
-
 static const char *side_names(int sides)
 {
-    return sides == SIDE_HOST ? "host" : sides == SIDE_DEVICE ? "device" : "host and device";
+    return sides == VS_SIDE_HOST ? "host" : sides == VS_SIDE_DEVICE ? "device" : "host and device";
 }
 
 /* Check a copy's ranges and kind (the lock held). */
-static aclError plan_copy(vs_err *err, uintptr_t dst, uintptr_t src, size_t count, int kind)
+static aclError plan_copy(vs_err *err, uintptr_t dst, uintptr_t src, size_t count, int kind, vs_pieces *pto,
+                          vs_pieces *pof)
 {
     int to = 0, of = 0;
-    if (check_range(err, dst, count, true, "dst", &to) || check_range(err, src, count, false, "src", &of))
+    if (vs_check_range(err, dst, count, true, "dst", &to, pto) ||
+        vs_check_range(err, src, count, false, "src", &of, pof))
         return err->code;
     int want_dst, want_src;
     switch (kind) {
-    case ACL_MEMCPY_HOST_TO_HOST: want_dst = SIDE_HOST; want_src = SIDE_HOST; break;
+    case ACL_MEMCPY_HOST_TO_HOST: want_dst = VS_SIDE_HOST; want_src = VS_SIDE_HOST; break;
     case ACL_MEMCPY_HOST_TO_DEVICE: case ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE:
-        want_dst = SIDE_DEVICE; want_src = SIDE_HOST; break;
-    case ACL_MEMCPY_DEVICE_TO_HOST: want_dst = SIDE_HOST; want_src = SIDE_DEVICE; break;
-    case ACL_MEMCPY_DEVICE_TO_DEVICE: want_dst = SIDE_DEVICE; want_src = SIDE_DEVICE; break;
+        want_dst = VS_SIDE_DEVICE; want_src = VS_SIDE_HOST; break;
+    case ACL_MEMCPY_DEVICE_TO_HOST: want_dst = VS_SIDE_HOST; want_src = VS_SIDE_DEVICE; break;
+    case ACL_MEMCPY_DEVICE_TO_DEVICE: want_dst = VS_SIDE_DEVICE; want_src = VS_SIDE_DEVICE; break;
     default: return ACL_SUCCESS; /* ACL_MEMCPY_DEFAULT: the runtime decides */
     }
     if (to != want_dst || of != want_src)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID,
                       "kind %d copies %s->%s but src is %s memory and dst is %s memory (use ACL_MEMCPY_DEFAULT to let "
-                      "the runtime decide)", kind, want_src == SIDE_DEVICE ? "device" : "host",
-                      want_dst == SIDE_DEVICE ? "device" : "host", side_names(of), side_names(to));
+                      "the runtime decide)", kind, want_src == VS_SIDE_DEVICE ? "device" : "host",
+                      want_dst == VS_SIDE_DEVICE ? "device" : "host", side_names(of), side_names(to));
     return ACL_SUCCESS;
 }
 
@@ -246,15 +166,119 @@ static bool known_kind(int kind)
 
 /* ---------------------------------------------------------------- copies and fills */
 
+#define BOUNCE ((size_t)16 << 20) /* bytes of a bounce buffer: remote to remote, and fills of remote memory */
+
+/* One part of a copy where both sides are local: moved under the lock, once both are checked again (the tables
+ * may have changed since the copy was planned). */
+static aclError local_part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t n, bool fill, int32_t value)
+{
+    int sides = 0;
+    vs_pieces to, of;
+    vs_pieces_init(&to);
+    vs_pieces_init(&of);
+    vs_lock();
+    aclError rc = vs_check_range(err, (uintptr_t)dst, n, true, "dst", &sides, &to);
+    if (rc == ACL_SUCCESS && !fill)
+        rc = vs_check_range(err, (uintptr_t)src, n, false, "src", &sides, &of);
+    if (rc == ACL_SUCCESS && (to.remote || of.remote))
+        rc = vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "the memory at %#lx was remapped while the copy ran",
+                    (unsigned long)(uintptr_t)dst);
+    if (rc == ACL_SUCCESS && fill)
+        memset(dst, value & 0xFF, n);
+    else if (rc == ACL_SUCCESS)
+        memmove(dst, src, n);
+    vs_unlock();
+    vs_pieces_free(&to);
+    vs_pieces_free(&of);
+    return rc;
+}
+
+/* One part of a copy with memory of another server on one side or both, after the lock is let go (a transfer may
+ * take up to the fabric timeout; the local side is read or written by the kernel, so memory unmapped meanwhile
+ * fails the copy, never the process). Remote to remote goes through a bounce buffer. */
+static aclError remote_part(vs_err *err, const vs_piece *to, uint64_t to_off, const vs_piece *of, uint64_t of_off,
+                            uint8_t *dst, const uint8_t *src, size_t n)
+{
+    if (!to->remote)
+        return vs_fabric_move(err, &of->where, of->offset + of_off, dst, n, false);
+    if (!of->remote)
+        return vs_fabric_move(err, &to->where, to->offset + to_off, (void *)src, n, true);
+    size_t chunk = n < BOUNCE ? n : BOUNCE;
+    uint8_t *bounce = malloc(chunk);
+    if (bounce == NULL)
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a %zu-byte bounce buffer", chunk);
+    aclError rc = ACL_SUCCESS;
+    for (size_t done = 0; rc == ACL_SUCCESS && done < n; done += chunk) {
+        size_t k = n - done < chunk ? n - done : chunk;
+        rc = vs_fabric_move(err, &of->where, of->offset + of_off + done, bounce, k, false);
+        if (rc == ACL_SUCCESS)
+            rc = vs_fabric_move(err, &to->where, to->offset + to_off + done, bounce, k, true);
+    }
+    free(bounce);
+    return rc;
+}
+
+/* A fill of part of memory of another server: written from a buffer of the value. */
+static aclError remote_fill(vs_err *err, const vs_piece *to, uint64_t off, int32_t value, size_t n)
+{
+    size_t chunk = n < BOUNCE ? n : BOUNCE;
+    uint8_t *bounce = malloc(chunk);
+    if (bounce == NULL)
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a %zu-byte bounce buffer", chunk);
+    memset(bounce, value & 0xFF, chunk);
+    aclError rc = ACL_SUCCESS;
+    for (size_t done = 0; rc == ACL_SUCCESS && done < n; done += chunk)
+        rc = vs_fabric_move(err, &to->where, to->offset + off + done, bounce, n - done < chunk ? n - done : chunk,
+                            true);
+    free(bounce);
+    return rc;
+}
+
+/* A copy (or, with `of` NULL, a fill) whose ranges run through memory of another server: part by part, where the
+ * parts of both sides meet (a local mapping next to a remote one is one range, rule 7). */
+static aclError crossing(vs_err *err, uint8_t *dst, const uint8_t *src, size_t count, const vs_pieces *to,
+                         const vs_pieces *of, int32_t value)
+{
+    static const vs_piece whole_local = {0, SIZE_MAX, false, {0}, 0};
+    size_t i = 0, j = 0, done = 0;
+    aclError rc = ACL_SUCCESS;
+    while (rc == ACL_SUCCESS && done < count) {
+        const vs_piece *a = &to->p[i], *b = of != NULL ? &of->p[j] : &whole_local;
+        size_t a_end = a->at + a->len, b_end = of != NULL ? b->at + b->len : count;
+        size_t stop = a_end < b_end ? a_end : b_end;
+        size_t n = (stop < count ? stop : count) - done;
+        if (of == NULL)
+            rc = a->remote ? remote_fill(err, a, done - a->at, value, n) : local_part(err, dst + done, NULL, n, true,
+                                                                                     value);
+        else if (!a->remote && !b->remote)
+            rc = local_part(err, dst + done, src + done, n, false, 0);
+        else
+            rc = remote_part(err, a, done - a->at, b, done - b->at, dst + done, src + done, n);
+        done += n;
+        if (done >= a_end)
+            i++;
+        if (of != NULL && done >= b_end)
+            j++;
+    }
+    return rc;
+}
+
 aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size_t count, int kind)
 {
     if (count > destMax)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "count %zu is larger than destMax %zu", count, destMax);
+    vs_pieces to, of;
+    vs_pieces_init(&to);
+    vs_pieces_init(&of);
     vs_lock();
-    aclError rc = plan_copy(err, (uintptr_t)dst, (uintptr_t)src, count, kind);
-    if (rc == ACL_SUCCESS)
+    aclError rc = plan_copy(err, (uintptr_t)dst, (uintptr_t)src, count, kind, &to, &of);
+    if (rc == ACL_SUCCESS && !to.remote && !of.remote)
         memmove(dst, src, count);
     vs_unlock();
+    if (rc == ACL_SUCCESS && (to.remote || of.remote))
+        rc = crossing(err, dst, src, count, &to, &of, 0);
+    vs_pieces_free(&to);
+    vs_pieces_free(&of);
     return rc;
 }
 
@@ -263,11 +287,16 @@ static aclError do_memset(vs_err *err, void *ptr, size_t maxCount, int32_t value
     if (count > maxCount)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "count %zu is larger than maxCount %zu", count, maxCount);
     int sides = 0;
+    vs_pieces to;
+    vs_pieces_init(&to);
     vs_lock();
-    aclError rc = check_range(err, (uintptr_t)ptr, count, true, "devPtr", &sides);
-    if (rc == ACL_SUCCESS)
+    aclError rc = vs_check_range(err, (uintptr_t)ptr, count, true, "devPtr", &sides, &to);
+    if (rc == ACL_SUCCESS && !to.remote)
         memset(ptr, value & 0xFF, count);
     vs_unlock();
+    if (rc == ACL_SUCCESS && to.remote)
+        rc = crossing(err, ptr, NULL, count, &to, NULL, value);
+    vs_pieces_free(&to);
     return rc;
 }
 
@@ -335,7 +364,12 @@ VS_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, siz
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "count %zu is larger than destMax %zu", count, destMax);
     vs_lock();
     vs_stream *s = vs_stream_of(&err, (uintptr_t)stream, true);
-    aclError rc = s == NULL ? err.code : plan_copy(&err, (uintptr_t)dst, (uintptr_t)src, count, (int)kind);
+    vs_pieces to, of;
+    vs_pieces_init(&to);
+    vs_pieces_init(&of);
+    aclError rc = s == NULL ? err.code : plan_copy(&err, (uintptr_t)dst, (uintptr_t)src, count, (int)kind, &to, &of);
+    vs_pieces_free(&to);
+    vs_pieces_free(&of);
     if (rc == ACL_SUCCESS) {
         copy_task t = {false, dst, destMax, src, count, (int)kind, 0};
         rc = queue_copy(&err, s, call, &t);
@@ -356,7 +390,10 @@ VS_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, s
     vs_lock();
     int sides = 0;
     vs_stream *s = vs_stream_of(&err, (uintptr_t)stream, true);
-    aclError rc = s == NULL ? err.code : check_range(&err, (uintptr_t)devPtr, count, true, "devPtr", &sides);
+    vs_pieces to;
+    vs_pieces_init(&to);
+    aclError rc = s == NULL ? err.code : vs_check_range(&err, (uintptr_t)devPtr, count, true, "devPtr", &sides, &to);
+    vs_pieces_free(&to);
     if (rc == ACL_SUCCESS) {
         copy_task t = {true, devPtr, maxCount, NULL, count, 0, value};
         rc = queue_copy(&err, s, call, &t);

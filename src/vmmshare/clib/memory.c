@@ -394,6 +394,10 @@ aclError vs_map_alloc(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, uint
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID,
                       "[%#lx, %#lx) overlaps an existing mapping: aclrtUnmapMem it first", (unsigned long)ptr,
                       (unsigned long)(ptr + size));
+    if (a->remote != NULL) { /* another server's memory: the range only stands for it, and stays inaccessible */
+        vs_add_mapping(ptr, size, a, access);
+        return ACL_SUCCESS;
+    }
     if (mmap((void *)ptr, size, vs_prot_of(access), MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "cannot map %zu bytes at %#lx: %s", size,
                       (unsigned long)ptr, strerror(errno));
@@ -566,7 +570,7 @@ VS_API aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc 
     for (size_t k = 0; k < n; k++)
         if (table[k].loc_type == m->alloc->prop.loc_type && table[k].loc_id == m->alloc->prop.loc_id)
             effective = table[k].flags;
-    if (mprotect((void *)ptr, size, vs_prot_of(effective)) != 0) {
+    if (m->alloc->remote == NULL && mprotect((void *)ptr, size, vs_prot_of(effective)) != 0) {
         free(table);
         rc = vs_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "mprotect failed: %s", strerror(errno));
         goto out;

@@ -98,6 +98,7 @@ static void after_fork_child(void)
     vs_devices_after_fork();
     vs_sync_after_fork();
     vs_node_after_fork();
+    vs_fabric_after_fork();
 }
 
 /* Seconds on the monotonic clock (the connection's and the broker start's deadlines). */
@@ -302,6 +303,16 @@ void vs_register(vs_alloc *a)
     vs_rt.allocs = a;
 }
 
+/* Whether a live import of another server's memory is served by the same engine as `r`. */
+static bool engine_in_use(const vs_remote *r)
+{
+    for (vs_alloc *a = vs_rt.allocs; a != NULL; a = a->next)
+        if (a->remote != NULL && a->remote != r && a->remote->family == r->family && a->remote->port == r->port &&
+            memcmp(a->remote->addr, r->addr, 16) == 0)
+            return true;
+    return false;
+}
+
 static void destroy(vs_alloc *a)
 {
     for (vs_alloc **p = &vs_rt.allocs; *p != NULL; p = &(*p)->next)
@@ -312,6 +323,9 @@ static void destroy(vs_alloc *a)
     if (a->fd >= 0)
         close(a->fd);
     vs_node_release(a->token); /* the node's hold goes with it (an export of it is revoked) */
+    if (a->remote != NULL && !engine_in_use(a->remote))
+        vs_fabric_forget(a->remote);
+    free(a->remote);
     free(a);
 }
 

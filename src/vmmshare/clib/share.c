@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "vs.h"
@@ -19,6 +21,7 @@ typedef struct shareable {
     uint32_t server_id;
     uint64_t size;
     const uint8_t *secret;
+    const uint8_t *raw;      /* a FABRIC handle's 128 bytes */
 } shareable;
 
 /* Decode a FABRIC handle (wire.handles.decode_fabric): 107017 for content that is not a handle, 107000 for a
@@ -50,7 +53,14 @@ static aclError decode_fabric(vs_err *err, const uint8_t *raw, shareable *out)
     out->server_id = (uint32_t)vs_wire_get_le(raw + 8, 4);
     out->size = vs_wire_get_le(raw + 24, 8);
     out->secret = raw + 64;
+    out->raw = raw;
     return ACL_SUCCESS;
+}
+
+/* Whether `s` names memory of another server (a FABRIC handle of another server id: SPEC §8). */
+static bool of_another_server(const shareable *s)
+{
+    return s->share_type == ACL_MEM_SHARE_HANDLE_TYPE_FABRIC && s->server_id != vs_rt.config.server_id;
 }
 
 /* The handle `raw` points at, of share type `st` (a uint64_t for DEFAULT, 128 bytes for FABRIC): 107000 for a type
@@ -283,10 +293,71 @@ aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const
     return ACL_SUCCESS;
 }
 
-/* Ask the broker again (vs_node_still_admitted), and check a FABRIC handle's size against the export's. */
+/* A new import of another server's memory (SPEC §8): this node's broker asks the exporting node's, which serves the
+ * memory to this process alone through its transfer engine. No fd: the memory stays there, a mapping of it here
+ * stays inaccessible, and copies reach it through that engine (fabric.c). */
+static aclError remote_import_alloc(vs_err *err, const shareable *s, int device, vs_alloc **out)
+{
+    uint64_t token, size, address;
+    uint16_t port;
+    vs_prop prop;
+    aclError rc = vs_node_remote_import(err, s->raw, &token, &size, &prop, &address, &port);
+    if (rc)
+        return rc;
+    const uint8_t *ep = s->raw + 32; /* family, pad, port (u16), address (16 bytes), reserved */
+    vs_remote *r = calloc(1, sizeof *r);
+    vs_alloc *a = calloc(1, sizeof *a);
+    if (r == NULL || a == NULL) {
+        free(r);
+        free(a);
+        vs_node_release(token);
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory");
+    }
+    if (size != s->size || address == 0 || port == 0 || (ep[0] != 4 && ep[0] != 6)) {
+        free(r);
+        free(a);
+        vs_node_release(token);
+        return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "bad reply from the broker: a remote import of %llu bytes at %#llx, "
+                      "port %u, for a handle of %llu bytes", (unsigned long long)size, (unsigned long long)address,
+                      port, (unsigned long long)s->size);
+    }
+    r->family = ep[0] == 4 ? AF_INET : AF_INET6;
+    memcpy(r->addr, ep + 4, 16);
+    r->port = port;
+    r->address = address;
+    r->size = size;
+    char host[INET6_ADDRSTRLEN] = "?";
+    inet_ntop(r->family, r->addr, host, sizeof host);
+    snprintf(r->where, sizeof r->where, r->family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, port);
+    if (prop.loc_type == ACL_MEM_LOCATION_TYPE_DEVICE)
+        prop.loc_id = device; /* device memory is placed on the importer's device */
+    a->fd = -1;
+    a->remote = r;
+    a->size = size;
+    a->prop = prop;
+    a->token = token;
+    a->refs = 1;
+    a->imported_from = s->value;
+    a->owner = VS_VMM;
+    *out = a;
+    return ACL_SUCCESS;
+}
+
+/* Ask the broker again (vs_node_still_admitted, or a remote import for another server's handle), and check a FABRIC
+ * handle's size against the export's. */
 static aclError still_admitted(vs_err *err, const shareable *s)
 {
     uint64_t size;
+    if (of_another_server(s)) {
+        vs_alloc *again;
+        aclError rc = remote_import_alloc(err, s, 0, &again);
+        if (rc == ACL_SUCCESS) {
+            vs_node_release(again->token);
+            free(again->remote);
+            free(again);
+        }
+        return rc;
+    }
     aclError rc = vs_node_still_admitted(err, s->value, s->share_type, s->secret, &size);
     if (rc)
         return rc;
@@ -302,12 +373,6 @@ static aclError still_admitted(vs_err *err, const shareable *s)
  * reference added, once the broker still admits it). */
 static aclError import_handle(vs_err *err, const shareable *s, int device, uint64_t *handle)
 {
-    if (s->share_type == ACL_MEM_SHARE_HANDLE_TYPE_FABRIC && s->server_id != vs_rt.config.server_id)
-        return vs_set(err, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
-                      "this FABRIC handle was exported on server %#x, not this one (%#x): the C library imports "
-                      "handles of this server only in this release; import it from a Python process with the "
-                      "cross-server transport configured (VMMSHARE_FABRIC, see docs/fabric.md)", s->server_id,
-                      vs_rt.config.server_id);
     pthread_mutex_lock(&vs_rt.import_lock); /* one import at a time: a second of the same handle shares the first */
     vs_lock();
     vs_alloc *done = imported(s->value);
@@ -332,7 +397,8 @@ static aclError import_handle(vs_err *err, const shareable *s, int device, uint6
         vs_unlock();
     } else {
         vs_alloc *a;
-        rc = vs_import_alloc(err, s->value, s->share_type, s->secret, device, VS_VMM, s->size, &a);
+        rc = of_another_server(s) ? remote_import_alloc(err, s, device, &a)
+                                  : vs_import_alloc(err, s->value, s->share_type, s->secret, device, VS_VMM, s->size, &a);
         if (rc == ACL_SUCCESS) {
             vs_lock();
             vs_register(a);

@@ -42,9 +42,20 @@ typedef struct vs_prop {
     uint64_t reserve;
 } vs_prop;
 
+/* Memory of another server (SPEC §8): where its node's transfer engine serves it (fabric.c). */
+typedef struct vs_remote {
+    int family;              /* AF_INET or AF_INET6 */
+    uint8_t addr[16];        /* the engine's address: the FABRIC handle's endpoint address */
+    uint16_t port;           /* where that engine takes transfers */
+    uint64_t address;        /* the memory's address in that engine */
+    uint64_t size;
+    char where[64];          /* "address:port", for messages */
+} vs_remote;
+
 typedef struct vs_alloc {
     uint64_t handle;         /* the aclrtDrvMemHandle this process names it by */
-    int fd;                  /* its memfd (-1 once closed) */
+    int fd;                  /* its memfd (-1 once closed, and for memory of another server) */
+    vs_remote *remote;       /* memory of another server (no fd, never mapped: copies only), else NULL */
     size_t size;
     vs_prop prop;
     uint64_t token;          /* the broker connection's name for its hold (broker.c) */
@@ -158,6 +169,7 @@ typedef struct vs_config {
     bool prepopulate;
     long spin_us;            /* VMMSHARE_SPIN_US: how long a request polls for its reply before it sleeps */
     bool cuda;               /* VMMSHARE_BACKEND=cuda */
+    double fabric_timeout;   /* VMMSHARE_FABRIC_TIMEOUT: seconds a copy across servers may make no progress */
     long broker_user;        /* -1: none */
     int visible[VS_MAX_DEVICES];
     int nvisible;            /* -1: ASCEND_RT_VISIBLE_DEVICES unset */
@@ -296,6 +308,8 @@ aclError vs_node_still_admitted(vs_err *err, uint64_t shareable, uint32_t share_
                                 uint64_t *size);
 aclError vs_node_set_remote_pids(vs_err *err, uint64_t shareable, uint32_t share_type, uint32_t server,
                                  const uint32_t *pids, size_t n);
+aclError vs_node_remote_import(vs_err *err, const uint8_t *handle, uint64_t *token, uint64_t *size, vs_prop *prop,
+                               uint64_t *address, uint16_t *data_port);
 void vs_node_after_fork(void);
 /* reach.c: a connection to a trusted broker at the configured socket, started when none answers. */
 aclError vs_reach_broker(vs_err *err, int *fd);
@@ -314,9 +328,37 @@ void vs_ipc_forget_block(vs_alloc *a);
 aclError vs_free_block(vs_err *err, uintptr_t ptr, enum vs_owner owner);
 aclError vs_map_block(vs_err *err, vs_alloc *a, size_t size, uintptr_t *out);
 
-/* copy.c */
+/* ranges.c: a copy's or fill's range, checked under the lock, as its parts: local ones (joined) and ones in memory
+ * of another server (where it is served, and the offset there). */
+enum { VS_SIDE_HOST = 1, VS_SIDE_DEVICE = 2 };
+typedef struct vs_piece {
+    size_t at, len;          /* where in the range */
+    bool remote;
+    vs_remote where;         /* (remote) where the memory is served: a copy of the import's record */
+    uint64_t offset;         /* (remote) the offset in that memory */
+} vs_piece;
+typedef struct vs_pieces {
+    vs_piece few[2];         /* most ranges need no more */
+    vs_piece *p;
+    size_t n, cap;
+    bool remote;             /* a part is memory of another server */
+} vs_pieces;
 bool vs_process_range_ok(uintptr_t ptr, size_t size, bool write);
+void vs_pieces_init(vs_pieces *ps);
+void vs_pieces_free(vs_pieces *ps);
+/* Check that [ptr, ptr+size) is memory this process may read (or write); `sides` collects whether host or device
+ * memory is in it, `out` its parts. The lock is held. */
+aclError vs_check_range(vs_err *err, uintptr_t ptr, size_t size, bool write, const char *what, int *sides,
+                        vs_pieces *out);
+
+/* copy.c */
 aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size_t count, int kind);
+
+/* fabric.c: `count` bytes between local memory at `local` and `offset` of remote memory (write: local to remote);
+ * 507022 naming the serving engine when it cannot be reached, stalls, or no longer serves the memory. */
+aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *local, size_t count, bool write);
+void vs_fabric_forget(const vs_remote *r); /* its engine's idle connections go, when no import names it */
+void vs_fabric_after_fork(void);
 
 /* sha.c */
 void vs_sha256(const void *data, size_t n, uint8_t out[32]);

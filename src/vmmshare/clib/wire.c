@@ -27,7 +27,7 @@ static const vs_layout LAYOUTS[] = {
     {VS_IMPORTED, "IMPORTED", "QQBBBBBi", VS_TAIL_NONE, 0, 1},
     {VS_PID, "PID", "I", VS_TAIL_NONE, 0, 0},
     {VS_LISTING, "LISTING", "", VS_TAIL_TEXT, VS_WIRE_MAX_BODY, 0},
-    {VS_REMOTE_IMPORTED, "REMOTE_IMPORTED", "QQBBBBBiQH16s", VS_TAIL_TEXT, 255, 0},
+    {VS_REMOTE_IMPORTED, "REMOTE_IMPORTED", "QQBBBBBiQH16sH", VS_TAIL_TEXT, 255, 0},
 };
 
 const vs_layout *vs_wire_layout(unsigned kind)

@@ -386,7 +386,7 @@ class Agent(Serving):
             return P.Error(exc.code, exc.message)
         return P.RemoteImported(hold, reply.size, reply.memory_kind, reply.handle_type, reply.allocation_type,
                                 reply.mem_attr, reply.location_type, reply.location_id, reply.address,
-                                self.meta.port, token, segment)
+                                self.meta.port, token, data[1], segment)
 
     def _install(self, client: Client, data: Endpoint_, address: int, size: int) -> tuple[bytes, str]:
         """Describe one remote hold to its importing process's engine alone: a segment of a fresh name under that

@@ -136,7 +136,7 @@ LAYOUTS: dict[Msg, Layout] = {
         _layout(Imported, "<QQB" + PROP.format, fds=1),
         _layout(Pid, "<I"),
         _layout(Listing, "<", Tail.TEXT, max_tail=MAX_BODY),
-        _layout(RemoteImported, "<QQB" + PROP.format + "QH16s", Tail.TEXT, max_tail=255),
+        _layout(RemoteImported, "<QQB" + PROP.format + "QH16sH", Tail.TEXT, max_tail=255),
     )
 }
 LOCAL: Framing[Message, Frame] = Framing("broker protocol", MAGIC, VERSION, MAX_BODY, ProtocolError, Frame,

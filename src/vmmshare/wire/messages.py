@@ -240,4 +240,5 @@ class RemoteImported(Message):
     address: int  # the memory's address in the serving engine
     metadata_port: int  # the node's metadata service (127.0.0.1) ...
     metadata_token: bytes  # ... and this process's namespace there, where its engine finds `segment`
+    data_port: int  # where the serving engine takes transfers, on the handle's fabric address (the C library's copies)
     segment: str  # the hold's segment, named only under this process's token

@@ -94,6 +94,7 @@ class TestCluster:
 
     def __init__(self, servers: int = 2, timeout: float = 1.0, brokers: bool = True) -> None:
         self.servers, self.timeout, self.with_brokers = servers, timeout, brokers
+        self.surfaces: dict[int, str] = {}  # server -> the surface its actors call ("python" or "c")
         self.root = Path(tempfile.mkdtemp(prefix="vmc", dir="/tmp"))
         name = f"t{os.getpid() % 10000}x{next(_names)}"[:8]
         self.cluster = Cluster(name, servers, root=self.root, timeout=timeout)
@@ -116,7 +117,9 @@ class TestCluster:
         return self.cluster.server(n).server_id
 
     def actor(self, n: int, **extra: str) -> Actor:
-        """A process on server `n` running acl calls (device 0 set)."""
+        """A process on server `n` running acl calls (device 0 set), on the surface `surfaces` names for that server
+        (vmmshare.acl by default, or the C library: "c") unless `extra` names one."""
+        extra = {"VMMSHARE_ACTOR_SURFACE": self.surfaces.get(n, "python"), **extra}
         a = Actor(self.env(n, **extra), prefix=["ip", "netns", "exec", self.cluster.server(n).namespace])
         self.actors.append(a)
         return a

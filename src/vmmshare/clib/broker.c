@@ -35,6 +35,7 @@ typedef struct hold {
     uint64_t token;
     uint64_t hold;   /* 0: none on this connection (its broker is gone) */
     bool charge;     /* a charge of this process's memory, charged again on a new broker */
+    bool gpu;        /* GPU memory (CHARGE_GPU): its export tells the broker so */
     int32_t device;
     uint64_t size;
 } hold;
@@ -362,7 +363,7 @@ static aclError connect_fresh(vs_err *err)
         uint32_t req = next_req++;
         if (req == 0) /* 0 addresses the broker's refusal of a connection */
             req = next_req++;
-        size_t n = vs_wire_encode(VS_CHARGE, req, &f, frame, &why);
+        size_t n = vs_wire_encode(h->gpu ? VS_CHARGE_GPU : VS_CHARGE, req, &f, frame, &why);
         vs_err ignored;
         int got = attempt(&ignored, conn, frame, n, NULL, 0, req, VS_TOKEN, r);
         if (got == ATTEMPT_RETRY || conn < 0)
@@ -399,17 +400,30 @@ static uint64_t new_token(uint64_t hold_id, bool charge, int32_t device, uint64_
 
 /* ---------------------------------------------------------------- the node's calls */
 
-aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
+/* A charge of host memory (CHARGE) or of GPU memory (CHARGE_GPU: recorded, the GPU's own capacity applies). */
+static aclError charge(vs_err *err, unsigned kind, int device, uint64_t size, uint64_t *token)
 {
     reply *r = begin();
     vs_fields f = {0};
-    f.v[0] = (uint64_t)(int64_t)device;
+    f.v[0] = kind == VS_CHARGE_GPU ? (uint64_t)(uint32_t)device : (uint64_t)(int64_t)device;
     f.v[1] = size;
-    aclError rc = request(err, VS_CHARGE, &f, -1, 0, NULL, 0, VS_TOKEN, r);
-    if (rc == ACL_SUCCESS)
+    aclError rc = request(err, kind, &f, -1, 0, NULL, 0, VS_TOKEN, r);
+    if (rc == ACL_SUCCESS) {
         *token = new_token(r->f.v[0], true, device, size);
+        hold_of(*token)->gpu = kind == VS_CHARGE_GPU;
+    }
     end();
     return rc;
+}
+
+aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
+{
+    return charge(err, VS_CHARGE, device, size, token);
+}
+
+aclError vs_node_charge_gpu(vs_err *err, int device, uint64_t size, uint64_t *token)
+{
+    return charge(err, VS_CHARGE_GPU, device, size, token);
 }
 
 void vs_node_release(uint64_t token)
@@ -448,7 +462,8 @@ aclError vs_node_export(vs_err *err, uint64_t token, int fd, const vs_prop *prop
     f.v[2] = flags;
     f.v[3] = share_type;
     f.v[4] = vs_rt.config.server_id;
-    f.v[5] = 0; /* host memfd */
+    hold *h = hold_of(token);
+    f.v[5] = h != NULL && h->gpu; /* the memory's kind: 0 a host memfd, 1 a CUDA allocation's fd */
     f.v[6] = prop->handle_type;
     f.v[7] = prop->allocation_type;
     f.v[8] = prop->mem_attr;

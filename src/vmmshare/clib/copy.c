@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 
 #define MAX_HOST_ALLOC ((size_t)1 << 46)
 #define MAX_MALLOC (SIZE_MAX - VS_HUGE1G_GRANULARITY)
@@ -252,7 +253,10 @@ aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "count %zu is larger than destMax %zu", count, destMax);
     vs_lock();
     aclError rc = plan_copy(err, (uintptr_t)dst, (uintptr_t)src, count, kind);
-    if (rc == ACL_SUCCESS)
+    vs_alloc *gpu = rc == ACL_SUCCESS ? vs_cuda_mover((uintptr_t)dst, (uintptr_t)src) : NULL; /* GPU memory in it */
+    if (gpu != NULL)
+        rc = vs_cuda_copy(err, gpu, (uintptr_t)dst, (uintptr_t)src, count);
+    else if (rc == ACL_SUCCESS)
         memmove(dst, src, count);
     vs_unlock();
     return rc;
@@ -265,7 +269,10 @@ static aclError do_memset(vs_err *err, void *ptr, size_t maxCount, int32_t value
     int sides = 0;
     vs_lock();
     aclError rc = check_range(err, (uintptr_t)ptr, count, true, "devPtr", &sides);
-    if (rc == ACL_SUCCESS)
+    vs_alloc *gpu = rc == ACL_SUCCESS ? vs_cuda_mover((uintptr_t)ptr, (uintptr_t)ptr) : NULL; /* GPU memory */
+    if (gpu != NULL)
+        rc = vs_cuda_fill(err, gpu, (uintptr_t)ptr, value, count);
+    else if (rc == ACL_SUCCESS)
         memset(ptr, value & 0xFF, count);
     vs_unlock();
     return rc;

@@ -259,6 +259,29 @@ def test_the_broker_counts_c_gpu_memory_as_gpu_memory(actor: Callable[..., Actor
     assert listing(broker)["gpu_used"] == {}
 
 
+def test_c_peer_access_is_the_gpus_topology(actor: Callable[..., Actor]) -> None:
+    """cuDeviceCanAccessPeer answers (the stand-in's two GPUs can, unless FAKECUDA_NO_PEER); host registration is
+    refused under the CUDA backend, as from Python."""
+    peers, lonely = actor(), actor(FAKECUDA_NO_PEER="1")
+    count, ret = peers.call("rt.get_device_count")
+    assert ret == 0
+    if count < 2:
+        assert mode() == "gpu", "the CPU stand-in has two devices"
+        pytest.skip("one GPU only")
+    assert peers.call("rt.device_can_access_peer", 0, 0) == (0, 0)
+    can, ret = peers.call("rt.device_can_access_peer", 0, 1)
+    assert ret == 0 and can in (0, 1)
+    assert peers.call("rt.device_enable_peer_access", 1, 0) == (0 if can else UNSUPPORTED)
+    if mode() == "fake":
+        assert can == 1
+        assert lonely.call("rt.device_can_access_peer", 0, 1) == (0, 0)
+        assert lonely.call("rt.device_enable_peer_access", 1, 0) == UNSUPPORTED
+        assert "cuDeviceCanAccessPeer" in lonely.last_err
+    host, _ = peers.call("rt.malloc_host", 4096)
+    assert peers.call("rt.host_register", host, 4096, 0)[-1] == UNSUPPORTED
+    assert peers.call("rt.free_host", host) == 0
+
+
 # ---------------------------------------------------------------- lifetimes, bad input and leaks
 
 

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 
 static _Thread_local uint64_t current_ctx;
 
@@ -473,7 +474,11 @@ VS_API aclError aclrtDeviceCanAccessPeer(int32_t *canAccessPeer, int32_t deviceI
         return vs_fail(ACL_ERROR_INVALID_PARAM, "aclrtDeviceCanAccessPeer", "canAccessPeer is NULL");
     if (vs_device_id(&err, deviceId) || vs_device_id(&err, peerDeviceId))
         return vs_raise(&err, "aclrtDeviceCanAccessPeer");
-    *canAccessPeer = deviceId != peerDeviceId;
+    int can = deviceId != peerDeviceId;
+    if (can && vs_rt.config.cuda && /* the GPUs' topology says */
+        vs_cuda_can_access_peer(&err, vs_logical(deviceId), vs_logical(peerDeviceId), &can))
+        return vs_raise(&err, "aclrtDeviceCanAccessPeer");
+    *canAccessPeer = can != 0;
     return ACL_SUCCESS;
 }
 
@@ -488,6 +493,14 @@ static aclError peer_access(int32_t peer, const char *call)
     if (device == peer)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                        "device %d is the current device: peer access is between two devices", peer);
+    int can = 1;
+    if (vs_rt.config.cuda && strcmp(call, "aclrtDeviceEnablePeerAccess") == 0) {
+        if (vs_cuda_can_access_peer(&err, vs_logical(device), vs_logical(peer), &can))
+            return vs_raise(&err, call);
+        if (!can)
+            return vs_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
+                           "GPU %d cannot access GPU %d's memory (cuDeviceCanAccessPeer says no)", device, peer);
+    }
     return ACL_SUCCESS;
 }
 

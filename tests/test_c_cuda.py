@@ -370,6 +370,32 @@ def test_c_without_a_driver_every_call_says_what_to_install(broker: BrokerProc, 
         a.kill()
 
 
+def test_c_auto_backend_is_the_gpu_where_one_is_usable(actor: Callable[..., Actor]) -> None:
+    """VMMSHARE_BACKEND=auto from C, as from Python: the GPUs when the driver loads and sees one."""
+    a = actor(VMMSHARE_BACKEND="auto")
+    assert a.call("get_soc_name") == "vmmshare-cuda"
+    h, ptr = alloc_map(a)
+    if mode() == "fake":
+        assert driver_allocations(a.pid) == 1
+    drop(a, h, ptr)
+
+
+def test_c_auto_backend_without_a_driver_is_host_memory(broker: BrokerProc, tmp_path: Path) -> None:
+    """VMMSHARE_BACKEND=auto where libcuda.so.1 cannot be loaded: device memory is host memory, nothing fails."""
+    if mode() != "fake":
+        pytest.skip("a real driver is installed here")
+    env = {**broker.env, "VMMSHARE_BACKEND": "auto", "VMMSHARE_ACTOR_SURFACE": "c", "LD_LIBRARY_PATH": str(tmp_path)}
+    a = Actor(env)
+    try:
+        assert a.call("get_soc_name") == "vmmshare-host"
+        h, ptr = alloc_map(a)
+        a.call("!write_bytes", ptr, b"host memory")  # the CPU reaches it: a memfd, not GPU memory
+        assert download(a, ptr, 11) == b"host memory"
+        drop(a, h, ptr)
+    finally:
+        a.kill()
+
+
 # ---------------------------------------------------------------- a C program under the sanitizers
 
 

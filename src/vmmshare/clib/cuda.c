@@ -173,8 +173,21 @@ static const char *resolve(void *lib)
     return NULL;
 }
 
-/* Open the driver, look its functions up, initialise it and count the GPUs (once, by vs_cuda_start). */
+static void load_driver(void);
+
+/* Load the driver (once, by vs_cuda_start); under VMMSHARE_BACKEND=auto a driver or GPU that is not there means host
+ * memory, as the Python runtime's choice. */
 static void load(void)
+{
+    load_driver();
+    if (load_code && vs_rt.config.cuda_auto) {
+        load_code = 0;
+        vs_rt.config.cuda = false;
+    }
+}
+
+/* Open the driver, look its functions up, initialise it and count the GPUs. */
+static void load_driver(void)
 {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) {

@@ -159,7 +159,8 @@ typedef struct vs_config {
     uint32_t server_id;
     bool prepopulate;
     long spin_us;            /* VMMSHARE_SPIN_US: how long a request polls for its reply before it sleeps */
-    bool cuda;               /* VMMSHARE_BACKEND=cuda */
+    bool cuda;               /* VMMSHARE_BACKEND=cuda (or auto, where a GPU is usable: cuda.c decides) */
+    bool cuda_auto;          /* VMMSHARE_BACKEND=auto: without a usable GPU, device memory is host memory */
     long broker_user;        /* -1: none */
     int visible[VS_MAX_DEVICES];
     int nvisible;            /* -1: ASCEND_RT_VISIBLE_DEVICES unset */

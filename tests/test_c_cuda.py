@@ -226,6 +226,31 @@ def test_gpu_memory_shared_between_surfaces(actor: Callable[..., Actor], sides: 
         assert driver_allocations(exporter.pid) == driver_allocations(importer.pid) == 0
 
 
+def test_c_threads_importing_one_gpu_handle_share_one_import(actor: Callable[..., Actor]) -> None:
+    """Rule 13 from C threads at once: a Python exporter's GPU handle, imported by six threads of a C process,
+    is one import (one driver allocation) with six references."""
+    exporter, importer = actor("python"), actor("c")
+    h, ptr = alloc_map(exporter)
+    upload(exporter, ptr, b"one import")
+    sh, ret = exporter.call("rt.mem_export_to_shareable_handle_v2", h, 0, DEFAULT)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.mem_set_pid_to_shareable_handle_v2", sh, DEFAULT, [importer.pid]) == 0
+    handles = importer.call("!threads_import", sh, DEFAULT, 6)
+    assert len(set(handles)) == 1 and handles[0], handles
+    if mode() == "fake":
+        assert driver_allocations(importer.pid) == 1
+    iptr, _ = importer.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+    assert importer.call("rt.map_mem", iptr, MiB2, 0, handles[0], 0) == 0, importer.last_err
+    assert download(importer, iptr, 10) == b"one import"
+    assert importer.call("rt.unmap_mem", iptr) == 0 and importer.call("rt.release_mem_address", iptr) == 0
+    for _ in range(6):
+        assert importer.call("rt.free_physical", handles[0]) == 0, importer.last_err
+    assert importer.call("rt.free_physical", handles[0]) == 107017
+    if mode() == "fake":
+        assert driver_allocations(importer.pid) == 0
+    drop(exporter, h, ptr)
+
+
 def test_c_exporter_python_importer_by_ipc_key(actor: Callable[..., Actor]) -> None:
     """aclrtMalloc GPU memory of a C process shared by IPC key with a Python process, which reads and writes it."""
     a, b = actor("c"), actor("python")

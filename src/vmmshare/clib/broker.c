@@ -416,11 +416,13 @@ static aclError charge(vs_err *err, unsigned kind, int device, uint64_t size, ui
     return rc;
 }
 
+/* Charge host memory of `device` (-1: the host) on the node. */
 aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
 {
     return charge(err, VS_CHARGE, device, size, token);
 }
 
+/* Charge GPU memory of node GPU `device` (the CUDA backend's allocations; their exports say GPU). */
 aclError vs_node_charge_gpu(vs_err *err, int device, uint64_t size, uint64_t *token)
 {
     return charge(err, VS_CHARGE_GPU, device, size, token);

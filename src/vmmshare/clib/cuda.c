@@ -228,6 +228,7 @@ static void load_driver(void)
                      c->visible[i], gpu_count);
 }
 
+/* The driver, loaded once: 0, or why it cannot be used (every call of the process fails with it). */
 aclError vs_cuda_start(vs_err *err)
 {
     pthread_once(&loaded, load);
@@ -236,6 +237,7 @@ aclError vs_cuda_start(vs_err *err)
     return ACL_SUCCESS;
 }
 
+/* The GPUs the driver counted. */
 int vs_cuda_device_count(void)
 {
     return gpu_count;
@@ -305,6 +307,7 @@ static cu_prop prop_on(int device)
     return p;
 }
 
+/* GPU memory of `size` bytes on node GPU `device` (granularity checked, charged on the node as GPU memory). */
 aclError vs_cuda_make_alloc(vs_err *err, size_t size, const vs_prop *prop, int device, enum vs_owner owner,
                             vs_alloc **out)
 {
@@ -347,6 +350,7 @@ aclError vs_cuda_make_alloc(vs_err *err, size_t size, const vs_prop *prop, int d
     return ACL_SUCCESS;
 }
 
+/* Give the driver's allocation back as the allocation is destroyed (an export's fd is closed by the caller). */
 void vs_cuda_release(vs_alloc *a)
 {
     if (a->gpu == NULL)
@@ -356,6 +360,7 @@ void vs_cuda_release(vs_alloc *a)
     a->gpu = NULL;
 }
 
+/* The allocation's POSIX fd for the broker, made on its first export and kept until it is destroyed. */
 aclError vs_cuda_export_fd(vs_err *err, vs_alloc *a)
 {
     if (a->fd >= 0)
@@ -372,6 +377,7 @@ aclError vs_cuda_export_fd(vs_err *err, vs_alloc *a)
     return rc;
 }
 
+/* Import the broker's fd of GPU memory on the importer's device (the fd closed either way). */
 aclError vs_cuda_adopt(vs_err *err, vs_alloc *a, int device)
 {
     int fd = a->fd, node = vs_logical(device);
@@ -404,6 +410,7 @@ aclError vs_cuda_adopt(vs_err *err, vs_alloc *a, int device)
 
 /* ---------------------------------------------------------------- address space and mappings */
 
+/* aclrtReserveMemAddress's range under the CUDA backend: GPU address space, recorded as a GPU reservation. */
 aclError vs_cuda_reserve(void **virPtr, size_t size, size_t align, uintptr_t want, const char *call)
 {
     vs_err err;
@@ -424,6 +431,7 @@ aclError vs_cuda_reserve(void **virPtr, size_t size, size_t align, uintptr_t wan
     return ACL_SUCCESS;
 }
 
+/* Give a GPU range back to the driver. */
 aclError vs_cuda_release_range(vs_err *err, uintptr_t ptr, size_t size)
 {
     return check(err, cu.MemAddressFree(ptr, size), "cuMemAddressFree");
@@ -448,6 +456,7 @@ static aclError set_access(vs_err *err, uintptr_t ptr, size_t size, int device, 
     return check(err, cu.MemSetAccess(ptr, size, &d, 1), "cuMemSetAccess");
 }
 
+/* Map GPU memory over a GPU range and grant `access` (host memory or a host range on either side: 207000). */
 aclError vs_cuda_map(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, const vs_range *r, uint64_t access)
 {
     if (a->gpu == NULL || !r->gpu)
@@ -466,6 +475,7 @@ aclError vs_cuda_map(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, const
     return rc;
 }
 
+/* A GPU range of its own with the allocation mapped over it (aclrtMalloc blocks, IPC imports). */
 aclError vs_cuda_map_new(vs_err *err, vs_alloc *a, uint64_t access, enum vs_owner owner, uintptr_t *out)
 {
     size_t align = a->size % VS_HUGE1G_GRANULARITY == 0 ? VS_HUGE1G_GRANULARITY : VS_MIN_GRANULARITY;
@@ -484,11 +494,13 @@ aclError vs_cuda_map_new(vs_err *err, vs_alloc *a, uint64_t access, enum vs_owne
     return ACL_SUCCESS;
 }
 
+/* Unmap GPU memory (its range stays reserved). */
 aclError vs_cuda_unmap(vs_err *err, uintptr_t ptr, size_t size)
 {
     return check(err, cu.MemUnmap(ptr, size), "cuMemUnmap");
 }
 
+/* Set a GPU mapping's access for its device (aclrtMemSetAccess). */
 aclError vs_cuda_protect(vs_err *err, uintptr_t ptr, size_t size, const vs_alloc *a, uint64_t access)
 {
     ctx_guard guard;
@@ -501,6 +513,7 @@ aclError vs_cuda_protect(vs_err *err, uintptr_t ptr, size_t size, const vs_alloc
 
 /* ---------------------------------------------------------------- copies and fills */
 
+/* The GPU allocation a copy between `dst` and `src` touches (the destination's first), or NULL for the CPU. */
 vs_alloc *vs_cuda_mover(uintptr_t dst, uintptr_t src)
 {
     if (!vs_rt.config.cuda)
@@ -512,6 +525,7 @@ vs_alloc *vs_cuda_mover(uintptr_t dst, uintptr_t src)
     return m != NULL && m->alloc->gpu != NULL ? m->alloc : NULL;
 }
 
+/* A synchronous copy through the driver, in the GPU memory's device's context. */
 aclError vs_cuda_copy(vs_err *err, const vs_alloc *mover, uintptr_t dst, uintptr_t src, size_t count)
 {
     ctx_guard guard;
@@ -524,6 +538,7 @@ aclError vs_cuda_copy(vs_err *err, const vs_alloc *mover, uintptr_t dst, uintptr
     return rc;
 }
 
+/* A synchronous byte fill of GPU memory through the driver. */
 aclError vs_cuda_fill(vs_err *err, const vs_alloc *mover, uintptr_t ptr, int value, size_t count)
 {
     ctx_guard guard;
@@ -538,6 +553,7 @@ aclError vs_cuda_fill(vs_err *err, const vs_alloc *mover, uintptr_t ptr, int val
 
 /* ---------------------------------------------------------------- the GPUs */
 
+/* Free and total bytes of node GPU `device`, as its driver counts them. */
 aclError vs_cuda_mem_info(vs_err *err, int device, uint64_t *free_bytes, uint64_t *total)
 {
     ctx_guard guard;
@@ -551,6 +567,7 @@ aclError vs_cuda_mem_info(vs_err *err, int device, uint64_t *free_bytes, uint64_
     return rc;
 }
 
+/* Whether node GPU `device` can access node GPU `peer`'s memory. */
 aclError vs_cuda_can_access_peer(vs_err *err, int device, int peer, int *can)
 {
     cu_device d, p;

@@ -209,8 +209,9 @@ static void load_driver(void)
     }
     vs_err err;
     if (check(&err, cu.Init(0), "cuInit") || check(&err, cu.DeviceGetCount(&gpu_count), "cuDeviceGetCount")) {
-        load_code = err.code;
-        snprintf(load_message, sizeof load_message, "VMMSHARE_BACKEND=cuda: %.480s", err.message);
+        load_code = ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* a driver without a usable GPU: no GPU memory here */
+        snprintf(load_message, sizeof load_message, "VMMSHARE_BACKEND=cuda but the CUDA driver offers no usable GPU "
+                 "(%.300s): check nvidia-smi, or unset VMMSHARE_BACKEND for device memory on the host", err.message);
         return;
     }
     if (gpu_count <= 0) {

@@ -101,6 +101,12 @@ def system_driver(empty: Path) -> bool:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60).returncode == 0
 
 
+def map_lines(pid: int) -> int:
+    """The address-space ranges of `pid` (GPU reservations of the stand-in show as ranges of their own)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for _ in f)
+
+
 def gpu_prop(device: int = 0) -> dict[str, object]:
     return {**PROP, "location": {"id": device, "type": 1}}
 
@@ -326,6 +332,7 @@ def test_c_share_cycles_leak_no_fd_and_no_allocation(actor: Callable[..., Actor]
     drop(importer, ih, iptr)
     drop(exporter, h, ptr)
     fds = exporter.call("!fd_count"), importer.call("!fd_count")
+    maps = map_lines(exporter.pid), map_lines(importer.pid)
     for _ in range(10):
         h, ptr = alloc_map(exporter)
         _, ih, iptr = share_and_map(exporter, importer, h, MiB2)
@@ -334,6 +341,7 @@ def test_c_share_cycles_leak_no_fd_and_no_allocation(actor: Callable[..., Actor]
         assert download(importer, iptr, 10) == b"still here"
         drop(importer, ih, iptr)
     assert (exporter.call("!fd_count"), importer.call("!fd_count")) == fds
+    assert (map_lines(exporter.pid), map_lines(importer.pid)) == maps  # no reservation or mapping left
     if mode() == "fake":
         assert driver_allocations(exporter.pid) == driver_allocations(importer.pid) == 0
 

@@ -400,32 +400,34 @@ static uint64_t new_token(uint64_t hold_id, bool charge, int32_t device, uint64_
 
 /* ---------------------------------------------------------------- the node's calls */
 
-/* A charge of host memory (CHARGE) or of GPU memory (CHARGE_GPU: recorded, the GPU's own capacity applies). */
-static aclError charge(vs_err *err, unsigned kind, int device, uint64_t size, uint64_t *token)
+aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
 {
     reply *r = begin();
     vs_fields f = {0};
-    f.v[0] = kind == VS_CHARGE_GPU ? (uint64_t)(uint32_t)device : (uint64_t)(int64_t)device;
+    f.v[0] = (uint64_t)(int64_t)device;
     f.v[1] = size;
-    aclError rc = request(err, kind, &f, -1, 0, NULL, 0, VS_TOKEN, r);
-    if (rc == ACL_SUCCESS) {
+    aclError rc = request(err, VS_CHARGE, &f, -1, 0, NULL, 0, VS_TOKEN, r);
+    if (rc == ACL_SUCCESS)
         *token = new_token(r->f.v[0], true, device, size);
-        hold_of(*token)->gpu = kind == VS_CHARGE_GPU;
-    }
     end();
     return rc;
 }
 
-/* Charge host memory of `device` (-1: the host) on the node. */
-aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
-{
-    return charge(err, VS_CHARGE, device, size, token);
-}
-
-/* Charge GPU memory of node GPU `device` (the CUDA backend's allocations; their exports say GPU). */
+/* Charge GPU memory of node GPU `device` (CHARGE_GPU: recorded, the GPU's own capacity applies): the CUDA backend's
+ * allocations (cuda.c), whose exports then tell the broker they are GPU memory. */
 aclError vs_node_charge_gpu(vs_err *err, int device, uint64_t size, uint64_t *token)
 {
-    return charge(err, VS_CHARGE_GPU, device, size, token);
+    reply *r = begin();
+    vs_fields f = {0};
+    f.v[0] = (uint32_t)device;
+    f.v[1] = size;
+    aclError rc = request(err, VS_CHARGE_GPU, &f, -1, 0, NULL, 0, VS_TOKEN, r);
+    if (rc == ACL_SUCCESS) {
+        *token = new_token(r->f.v[0], true, device, size);
+        hold_of(*token)->gpu = true;
+    }
+    end();
+    return rc;
 }
 
 void vs_node_release(uint64_t token)

@@ -5,6 +5,8 @@ libcuda driven through the real cuda-bindings, which checks how vmmshare uses th
 GPU); the tests that need torch or cupy on a GPU skip there. Without cuda-bindings or a C compiler the module skips
 (and fails where VMMSHARE_REQUIRE_CUDA_TESTS=1, as in CI).
 Every actor runs with VMMSHARE_BACKEND=cuda, on the module's broker (conftest's `broker`) unless its test kills it.
+The tests marked BOTH_SURFACES run twice: with Python actors, and with actors calling the C library (its CUDA
+backend, clib/cuda.c; tests/test_c_cuda.py has the C library's own and the mixed C / Python cases).
 """
 
 from __future__ import annotations
@@ -105,12 +107,22 @@ def broker_env(cuda_env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def gpu_actor(broker: BrokerProc) -> Iterator[Callable[..., Actor]]:
-    """`gpu_actor(on=None, **env)`: an Actor with the CUDA backend, a client of `on` (else of `broker`)."""
+def surface(request: pytest.FixtureRequest) -> str:
+    """The actors' surface: Python, or the C library for a test marked BOTH_SURFACES (SPEC §9: one rule, both)."""
+    return str(getattr(request, "param", "python"))
+
+
+BOTH_SURFACES = pytest.mark.parametrize("surface", ["python", "c"], indirect=True)
+
+
+@pytest.fixture
+def gpu_actor(broker: BrokerProc, surface: str) -> Iterator[Callable[..., Actor]]:
+    """`gpu_actor(on=None, **env)`: an Actor with the CUDA backend on `surface`, a client of `on` (else of
+    `broker`)."""
     made: list[Actor] = []
 
     def make(on: BrokerProc | None = None, **over: str) -> Actor:
-        env = {**(on or broker).env, "VMMSHARE_BACKEND": "cuda", **over}
+        env = {**(on or broker).env, "VMMSHARE_BACKEND": "cuda", "VMMSHARE_ACTOR_SURFACE": surface, **over}
         a = Actor(env)
         made.append(a)
         return a
@@ -202,6 +214,7 @@ def test_gpu_memory_round_trip(gpu_actor: Callable[..., Actor]) -> None:
     assert a.call("rt.free_physical", h) == 0
 
 
+@BOTH_SURFACES
 def test_malloc_ipc_and_streams_on_gpu_memory(gpu_actor: Callable[..., Actor]) -> None:
     """aclrtMalloc memory is GPU memory under the CUDA backend: filled on a stream, shared by IPC key, imported in
     another process that reads and writes it; the driver's allocation goes when both let go."""
@@ -227,6 +240,7 @@ def test_malloc_ipc_and_streams_on_gpu_memory(gpu_actor: Callable[..., Actor]) -
     assert driver_allocations(a.pid) == 0 and driver_allocations(b.pid) == 0
 
 
+@BOTH_SURFACES
 def test_host_location_memory_stays_host_memory(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     prop = {**PROP, "location": {"id": 0, "type": 0}}
@@ -240,6 +254,7 @@ def test_host_location_memory_stays_host_memory(gpu_actor: Callable[..., Actor])
     assert a.call("rt.free_physical", h) == 0
 
 
+@BOTH_SURFACES
 @pytest.mark.parametrize("share_type", [DEFAULT, FABRIC])
 def test_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor], share_type: int) -> None:
     exporter, importer, stranger = gpu_actor(), gpu_actor(), gpu_actor()
@@ -270,6 +285,7 @@ def test_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor], share_type: 
     assert importer.call("rt.free_physical", ih) == 0
 
 
+@BOTH_SURFACES
 def test_more_rules_hold_for_gpu_memory(gpu_actor: Callable[..., Actor]) -> None:
     """Rules 5, 6, 8, 11 (no pid validation), 13 (once per process) and 14 (exporter death) with GPU memory."""
     exporter, importer, anyone, late = gpu_actor(), gpu_actor(), gpu_actor(), gpu_actor()
@@ -327,6 +343,7 @@ def test_host_backend_importer_is_told_to_use_cuda(gpu_actor: Callable[..., Acto
         host_only.kill()
 
 
+@BOTH_SURFACES
 def test_rule_1_gpu_granularity_is_at_least_the_drivers(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     prop = {**PROP, "location": {"id": 0, "type": 1}}
@@ -337,6 +354,7 @@ def test_rule_1_gpu_granularity_is_at_least_the_drivers(gpu_actor: Callable[...,
     assert a.call("rt.malloc_physical", g + 4096, prop, 0)[-1] == 107000
 
 
+@BOTH_SURFACES
 def test_rule_3_gpu_reservation_at_a_taken_address_is_refused(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     ptr, ret = a.call("rt.reserve_mem_address", 2 * MiB2, 0, 0, 0)
@@ -346,6 +364,7 @@ def test_rule_3_gpu_reservation_at_a_taken_address_is_refused(gpu_actor: Callabl
     assert a.call("rt.release_mem_address", ptr) == 0
 
 
+@BOTH_SURFACES
 def test_rule_4_gpu_map_no_access_is_inaccessible_until_set_access(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     h, _ = a.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
@@ -361,6 +380,7 @@ def test_rule_4_gpu_map_no_access_is_inaccessible_until_set_access(gpu_actor: Ca
     drop(a, h, ptr)
 
 
+@BOTH_SURFACES
 def test_rule_5_gpu_access_flags_take_effect_at_once(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     h, ptr = alloc_map(a)
@@ -377,6 +397,7 @@ def test_rule_5_gpu_access_flags_take_effect_at_once(gpu_actor: Callable[..., Ac
     drop(a, h, ptr)
 
 
+@BOTH_SURFACES
 def test_rule_6_gpu_unmap_returns_the_range_to_reserved(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     h, ptr = alloc_map(a)
@@ -388,6 +409,7 @@ def test_rule_6_gpu_unmap_returns_the_range_to_reserved(gpu_actor: Callable[...,
     drop(a, h, ptr)
 
 
+@BOTH_SURFACES
 def test_rule_10_an_imported_gpu_handle_cannot_be_exported(gpu_actor: Callable[..., Actor]) -> None:
     exporter, importer = gpu_actor(), gpu_actor()
     h, ptr, ih, iptr = share_once(exporter, importer)
@@ -399,6 +421,7 @@ def test_rule_10_an_imported_gpu_handle_cannot_be_exported(gpu_actor: Callable[.
 # ---------------------------------------------------------------- lifetimes, failures and leaks
 
 
+@BOTH_SURFACES
 def test_share_cycles_leak_no_fd_and_no_allocation(gpu_actor: Callable[..., Actor]) -> None:
     exporter, importer = gpu_actor(), gpu_actor()
     h, ptr, ih, iptr = share_once(exporter, importer)  # warm both sides (contexts, broker connection)
@@ -416,6 +439,7 @@ def test_share_cycles_leak_no_fd_and_no_allocation(gpu_actor: Callable[..., Acto
         assert driver_allocations(exporter.pid) == driver_allocations(importer.pid) == 0
 
 
+@BOTH_SURFACES
 def test_importer_keeps_gpu_memory_when_the_exporter_dies(gpu_actor: Callable[..., Actor]) -> None:
     exporter, importer = gpu_actor(), gpu_actor()
     _, ptr, ih, iptr = share_once(exporter, importer, 2 * MiB2)
@@ -426,6 +450,7 @@ def test_importer_keeps_gpu_memory_when_the_exporter_dies(gpu_actor: Callable[..
     drop(importer, ih, iptr)
 
 
+@BOTH_SURFACES
 def test_gpu_memory_is_given_back_when_the_last_holder_dies(gpu_actor: Callable[..., Actor],
                                                              broker: BrokerProc) -> None:
     exporter, importer = gpu_actor(), gpu_actor()
@@ -439,6 +464,7 @@ def test_gpu_memory_is_given_back_when_the_last_holder_dies(gpu_actor: Callable[
     assert after["gpu_used"] == {} and after["exports"] == []
 
 
+@BOTH_SURFACES
 def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..., Actor],
                                                           own_broker: BrokerProc) -> None:
     a = gpu_actor(on=own_broker)
@@ -455,6 +481,7 @@ def test_a_restarted_broker_records_live_gpu_memory_again(gpu_actor: Callable[..
     assert listing(own_broker)["gpu_used"] == {}
 
 
+@BOTH_SURFACES
 def test_rule_16_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Callable[..., Actor],
                                                                  broker: BrokerProc) -> None:
     """A client hands the broker a pipe as a GPU export: the importer's driver refuses it, and nothing leaks."""
@@ -482,6 +509,7 @@ def test_rule_16_an_import_of_a_forged_gpu_export_fails_cleanly(gpu_actor: Calla
         os.close(w)
 
 
+@BOTH_SURFACES
 def test_failed_gpu_calls_leave_nothing_behind(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor()
     drop(a, *alloc_map(a))  # connected to the broker, the context made
@@ -522,6 +550,7 @@ def test_device_mem_info_is_the_gpus(broker: BrokerProc) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
+@BOTH_SURFACES
 @needs_stand_in
 def test_rule_2_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor(FAKECUDA_MEMORY=str(4 * MiB2))
@@ -538,6 +567,7 @@ def test_rule_2_gpu_out_of_memory_is_207001_and_recovers(gpu_actor: Callable[...
     assert a.call("!fd_count") == fds and driver_allocations(a.pid) == 0  # the failed call left nothing
 
 
+@BOTH_SURFACES
 @needs_stand_in
 def test_gpu_capacity_is_the_gpus_not_vmmshare_device_memory(gpu_actor: Callable[..., Actor]) -> None:
     a = gpu_actor(FAKECUDA_MEMORY=str(200 << 30), VMMSHARE_DEVICE_MEMORY="1G")
@@ -549,6 +579,7 @@ def test_gpu_capacity_is_the_gpus_not_vmmshare_device_memory(gpu_actor: Callable
     assert a.call("rt.get_mem_info", 0) == (200 << 30, 200 << 30, 0)
 
 
+@BOTH_SURFACES
 def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> None:
     exporter, importer = gpu_actor(), gpu_actor()
     count, ret = exporter.call("rt.get_device_count")
@@ -576,6 +607,7 @@ def test_second_device_memory_is_shared_too(gpu_actor: Callable[..., Actor]) -> 
     drop(exporter, h, ptr)
 
 
+@BOTH_SURFACES
 @pytest.mark.parametrize("peer_path", [True, False], ids=["peers", "no_peers"])
 def test_peer_access_is_the_gpus_topology(gpu_actor: Callable[..., Actor], peer_path: bool) -> None:
     if mode() == "gpu" and not peer_path:
@@ -837,6 +869,7 @@ def test_doctor_lists_the_gpus(broker: BrokerProc) -> None:
         assert "GPU 1: 16384 MiB, granularity 2048 KiB" in finding["detail"], finding
 
 
+@BOTH_SURFACES
 def test_visible_devices_choose_the_gpu(gpu_actor: Callable[..., Actor]) -> None:
     """ASCEND_RT_VISIBLE_DEVICES=1: the process sees one device, 0, which is GPU 1; its memory, copies and peer
     questions are GPU 1's (the stand-in names each GPU's memory)."""

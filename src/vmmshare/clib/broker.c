@@ -35,6 +35,7 @@ typedef struct hold {
     uint64_t token;
     uint64_t hold;   /* 0: none on this connection (its broker is gone) */
     bool charge;     /* a charge of this process's memory, charged again on a new broker */
+    bool gpu;        /* GPU memory (CHARGE_GPU): its export tells the broker so */
     int32_t device;
     uint64_t size;
 } hold;
@@ -362,7 +363,7 @@ static aclError connect_fresh(vs_err *err)
         uint32_t req = next_req++;
         if (req == 0) /* 0 addresses the broker's refusal of a connection */
             req = next_req++;
-        size_t n = vs_wire_encode(VS_CHARGE, req, &f, frame, &why);
+        size_t n = vs_wire_encode(h->gpu ? VS_CHARGE_GPU : VS_CHARGE, req, &f, frame, &why);
         vs_err ignored;
         int got = attempt(&ignored, conn, frame, n, NULL, 0, req, VS_TOKEN, r);
         if (got == ATTEMPT_RETRY || conn < 0)
@@ -412,6 +413,23 @@ aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token)
     return rc;
 }
 
+/* Charge GPU memory of node GPU `device` (CHARGE_GPU: recorded, the GPU's own capacity applies): the CUDA backend's
+ * allocations (cuda.c), whose exports then tell the broker they are GPU memory. */
+aclError vs_node_charge_gpu(vs_err *err, int device, uint64_t size, uint64_t *token)
+{
+    reply *r = begin();
+    vs_fields f = {0};
+    f.v[0] = (uint32_t)device;
+    f.v[1] = size;
+    aclError rc = request(err, VS_CHARGE_GPU, &f, -1, 0, NULL, 0, VS_TOKEN, r);
+    if (rc == ACL_SUCCESS) {
+        *token = new_token(r->f.v[0], true, device, size);
+        hold_of(*token)->gpu = true;
+    }
+    end();
+    return rc;
+}
+
 void vs_node_release(uint64_t token)
 {
     reply *r = begin();
@@ -448,7 +466,8 @@ aclError vs_node_export(vs_err *err, uint64_t token, int fd, const vs_prop *prop
     f.v[2] = flags;
     f.v[3] = share_type;
     f.v[4] = vs_rt.config.server_id;
-    f.v[5] = 0; /* host memfd */
+    hold *h = hold_of(token);
+    f.v[5] = h != NULL && h->gpu; /* the memory's kind: 0 a host memfd, 1 a CUDA allocation's fd */
     f.v[6] = prop->handle_type;
     f.v[7] = prop->allocation_type;
     f.v[8] = prop->mem_attr;

@@ -228,8 +228,12 @@ static int read_backend(vs_config *c)
                 text[j++] = (char)(*p >= 'A' && *p <= 'Z' ? *p + 32 : *p);
         text[j] = '\0';
     }
-    if (text[0] == '\0' || strcmp(text, "host") == 0 || strcmp(text, "auto") == 0)
-        return 0; /* auto: no GPU is driven from C in this release, so host memory */
+    if (text[0] == '\0' || strcmp(text, "host") == 0)
+        return 0;
+    if (strcmp(text, "auto") == 0) { /* the GPUs when the driver loads and sees one (cuda.c), else host memory */
+        c->cuda = c->cuda_auto = true;
+        return 0;
+    }
     if (strcmp(text, "cuda") == 0) {
         c->cuda = true;
         return 0;

@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 
 #define MAX_HOST_ALLOC ((size_t)1 << 46)
 #define MAX_MALLOC (SIZE_MAX - VS_HUGE1G_GRANULARITY)
@@ -183,7 +184,12 @@ static aclError local_part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t
     if (rc == ACL_SUCCESS && (to.remote || of.remote))
         rc = vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "the memory at %#lx was remapped while the copy ran",
                     (unsigned long)(uintptr_t)dst);
-    if (rc == ACL_SUCCESS && fill)
+    vs_alloc *gpu = rc == ACL_SUCCESS ? vs_cuda_mover((uintptr_t)dst, (uintptr_t)(fill ? dst : src)) : NULL;
+    if (gpu != NULL && fill)
+        rc = vs_cuda_fill(err, gpu, (uintptr_t)dst, value, n);
+    else if (gpu != NULL)
+        rc = vs_cuda_copy(err, gpu, (uintptr_t)dst, (uintptr_t)src, n);
+    else if (rc == ACL_SUCCESS && fill)
         memset(dst, value & 0xFF, n);
     else if (rc == ACL_SUCCESS)
         memmove(dst, src, n);
@@ -193,16 +199,49 @@ static aclError local_part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t
     return rc;
 }
 
+/* GPU memory on the local side of a part across servers: through a host bounce buffer, as the Python runtime
+ * does (the transfer engine moves host memory). */
+static aclError gpu_part(vs_err *err, const vs_remote *far, uint64_t at, uint8_t *local, size_t n, bool write)
+{
+    size_t chunk = n < BOUNCE ? n : BOUNCE;
+    uint8_t *bounce = malloc(chunk);
+    if (bounce == NULL)
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a %zu-byte bounce buffer", chunk);
+    aclError rc = ACL_SUCCESS;
+    for (size_t done = 0; rc == ACL_SUCCESS && done < n; done += chunk) {
+        size_t k = n - done < chunk ? n - done : chunk;
+        if (write) {
+            rc = local_part(err, bounce, local + done, k, false, 0);
+            if (rc == ACL_SUCCESS)
+                rc = vs_fabric_move(err, far, at + done, bounce, k, true);
+        } else {
+            rc = vs_fabric_move(err, far, at + done, bounce, k, false);
+            if (rc == ACL_SUCCESS)
+                rc = local_part(err, local + done, bounce, k, false, 0);
+        }
+    }
+    free(bounce);
+    return rc;
+}
+
 /* One part of a copy with memory of another server on one side or both, after the lock is let go (a transfer may
  * take up to the fabric timeout; the local side is read or written by the kernel, so memory unmapped meanwhile
  * fails the copy, never the process). Remote to remote goes through a bounce buffer. */
 static aclError remote_part(vs_err *err, const vs_piece *to, uint64_t to_off, const vs_piece *of, uint64_t of_off,
                             uint8_t *dst, const uint8_t *src, size_t n)
 {
-    if (!to->remote)
-        return vs_fabric_move(err, &of->where, of->offset + of_off, dst, n, false);
-    if (!of->remote)
-        return vs_fabric_move(err, &to->where, to->offset + to_off, (void *)src, n, true);
+    if (!to->remote || !of->remote) {
+        bool read = !to->remote; /* remote -> local */
+        uint8_t *local = read ? dst : (uint8_t *)src;
+        const vs_piece *far = read ? of : to;
+        uint64_t at = far->offset + (read ? of_off : to_off);
+        vs_lock();
+        bool gpu = vs_cuda_mover((uintptr_t)local, (uintptr_t)local) != NULL;
+        vs_unlock();
+        if (!gpu)
+            return vs_fabric_move(err, &far->where, at, local, n, !read);
+        return gpu_part(err, &far->where, at, local, n, !read);
+    }
     size_t chunk = n < BOUNCE ? n : BOUNCE;
     uint8_t *bounce = malloc(chunk);
     if (bounce == NULL)
@@ -272,7 +311,11 @@ aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size
     vs_pieces_init(&of);
     vs_lock();
     aclError rc = plan_copy(err, (uintptr_t)dst, (uintptr_t)src, count, kind, &to, &of);
-    if (rc == ACL_SUCCESS && !to.remote && !of.remote)
+    vs_alloc *gpu = rc == ACL_SUCCESS && !to.remote && !of.remote ? vs_cuda_mover((uintptr_t)dst, (uintptr_t)src)
+                                                                  : NULL; /* GPU memory in it */
+    if (gpu != NULL)
+        rc = vs_cuda_copy(err, gpu, (uintptr_t)dst, (uintptr_t)src, count);
+    else if (rc == ACL_SUCCESS && !to.remote && !of.remote)
         memmove(dst, src, count);
     vs_unlock();
     if (rc == ACL_SUCCESS && (to.remote || of.remote))
@@ -291,7 +334,10 @@ static aclError do_memset(vs_err *err, void *ptr, size_t maxCount, int32_t value
     vs_pieces_init(&to);
     vs_lock();
     aclError rc = vs_check_range(err, (uintptr_t)ptr, count, true, "devPtr", &sides, &to);
-    if (rc == ACL_SUCCESS && !to.remote)
+    vs_alloc *gpu = rc == ACL_SUCCESS && !to.remote ? vs_cuda_mover((uintptr_t)ptr, (uintptr_t)ptr) : NULL;
+    if (gpu != NULL) /* GPU memory */
+        rc = vs_cuda_fill(err, gpu, (uintptr_t)ptr, value, count);
+    else if (rc == ACL_SUCCESS && !to.remote)
         memset(ptr, value & 0xFF, count);
     vs_unlock();
     if (rc == ACL_SUCCESS && to.remote)

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 
 static _Thread_local uint64_t current_ctx;
 
@@ -473,11 +474,17 @@ VS_API aclError aclrtDeviceCanAccessPeer(int32_t *canAccessPeer, int32_t deviceI
         return vs_fail(ACL_ERROR_INVALID_PARAM, "aclrtDeviceCanAccessPeer", "canAccessPeer is NULL");
     if (vs_device_id(&err, deviceId) || vs_device_id(&err, peerDeviceId))
         return vs_raise(&err, "aclrtDeviceCanAccessPeer");
-    *canAccessPeer = deviceId != peerDeviceId;
+    int can = deviceId != peerDeviceId;
+    if (can && vs_rt.config.cuda && /* the GPUs' topology says */
+        vs_cuda_can_access_peer(&err, vs_logical(deviceId), vs_logical(peerDeviceId), &can))
+        return vs_raise(&err, "aclrtDeviceCanAccessPeer");
+    *canAccessPeer = can != 0;
     return ACL_SUCCESS;
 }
 
-static aclError peer_access(int32_t peer, const char *call)
+/* Peer access from the current device to `peer`: both real and distinct, and (enabling, under the CUDA backend) a
+ * path the GPUs' topology has. */
+static aclError peer_access(int32_t peer, bool enable, const char *call)
 {
     START(call);
     if (vs_device_id(&err, peer))
@@ -488,6 +495,14 @@ static aclError peer_access(int32_t peer, const char *call)
     if (device == peer)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                        "device %d is the current device: peer access is between two devices", peer);
+    int can = 1;
+    if (enable && vs_rt.config.cuda) {
+        if (vs_cuda_can_access_peer(&err, vs_logical(device), vs_logical(peer), &can))
+            return vs_raise(&err, call);
+        if (!can)
+            return vs_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
+                           "GPU %d cannot access GPU %d's memory (cuDeviceCanAccessPeer says no)", device, peer);
+    }
     return ACL_SUCCESS;
 }
 
@@ -496,12 +511,12 @@ VS_API aclError aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags
     if (flags != 0)
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtDeviceEnablePeerAccess", "flags=%u is out of range [0, 0]",
                        flags);
-    return peer_access(peerDeviceId, "aclrtDeviceEnablePeerAccess");
+    return peer_access(peerDeviceId, true, "aclrtDeviceEnablePeerAccess");
 }
 
 VS_API aclError aclrtDeviceDisablePeerAccess(int32_t peerDeviceId)
 {
-    return peer_access(peerDeviceId, "aclrtDeviceDisablePeerAccess");
+    return peer_access(peerDeviceId, false, "aclrtDeviceDisablePeerAccess");
 }
 
 /* ---------------------------------------------------------------- device ids */

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 
 #define ARENA_SIZE ((size_t)(VS_ARENA_END - VS_ARENA_START))
 
@@ -185,7 +186,8 @@ VS_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *t
     if (vs_current_device(&err, &device) || vs_device_id(&err, device))
         return vs_raise(&err, call);
     uint64_t f, t;
-    if (vs_node_mem_info(&err, vs_logical(device), &f, &t))
+    if (vs_rt.config.cuda ? vs_cuda_mem_info(&err, vs_logical(device), &f, &t) /* the GPU's, as its driver counts */
+                          : vs_node_mem_info(&err, vs_logical(device), &f, &t))
         return vs_raise(&err, call);
     *free_bytes = f;
     *total = t;
@@ -303,6 +305,8 @@ static aclError reserve(void **virPtr, size_t size, size_t alignment, void *expe
         return vs_fail(ACL_ERROR_RT_PARAM_INVALID, call, "expectPtr %#lx must be aligned to %zu (2 MiB)",
                        (unsigned long)want, VS_MIN_GRANULARITY);
     size_t align = size % VS_HUGE1G_GRANULARITY == 0 ? VS_HUGE1G_GRANULARITY : VS_MIN_GRANULARITY;
+    if (vs_rt.config.cuda) /* the device's address space is the GPUs' */
+        return vs_cuda_reserve(virPtr, size, align, want, call);
     vs_lock();
     uintptr_t base;
     int rc = vs_arena_reserve(size, align, want, -1, PROT_NONE, &base);
@@ -344,8 +348,8 @@ static aclError release(vs_err *err, uintptr_t ptr, enum vs_owner owner)
     if (vs_mappings_overlap(ptr, r->size))
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID,
                       "the reservation at %#lx still holds mappings: unmap them first (aclrtUnmapMem)", (unsigned long)ptr);
-    if (munmap((void *)ptr, r->size) != 0)
-        return vs_set(err, ACL_ERROR_RT_INTERNAL_ERROR, "munmap: %s", strerror(errno));
+    if (r->gpu ? vs_cuda_release_range(err, ptr, r->size) != ACL_SUCCESS : munmap((void *)ptr, r->size) != 0)
+        return r->gpu ? err->code : vs_set(err, ACL_ERROR_RT_INTERNAL_ERROR, "munmap: %s", strerror(errno));
     vs_remove_reservation(ptr);
     return ACL_SUCCESS;
 }
@@ -398,7 +402,10 @@ aclError vs_map_alloc(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, uint
         vs_add_mapping(ptr, size, a, access);
         return ACL_SUCCESS;
     }
-    if (mmap((void *)ptr, size, vs_prot_of(access), MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)
+    if (a->gpu != NULL || r->gpu) { /* GPU memory, or a GPU range: the driver maps (both must be GPU) */
+        if (vs_cuda_map(err, ptr, size, a, r, access))
+            return err->code;
+    } else if (mmap((void *)ptr, size, vs_prot_of(access), MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "cannot map %zu bytes at %#lx: %s", size,
                       (unsigned long)ptr, strerror(errno));
     advise(ptr, size, access);
@@ -411,6 +418,8 @@ aclError vs_map_new(vs_err *err, vs_alloc *a, uint64_t access, enum vs_owner own
 {
     if (check_range_size(err, a->size))
         return err->code;
+    if (a->gpu != NULL) /* GPU memory: reserved and mapped by the driver */
+        return vs_cuda_map_new(err, a, access, owner, out);
     size_t align = a->size % VS_HUGE1G_GRANULARITY == 0 ? VS_HUGE1G_GRANULARITY : VS_MIN_GRANULARITY;
     uintptr_t ptr;
     if (vs_arena_reserve(a->size, align, 0, a->fd, vs_prot_of(access), &ptr) != 0)
@@ -432,7 +441,10 @@ aclError vs_unmap_release(vs_err *err, uintptr_t ptr, enum vs_owner owner)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "%#lx is not the start of a mapping of this process",
                       (unsigned long)ptr);
     vs_alloc *a = m->alloc;
-    if (munmap((void *)ptr, r->size) != 0)
+    if (r->gpu) { /* the driver's two steps */
+        if (vs_cuda_unmap(err, ptr, r->size) || vs_cuda_release_range(err, ptr, r->size))
+            return err->code;
+    } else if (munmap((void *)ptr, r->size) != 0)
         return vs_set(err, ACL_ERROR_RT_INTERNAL_ERROR, "cannot unmap %#lx: %s", (unsigned long)ptr, strerror(errno));
     vs_remove_mapping(ptr);
     vs_remove_reservation(ptr);
@@ -485,7 +497,17 @@ VS_API aclError aclrtUnmapMem(void *virPtr)
     } else {
         vs_alloc *a = m->alloc;
         size_t size = m->size;
-        if (mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) ==
+        if (a->remote != NULL) { /* another server's memory: the range never changed */
+            vs_remove_mapping(ptr);
+            vs_maybe_destroy(a);
+        } else if (a->gpu != NULL) { /* GPU memory: the driver unmaps, the range stays reserved */
+            if (vs_cuda_unmap(&err, ptr, size))
+                rc = vs_raise(&err, call);
+            else {
+                vs_remove_mapping(ptr);
+                vs_maybe_destroy(a);
+            }
+        } else if (mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) ==
             MAP_FAILED) {
             rc = vs_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "cannot unmap %#lx: %s", (unsigned long)ptr,
                          strerror(errno));
@@ -570,7 +592,12 @@ VS_API aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc 
     for (size_t k = 0; k < n; k++)
         if (table[k].loc_type == m->alloc->prop.loc_type && table[k].loc_id == m->alloc->prop.loc_id)
             effective = table[k].flags;
-    if (m->alloc->remote == NULL && mprotect((void *)ptr, size, vs_prot_of(effective)) != 0) {
+    if (m->alloc->gpu != NULL && vs_cuda_protect(&err, ptr, size, m->alloc, effective)) { /* GPU: the driver's */
+        free(table);
+        rc = vs_raise(&err, call);
+        goto out;
+    }
+    if (m->alloc->gpu == NULL && m->alloc->remote == NULL && mprotect((void *)ptr, size, vs_prot_of(effective)) != 0) {
         free(table);
         rc = vs_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "mprotect failed: %s", strerror(errno));
         goto out;

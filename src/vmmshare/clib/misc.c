@@ -83,13 +83,13 @@ VS_API aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, in
     return ACL_SUCCESS;
 }
 
-/* What holds the C library's memory: host memory in this release, whatever VMMSHARE_BACKEND says (never NULL). */
+/* What holds the C library's device memory: the GPUs under VMMSHARE_BACKEND=cuda, else host memory (never NULL). */
 VS_API const char *aclrtGetSocName(void)
 {
     vs_err err;
     if (vs_start(&err))
         vs_raise(&err, "aclrtGetSocName");
-    return "vmmshare-host";
+    return vs_rt.config.cuda ? "vmmshare-cuda" : "vmmshare-host";
 }
 
 VS_API float aclFloat16ToFloat(aclFloat16 value)

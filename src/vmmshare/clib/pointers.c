@@ -93,6 +93,9 @@ VS_API aclError aclrtHostRegister(void *ptr, uint64_t size, aclrtHostRegisterTyp
     int device;
     if (vs_current_device(&err, &device))
         return vs_raise(&err, call);
+    if (vs_rt.config.cuda) /* as the Python runtime under the CUDA backend */
+        return vs_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call, "the CUDA backend's GPUs do not map registered host "
+                       "memory: use aclrtMallocHost memory and copies");
     uintptr_t p = (uintptr_t)ptr;
     bool write = !(flags & ACL_HOST_REGISTER_READONLY);
     if (size > UINTPTR_MAX - p || !vs_process_range_ok(p, (size_t)size, write))

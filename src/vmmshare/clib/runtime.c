@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 
 vs_runtime vs_rt;
 
@@ -76,6 +77,8 @@ aclError vs_start(vs_err *err)
     pthread_once(&started, start_once);
     if (vs_rt.config.error[0])
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "configuration: %s", vs_rt.config.error);
+    if (vs_rt.config.cuda && vs_cuda_start(err)) /* the CUDA driver, loaded once: without it no call works */
+        return err->code;
     return ACL_SUCCESS;
 }
 
@@ -320,6 +323,7 @@ static void destroy(vs_alloc *a)
             *p = a->next;
             break;
         }
+    vs_cuda_release(a); /* GPU memory: the driver's allocation goes first, as the Python backend's close */
     if (a->fd >= 0)
         close(a->fd);
     vs_node_release(a->token); /* the node's hold goes with it (an export of it is revoked) */
@@ -391,9 +395,7 @@ aclError vs_make_alloc(vs_err *err, size_t size, const vs_prop *prop, enum vs_ow
     if (prop->loc_type == ACL_MEM_LOCATION_TYPE_DEVICE)
         device = vs_logical((int)prop->loc_id);
     if (device >= 0 && vs_rt.config.cuda)
-        return vs_set(err, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
-                      "VMMSHARE_BACKEND=cuda: the C library holds host memory only in this release, so it makes no "
-                      "GPU memory; unset VMMSHARE_BACKEND (or set it to host) for device memory on the host");
+        return vs_cuda_make_alloc(err, size, prop, device, owner, out); /* device memory is GPU memory */
     if (device >= 0 && size > vs_rt.config.device_memory)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION,
                       "device %d has %llu of %llu bytes free; %zu bytes do not fit (free memory, or raise "

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "vs.h"
+#include "vs_cuda.h"
 #include "wire.h"
 
 /* A shareable handle as the calls take it: its node-local value and, for FABRIC, the decoded fields. */
@@ -110,6 +111,8 @@ aclError vs_export_alloc(vs_err *err, vs_alloc *a, uint32_t share_type, bool pid
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "handle %#llx was exported already; a handle exports once",
                       (unsigned long long)a->handle);
     uint32_t flags = pid_validation ? 0 : ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION;
+    if (a->gpu != NULL && vs_cuda_export_fd(err, a)) /* GPU memory: the driver's POSIX fd goes to the broker */
+        return err->code;
     aclError rc = vs_node_export(err, a->token, a->fd, &a->prop, a->size, flags, share_type, out, outlen);
     if (rc)
         return rc;
@@ -267,12 +270,11 @@ aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const
                       "what was exported (pass the 128 bytes the exporter produced)", fabric_size,
                       (unsigned long long)size);
     }
-    if (gpu) {
+    if (gpu && !vs_rt.config.cuda) {
         close(fd);
         vs_node_release(token);
         return vs_set(err, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
-                      "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda (the C library "
-                      "holds host memory in this release)");
+                      "this handle is GPU memory: import it in a process with VMMSHARE_BACKEND=cuda");
     }
     vs_alloc *a = calloc(1, sizeof *a);
     if (a == NULL) {
@@ -289,6 +291,11 @@ aclError vs_import_alloc(vs_err *err, uint64_t value, uint32_t share_type, const
     a->refs = 1;
     a->imported_from = value;
     a->owner = owner;
+    if (gpu && vs_cuda_adopt(err, a, device)) { /* GPU memory: the driver imports the fd (closed either way) */
+        vs_node_release(token);
+        free(a);
+        return err->code;
+    }
     *out = a;
     return ACL_SUCCESS;
 }

@@ -69,6 +69,7 @@ typedef struct vs_alloc {
     bool in_imports;         /* the import table names it for `imported_from` */
     bool registered;         /* aclrtDrvMemHandle lookups find it (refs > 0, VMM-owned) */
     enum vs_owner owner;
+    struct vs_gpu *gpu;      /* GPU memory under the CUDA backend (cuda.c); NULL: host memory (its memfd) */
     struct vs_alloc *next;
 } vs_alloc;
 
@@ -76,6 +77,7 @@ typedef struct vs_range {
     uintptr_t base;
     size_t size;
     enum vs_owner owner;
+    bool gpu;                /* GPU address space (cuda.c), not the host arena */
 } vs_range;
 
 typedef struct vs_access {
@@ -168,7 +170,8 @@ typedef struct vs_config {
     uint32_t server_id;
     bool prepopulate;
     long spin_us;            /* VMMSHARE_SPIN_US: how long a request polls for its reply before it sleeps */
-    bool cuda;               /* VMMSHARE_BACKEND=cuda */
+    bool cuda;               /* VMMSHARE_BACKEND=cuda (or auto, where a GPU is usable: cuda.c decides) */
+    bool cuda_auto;          /* VMMSHARE_BACKEND=auto: without a usable GPU, device memory is host memory */
     double fabric_timeout;   /* VMMSHARE_FABRIC_TIMEOUT: seconds a copy across servers may make no progress */
     long broker_user;        /* -1: none */
     int visible[VS_MAX_DEVICES];
@@ -295,6 +298,7 @@ void vs_devices_after_fork(void);
 /* ---------------------------------------------------------------- broker.c (the node) */
 
 aclError vs_node_charge(vs_err *err, int device, uint64_t size, uint64_t *token);
+aclError vs_node_charge_gpu(vs_err *err, int device, uint64_t size, uint64_t *token); /* its exports say GPU */
 void vs_node_release(uint64_t token);
 aclError vs_node_mem_info(vs_err *err, int device, uint64_t *free_bytes, uint64_t *total);
 aclError vs_node_export(vs_err *err, uint64_t token, int fd, const vs_prop *prop, uint64_t size, uint32_t flags,

@@ -255,3 +255,32 @@ def test_a_killed_c_importer_leaves_nothing_served(shared_fabric: TestCluster, p
     assert a.ask("sum 0 64")[1] == str(fnv(b"\x07" * 64))
     assert a.code("unexport") == 0
     a.clean()
+
+
+def test_gpu_memory_of_a_c_program_copies_to_and_from_another_servers_memory(
+        shared_fabric: TestCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A C importer with the CUDA backend (on the CPU stand-in for the driver) copies between its GPU memory and
+    another server's memory, both ways, through a host bounce buffer; the GPU memory is never served across."""
+    import fakecuda
+
+    gpu_env = {**fakecuda.build(tmp_path_factory.mktemp("fakecuda")), "VMMSHARE_BACKEND": "cuda",
+               "VMMSHARE_ACTOR_SURFACE": "c"}
+    a = shared_fabric.actor(1)
+    b = shared_fabric.actor(2, **gpu_env)
+    _, s, ap = export(a, pids=[b.pid])
+    a.call("!write_bytes", ap, b"host memory of server 1")
+    ih, rp = import_map(b, s)
+    dev = ok(b, "rt.malloc", M2, 0)  # GPU memory (the stand-in's)
+    ok(b, "rt.memcpy", dev, M2, rp, M2, 3)  # remote -> GPU
+    host = ok(b, "rt.malloc_host", 64)
+    ok(b, "rt.memcpy", host, 64, dev, 23, 2)
+    assert b.call("!read", host, 23) == b"host memory of server 1"
+    ok(b, "rt.memset", dev, 8, 0x47, 8)
+    ok(b, "rt.memcpy", rp + 4096, 8, dev, 8, 3)  # GPU -> remote
+    assert a.call("!read", ap + 4096, 8) == b"G" * 8
+    ok(b, "rt.free", dev)
+    ok(b, "rt.free_host", host)
+    ok(b, "rt.unmap_mem", rp)
+    ok(b, "rt.release_mem_address", rp)
+    ok(b, "rt.free_physical", ih)
+    eventually(lambda: served_nothing(shared_fabric), "the memory is still served")

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-import fakecuda
 from conftest import CUDA_GATE, require
-from procs import PROP, Actor, BrokerProc, MiB2, clean_env, share_and_map
+from procs import PROP, Actor, BrokerProc, MiB2, share_and_map
 from test_c_library import cc
 from test_cuda import (
     BINDINGS,
@@ -31,8 +30,10 @@ from test_cuda import (
     FABRIC,
     H2D,
     NO_BACKEND,
-    _gpu_usable,
     alloc_map,
+    backend_mode,  # noqa: F401  (fixtures shared with the Python surface's tests)
+    broker_env,  # noqa: F401
+    cuda_env,  # noqa: F401
     download,
     driver_allocations,
     drop,
@@ -49,33 +50,6 @@ NO_PERMISSION, REVOKED, PARAM, UNSUPPORTED = 207006, 107017, 107000, 207000
 require(BINDINGS, NO_BACKEND, CUDA_GATE)  # the stand-in's check and the Python side need cuda-bindings
 require(all((ROOT / "lib64" / name).exists() for name in LIBRARIES), "the C library is not built", CUDA_GATE)
 pytestmark = [pytest.mark.gpu]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def backend_mode() -> str | None:
-    """Skips (fails in CI) every test here where neither a GPU nor the stand-in can run."""
-    found = mode()
-    if os.environ.get("VMMSHARE_REQUIRE_GPU") == "1" and found != "gpu":
-        pytest.fail("VMMSHARE_REQUIRE_GPU=1 but no usable GPU: vmmshare.backends.cuda.available() is False",
-                    pytrace=False)
-    require(found is not None, NO_BACKEND, CUDA_GATE)
-    return found
-
-
-@pytest.fixture(scope="module")
-def cuda_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """What a process needs in its environment to see the GPUs (nothing on a real GPU)."""
-    if mode() != "fake":
-        return {}
-    env = fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
-    assert _gpu_usable(env), "the CPU stand-in for libcuda did not load"
-    return env
-
-
-@pytest.fixture(scope="module")
-def broker_env(cuda_env: dict[str, str]) -> dict[str, str]:
-    """The module's broker (conftest's `broker`) and its clients see the GPUs."""
-    return clean_env(**{"PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **cuda_env})
 
 
 @pytest.fixture

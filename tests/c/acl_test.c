@@ -16,32 +16,7 @@
 
 #include "acl/acl.h"
 
-static int failures, checks;
-
-#define EXPECT(expr, code)                                                                                     \
-    do {                                                                                                       \
-        aclError got_ = (expr);                                                                                \
-        checks++;                                                                                              \
-        if (got_ != (code)) {                                                                                  \
-            failures++;                                                                                        \
-            printf("FAIL %s:%d %s -> %d, expected %d (%s)\n", __FILE__, __LINE__, #expr, got_, (int)(code),    \
-                   aclGetRecentErrMsg());                                                                      \
-        } else if ((code) != 0 && strstr(aclGetRecentErrMsg(), ": ") == NULL) {                                \
-            failures++;                                                                                        \
-            printf("FAIL %s:%d %s left no message\n", __FILE__, __LINE__, #expr);                              \
-        }                                                                                                      \
-    } while (0)
-
-#define TRUE(cond)                                                                                             \
-    do {                                                                                                       \
-        checks++;                                                                                              \
-        if (!(cond)) {                                                                                         \
-            failures++;                                                                                        \
-            printf("FAIL %s:%d %s\n", __FILE__, __LINE__, #cond);                                              \
-        }                                                                                                      \
-    } while (0)
-
-#define MIB2 ((size_t)2 << 20)
+#include "checks.h"
 
 static aclrtPhysicalMemProp device_prop(void)
 {
@@ -53,27 +28,6 @@ static aclrtPhysicalMemProp device_prop(void)
     p.location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
     p.location.id = 0;
     return p;
-}
-
-/* This process's open fds, but for what the waiters' watcher keeps on purpose for later waits (its eventfd and the
- * pidfds of producers it has watched). */
-static int fd_count(void)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    struct dirent *e;
-    while (d != NULL && (e = readdir(d)) != NULL) {
-        char path[300], target[64] = "";
-        snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
-        ssize_t k = readlink(path, target, sizeof target - 1);
-        if (k > 0)
-            target[k] = '\0';
-        if (strcmp(target, "anon_inode:[pidfd]") != 0 && strcmp(target, "anon_inode:[eventfd]") != 0)
-            n++;
-    }
-    if (d != NULL)
-        closedir(d);
-    return n;
 }
 
 /* Allocate, reserve and map 2 MiB; fill it with `byte`. */

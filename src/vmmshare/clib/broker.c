@@ -551,6 +551,17 @@ aclError vs_node_still_admitted(vs_err *err, uint64_t shareable, uint32_t share_
     return rc;
 }
 
+/* The allocation property of an IMPORTED or REMOTE_IMPORTED reply (fields 3 to 7, framing.PROP's place). */
+static void prop_of(const vs_fields *f, vs_prop *prop)
+{
+    memset(prop, 0, sizeof *prop);
+    prop->handle_type = (uint32_t)f->v[3];
+    prop->allocation_type = (uint32_t)f->v[4];
+    prop->mem_attr = (uint32_t)f->v[5];
+    prop->loc_type = (uint32_t)f->v[6];
+    prop->loc_id = (int64_t)f->v[7];
+}
+
 aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, const uint8_t *secret, int *fd,
                         uint64_t *token, uint64_t *size, vs_prop *prop, bool *gpu)
 {
@@ -584,12 +595,7 @@ aclError vs_node_import(vs_err *err, uint64_t shareable, uint32_t share_type, co
         *fd = r->fds[0];
         *size = r->f.v[1];
         *gpu = r->f.v[2] != 0;
-        memset(prop, 0, sizeof *prop);
-        prop->handle_type = (uint32_t)r->f.v[3];
-        prop->allocation_type = (uint32_t)r->f.v[4];
-        prop->mem_attr = (uint32_t)r->f.v[5];
-        prop->loc_type = (uint32_t)r->f.v[6];
-        prop->loc_id = (int64_t)r->f.v[7];
+        prop_of(&r->f, prop);
         *token = new_token(r->f.v[0], false, 0, 0);
     }
     end();
@@ -647,12 +653,7 @@ aclError vs_node_remote_import(vs_err *err, const uint8_t *handle, uint64_t *tok
     if (rc == ACL_SUCCESS) {
         *token = new_token(r->f.v[0], false, 0, 0);
         *size = r->f.v[1];
-        memset(prop, 0, sizeof *prop);
-        prop->handle_type = (uint32_t)r->f.v[3];
-        prop->allocation_type = (uint32_t)r->f.v[4];
-        prop->mem_attr = (uint32_t)r->f.v[5];
-        prop->loc_type = (uint32_t)r->f.v[6];
-        prop->loc_id = (int64_t)r->f.v[7];
+        prop_of(&r->f, prop);
         *address = r->f.v[8];
         *data_port = (uint16_t)r->f.v[11];
     }

@@ -199,9 +199,24 @@ static aclError local_part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t
     return rc;
 }
 
-/* GPU memory on the local side of a part across servers: through a host bounce buffer, as the Python runtime
- * does (the transfer engine moves host memory). */
-static aclError gpu_part(vs_err *err, const vs_remote *far, uint64_t at, uint8_t *local, size_t n, bool write)
+/* One side of a part moved through host memory: memory of another server (`far`, at `at`), or local memory. */
+typedef struct side {
+    const vs_remote *far;
+    uint64_t at;
+    uint8_t *local;
+} side;
+
+static aclError side_move(vs_err *err, const side *s, size_t done, uint8_t *host, size_t k, bool into_side)
+{
+    if (s->far != NULL)
+        return vs_fabric_move(err, s->far, s->at + done, host, k, into_side);
+    return into_side ? local_part(err, s->local + done, host, k, false, 0)
+                     : local_part(err, host, s->local + done, k, false, 0);
+}
+
+/* `n` bytes from one side to the other through a host bounce buffer: remote to remote, and GPU memory to or from
+ * another server's (the transfer engine moves host memory, as in the Python runtime). */
+static aclError through_host(vs_err *err, const side *from, const side *to, size_t n)
 {
     size_t chunk = n < BOUNCE ? n : BOUNCE;
     uint8_t *bounce = malloc(chunk);
@@ -210,15 +225,9 @@ static aclError gpu_part(vs_err *err, const vs_remote *far, uint64_t at, uint8_t
     aclError rc = ACL_SUCCESS;
     for (size_t done = 0; rc == ACL_SUCCESS && done < n; done += chunk) {
         size_t k = n - done < chunk ? n - done : chunk;
-        if (write) {
-            rc = local_part(err, bounce, local + done, k, false, 0);
-            if (rc == ACL_SUCCESS)
-                rc = vs_fabric_move(err, far, at + done, bounce, k, true);
-        } else {
-            rc = vs_fabric_move(err, far, at + done, bounce, k, false);
-            if (rc == ACL_SUCCESS)
-                rc = local_part(err, local + done, bounce, k, false, 0);
-        }
+        rc = side_move(err, from, done, bounce, k, false);
+        if (rc == ACL_SUCCESS)
+            rc = side_move(err, to, done, bounce, k, true);
     }
     free(bounce);
     return rc;
@@ -226,35 +235,21 @@ static aclError gpu_part(vs_err *err, const vs_remote *far, uint64_t at, uint8_t
 
 /* One part of a copy with memory of another server on one side or both, after the lock is let go (a transfer may
  * take up to the fabric timeout; the local side is read or written by the kernel, so memory unmapped meanwhile
- * fails the copy, never the process). Remote to remote goes through a bounce buffer. */
+ * fails the copy, never the process). */
 static aclError remote_part(vs_err *err, const vs_piece *to, uint64_t to_off, const vs_piece *of, uint64_t of_off,
                             uint8_t *dst, const uint8_t *src, size_t n)
 {
-    if (!to->remote || !of->remote) {
-        bool read = !to->remote; /* remote -> local */
-        uint8_t *local = read ? dst : (uint8_t *)src;
-        const vs_piece *far = read ? of : to;
-        uint64_t at = far->offset + (read ? of_off : to_off);
-        vs_lock();
-        bool gpu = vs_cuda_mover((uintptr_t)local, (uintptr_t)local) != NULL;
-        vs_unlock();
-        if (!gpu)
-            return vs_fabric_move(err, &far->where, at, local, n, !read);
-        return gpu_part(err, &far->where, at, local, n, !read);
-    }
-    size_t chunk = n < BOUNCE ? n : BOUNCE;
-    uint8_t *bounce = malloc(chunk);
-    if (bounce == NULL)
-        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a %zu-byte bounce buffer", chunk);
-    aclError rc = ACL_SUCCESS;
-    for (size_t done = 0; rc == ACL_SUCCESS && done < n; done += chunk) {
-        size_t k = n - done < chunk ? n - done : chunk;
-        rc = vs_fabric_move(err, &of->where, of->offset + of_off + done, bounce, k, false);
-        if (rc == ACL_SUCCESS)
-            rc = vs_fabric_move(err, &to->where, to->offset + to_off + done, bounce, k, true);
-    }
-    free(bounce);
-    return rc;
+    side from = {of->remote ? &of->where : NULL, of->offset + of_off, (uint8_t *)src};
+    side into = {to->remote ? &to->where : NULL, to->offset + to_off, dst};
+    if (to->remote && of->remote)
+        return through_host(err, &from, &into, n);
+    const side *far = to->remote ? &into : &from, *near = to->remote ? &from : &into;
+    vs_lock();
+    bool gpu = vs_cuda_mover((uintptr_t)near->local, (uintptr_t)near->local) != NULL;
+    vs_unlock();
+    if (gpu)
+        return through_host(err, &from, &into, n);
+    return vs_fabric_move(err, far->far, far->at, near->local, n, to->remote);
 }
 
 /* A fill of part of memory of another server: written from a buffer of the value. */

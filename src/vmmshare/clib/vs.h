@@ -261,11 +261,12 @@ void vs_drop(vs_alloc *a);          /* one handle reference fewer */
 void vs_maybe_destroy(vs_alloc *a); /* gone when no handle, no mapping and no import under way holds it */
 void vs_forget_exports(vs_alloc *a);
 
-/* Properties and checks shared by several calls (memory.c). */
+/* Properties and their checks (props.c); mappings shared by several calls (memory.c). */
 size_t vs_prop_granularity(const vs_prop *p);
 aclError vs_check_prop_acl(vs_err *err, const vs_prop *p, bool for_malloc);
 aclError vs_check_prop_rt(vs_err *err, const vs_prop *p);
 vs_prop vs_prop_from(const aclrtPhysicalMemProp *p);
+uint32_t vs_reported_attr(const vs_prop *p); /* the attribute the runtime reports for it */
 aclError vs_map_alloc(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, uint64_t access);
 aclError vs_map_new(vs_err *err, vs_alloc *a, uint64_t access, enum vs_owner owner, uintptr_t *out);
 aclError vs_unmap_release(vs_err *err, uintptr_t ptr, enum vs_owner owner);

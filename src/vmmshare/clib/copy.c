@@ -382,13 +382,17 @@ static aclError run_copy(void *arg, vs_err *err)
                    : vs_memcpy(err, t->dst, t->max, t->src, t->count, t->kind);
 }
 
-static aclError queue_copy(vs_err *err, vs_stream *s, const char *what, copy_task *t)
+/* Queued with the runtime's lock held (it keeps the stream alive): a copy with a part in memory of another server
+ * goes to the stream's worker even when the stream is idle, since run here it would move its bytes under that lock
+ * (it is recursive: vs_memcpy's unlock would not let it go) and a stalled engine would stall the whole process. */
+static aclError queue_copy(vs_err *err, vs_stream *s, const char *what, copy_task *t, bool remote)
 {
     copy_task *mine = malloc(sizeof *mine);
     if (mine == NULL)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory");
     *mine = *t;
-    return vs_stream_do(err, s, what, run_copy, free, mine);
+    return remote ? vs_stream_submit(err, s, what, run_copy, free, mine, false)
+                  : vs_stream_do(err, s, what, run_copy, free, mine);
 }
 
 VS_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
@@ -409,11 +413,12 @@ VS_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, siz
     vs_pieces_init(&to);
     vs_pieces_init(&of);
     aclError rc = s == NULL ? err.code : plan_copy(&err, (uintptr_t)dst, (uintptr_t)src, count, (int)kind, &to, &of);
+    bool remote = to.remote || of.remote;
     vs_pieces_free(&to);
     vs_pieces_free(&of);
     if (rc == ACL_SUCCESS) {
         copy_task t = {false, dst, destMax, src, count, (int)kind, 0};
-        rc = queue_copy(&err, s, call, &t);
+        rc = queue_copy(&err, s, call, &t, remote);
     }
     vs_unlock();
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;
@@ -434,10 +439,11 @@ VS_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, s
     vs_pieces to;
     vs_pieces_init(&to);
     aclError rc = s == NULL ? err.code : vs_check_range(&err, (uintptr_t)devPtr, count, true, "devPtr", &sides, &to);
+    bool remote = to.remote;
     vs_pieces_free(&to);
     if (rc == ACL_SUCCESS) {
         copy_task t = {true, devPtr, maxCount, NULL, count, 0, value};
-        rc = queue_copy(&err, s, call, &t);
+        rc = queue_copy(&err, s, call, &t, remote);
     }
     vs_unlock();
     return rc ? vs_raise(&err, call) : ACL_SUCCESS;

@@ -257,15 +257,15 @@ VS_API aclError aclrtMemcpyBatch(void **dsts, size_t *destMaxs, void **srcs, siz
             return vs_fail(rc, call, "pair %zu: %s", i, err.message);
         }
     }
+    vs_unlock(); /* each copy checks its pair again under the lock, and moves bytes of another server outside it
+                    (held here, the recursive lock would stay held through a stalled engine's transfer) */
     for (size_t i = 0; i < numBatches; i++) {
         if (sizes[i] == 0)
             continue;
         if (vs_memcpy(&err, dsts[i], sizes[i], srcs[i], sizes[i], ACL_MEMCPY_DEFAULT)) {
             *failIndex = i;
-            vs_unlock();
             return vs_fail(err.code, call, "pair %zu: %s", i, err.message);
         }
     }
-    vs_unlock();
     return ACL_SUCCESS;
 }

@@ -268,30 +268,50 @@ static aclError remote_fill(vs_err *err, const vs_piece *to, uint64_t off, int32
     return rc;
 }
 
+/* Bytes [at, at+n) of a copy (or, with `b` NULL, a fill), within part `a` of dst and part `b` of src. */
+static aclError part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t at, size_t n, const vs_piece *a,
+                     const vs_piece *b, int32_t value)
+{
+    if (b == NULL)
+        return a->remote ? remote_fill(err, a, at - a->at, value, n) : local_part(err, dst + at, NULL, n, true, value);
+    if (!a->remote && !b->remote)
+        return local_part(err, dst + at, src + at, n, false, 0);
+    return remote_part(err, a, at - a->at, b, at - b->at, dst + at, src + at, n);
+}
+
 /* A copy (or, with `of` NULL, a fill) whose ranges run through memory of another server: part by part, where the
- * parts of both sides meet (a local mapping next to a remote one is one range, rule 7). */
+ * parts of both sides meet (a local mapping next to a remote one is one range, rule 7). A copy whose dst lies above
+ * an overlapping src goes last part first, as memmove does (and the Python surface: copies._plan), so that no part
+ * reads bytes an earlier part wrote. */
 static aclError crossing(vs_err *err, uint8_t *dst, const uint8_t *src, size_t count, const vs_pieces *to,
                          const vs_pieces *of, int32_t value)
 {
-    static const vs_piece whole_local = {0, SIZE_MAX, false, {0}, 0};
-    size_t i = 0, j = 0, done = 0;
     aclError rc = ACL_SUCCESS;
+    if (of != NULL && (uintptr_t)src < (uintptr_t)dst && (uintptr_t)dst - (uintptr_t)src < count) {
+        size_t i = to->n, j = of->n, end = count;
+        while (rc == ACL_SUCCESS && end > 0) {
+            const vs_piece *a = &to->p[i - 1], *b = &of->p[j - 1];
+            size_t start = a->at > b->at ? a->at : b->at;
+            rc = part(err, dst, src, start, end - start, a, b, value);
+            end = start;
+            if (end <= a->at)
+                i--;
+            if (end <= b->at)
+                j--;
+        }
+        return rc;
+    }
+    size_t i = 0, j = 0, done = 0;
     while (rc == ACL_SUCCESS && done < count) {
-        const vs_piece *a = &to->p[i], *b = of != NULL ? &of->p[j] : &whole_local;
-        size_t a_end = a->at + a->len, b_end = of != NULL ? b->at + b->len : count;
+        const vs_piece *a = &to->p[i], *b = of != NULL ? &of->p[j] : NULL;
+        size_t a_end = a->at + a->len, b_end = b != NULL ? b->at + b->len : count;
         size_t stop = a_end < b_end ? a_end : b_end;
         size_t n = (stop < count ? stop : count) - done;
-        if (of == NULL)
-            rc = a->remote ? remote_fill(err, a, done - a->at, value, n) : local_part(err, dst + done, NULL, n, true,
-                                                                                     value);
-        else if (!a->remote && !b->remote)
-            rc = local_part(err, dst + done, src + done, n, false, 0);
-        else
-            rc = remote_part(err, a, done - a->at, b, done - b->at, dst + done, src + done, n);
+        rc = part(err, dst, src, done, n, a, b, value);
         done += n;
         if (done >= a_end)
             i++;
-        if (of != NULL && done >= b_end)
+        if (b != NULL && done >= b_end)
             j++;
     }
     return rc;

@@ -283,7 +283,9 @@ def _local(chunk: Chunk) -> bool:
 
 
 def _on_device(m: MappingEntry | None) -> bool:
-    return m is not None and m.alloc.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE
+    """Device memory for the memcpy kinds: memory placed on a device, and any memory of another server, whatever its
+    location there (docs/fabric.md; the C library's ranges.c says the same)."""
+    return m is not None and (m.alloc.prop.location.type == C.ACL_MEM_LOCATION_TYPE_DEVICE or m.alloc.backend.remote)
 
 
 def process_range_ok(ptr: int, size: int, write: bool) -> bool:

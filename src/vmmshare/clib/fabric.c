@@ -292,7 +292,15 @@ aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *
         done += n;
     }
     if (outcome == MOVED) {
-        give_back(r, fd);
+        /* kept only while an import names the engine: one freed while this copy ran forgot the engine's idle
+         * connections (vs_fabric_forget, under the lock), and nothing would close this one after it */
+        vs_lock();
+        bool keep = fd >= 0 && vs_engine_in_use(r);
+        if (keep)
+            give_back(r, fd);
+        vs_unlock();
+        if (!keep && fd >= 0)
+            close(fd);
         return ACL_SUCCESS;
     }
     int e = errno;

@@ -306,8 +306,8 @@ void vs_register(vs_alloc *a)
     vs_rt.allocs = a;
 }
 
-/* Whether a live import of another server's memory is served by the same engine as `r`. */
-static bool engine_in_use(const vs_remote *r)
+/* Whether a live import of another server's memory is served by the same engine as `r` (the lock held). */
+bool vs_engine_in_use(const vs_remote *r)
 {
     for (vs_alloc *a = vs_rt.allocs; a != NULL; a = a->next)
         if (a->remote != NULL && a->remote != r && a->remote->family == r->family && a->remote->port == r->port &&
@@ -327,7 +327,7 @@ static void destroy(vs_alloc *a)
     if (a->fd >= 0)
         close(a->fd);
     vs_node_release(a->token); /* the node's hold goes with it (an export of it is revoked) */
-    if (a->remote != NULL && !engine_in_use(a->remote))
+    if (a->remote != NULL && !vs_engine_in_use(a->remote))
         vs_fabric_forget(a->remote);
     free(a->remote);
     free(a);

@@ -363,6 +363,7 @@ aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size
  * 507022 naming the serving engine when it cannot be reached, stalls, or no longer serves the memory. */
 aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *local, size_t count, bool write);
 void vs_fabric_forget(const vs_remote *r); /* its engine's idle connections go, when no import names it */
+bool vs_engine_in_use(const vs_remote *r);  /* runtime.c: whether a live import names the engine (the lock held) */
 void vs_fabric_after_fork(void);
 
 /* sha.c */

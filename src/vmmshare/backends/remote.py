@@ -122,9 +122,13 @@ class RemoteBackend:
         of = _check(of_memory, of_offset, count)
         to = _check(to_memory, to_offset, count)
         engine = self.engine()
+        starts = range(0, count, BOUNCE)
+        into, start = to.address + to_offset, of.address + of_offset
+        if to.segment == of.segment and start < into < start + count:  # dst above an overlapping src: last first
+            starts = starts[::-1]
         with self._bounce_lock:
             bounce = self._bounce_buffer()
-            for done in range(0, count, BOUNCE):
+            for done in starts:
                 n = min(BOUNCE, count - done)
                 engine.read(of.segment, bounce, of.address + of_offset + done, n)
                 engine.write(to.segment, bounce, to.address + to_offset + done, n)

@@ -222,12 +222,21 @@ static aclError through_host(vs_err *err, const side *from, const side *to, size
     uint8_t *bounce = malloc(chunk);
     if (bounce == NULL)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a %zu-byte bounce buffer", chunk);
+    /* the same engine's memory, dst above an overlapping src: the last chunk first, as memmove does */
+    bool backwards = false;
+    if (from->far != NULL && to->far != NULL && from->far->family == to->far->family &&
+        from->far->port == to->far->port && memcmp(from->far->addr, to->far->addr, 16) == 0) {
+        uint64_t of = from->far->address + from->at, into = to->far->address + to->at;
+        backwards = of < into && into - of < n;
+    }
     aclError rc = ACL_SUCCESS;
-    for (size_t done = 0; rc == ACL_SUCCESS && done < n; done += chunk) {
-        size_t k = n - done < chunk ? n - done : chunk;
+    for (size_t moved = 0; rc == ACL_SUCCESS && moved < n;) {
+        size_t k = n - moved < chunk ? n - moved : chunk;
+        size_t done = backwards ? n - moved - k : moved;
         rc = side_move(err, from, done, bounce, k, false);
         if (rc == ACL_SUCCESS)
             rc = side_move(err, to, done, bounce, k, true);
+        moved += k;
     }
     free(bounce);
     return rc;

@@ -49,6 +49,42 @@ typedef struct idle_conn {
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static idle_conn pool[IDLE];
 static int pooled;
+/* Connections a copy has in flight (as many as there is room for): a forked child closes its copies of them, as of
+ * the idle ones. Taken off before they are closed, so that the child never closes an fd the number was reused for. */
+#define BUSY 64
+static int busy[BUSY];
+static int nbusy;
+
+static void track_locked(int fd)
+{
+    if (nbusy < BUSY)
+        busy[nbusy++] = fd;
+}
+
+static void untrack_locked(int fd)
+{
+    for (int i = 0; i < nbusy; i++)
+        if (busy[i] == fd) {
+            busy[i] = busy[--nbusy];
+            return;
+        }
+}
+
+static void track(int fd)
+{
+    pthread_mutex_lock(&pool_lock);
+    track_locked(fd);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* Close a connection of a copy in flight. */
+static void drop(int fd)
+{
+    pthread_mutex_lock(&pool_lock);
+    untrack_locked(fd);
+    pthread_mutex_unlock(&pool_lock);
+    close(fd);
+}
 
 static bool same_engine(const idle_conn *c, const vs_remote *r)
 {
@@ -64,6 +100,7 @@ static int take(const vs_remote *r)
         if (same_engine(&pool[i], r)) {
             fd = pool[i].fd;
             pool[i] = pool[--pooled];
+            track_locked(fd);
             break;
         }
     pthread_mutex_unlock(&pool_lock);
@@ -74,6 +111,7 @@ static int take(const vs_remote *r)
 static void give_back(const vs_remote *r, int fd)
 {
     pthread_mutex_lock(&pool_lock);
+    untrack_locked(fd);
     if (pooled < IDLE) {
         idle_conn *c = &pool[pooled++];
         c->fd = fd;
@@ -110,6 +148,9 @@ void vs_fabric_after_fork(void)
     for (int i = 0; i < pooled; i++)
         close(pool[i].fd);
     pooled = 0;
+    for (int i = 0; i < nbusy; i++) /* the parent's copies in flight: their threads are not here */
+        close(busy[i]);
+    nbusy = 0;
 }
 
 static int timeout_ms(void)
@@ -274,15 +315,18 @@ aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *
     int outcome = MOVED;
     size_t done = 0;
     while (done < count) {
-        if (fd < 0 && (fd = dial(r)) < 0) {
-            outcome = FAILED;
-            break;
+        if (fd < 0) {
+            if ((fd = dial(r)) < 0) {
+                outcome = FAILED;
+                break;
+            }
+            track(fd);
         }
         size_t n = count - done < CHUNK ? count - done : CHUNK;
         outcome = request(fd, r->address + offset + done, (uint8_t *)local + done, n, write);
         if (outcome == FAILED && !fresh && done == 0 && errno != ETIMEDOUT && errno != EFAULT) {
             /* a kept connection the engine closed while it idled: once more on a fresh one */
-            close(fd);
+            drop(fd);
             fd = -1;
             fresh = true;
             continue;
@@ -300,12 +344,12 @@ aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *
             give_back(r, fd);
         vs_unlock();
         if (!keep && fd >= 0)
-            close(fd);
+            drop(fd);
         return ACL_SUCCESS;
     }
     int e = errno;
     if (fd >= 0)
-        close(fd);
+        drop(fd);
     const char *what = write ? "write" : "read";
     if (outcome == FAILED && e == EFAULT)
         return vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "the local memory of a %zu-byte %s across servers went away "

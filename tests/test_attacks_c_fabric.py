@@ -318,3 +318,11 @@ def test_both_surfaces_copy_an_overlapping_remote_range_past_the_bounce_buffer_a
     ok(b, "rt.memcpy", rp + 4096, size - 4096, rp, size - 4096, 3)
     assert a.call("!read", ap + m16 + 4096, 8) == b"\x55" * 8
     assert a.call("!read", ap + m16, 8) == b"\xaa" * 8
+
+
+def test_a_child_forked_while_a_copy_is_in_flight_keeps_no_connection(exe: Path, tmp_path: Path) -> None:
+    """vs_fabric_after_fork closed the idle connections only: one another thread had in flight stayed open in the
+    child (without exec, for its life), keeping the engine's end open after the parent closed its own."""
+    out = drive(exe, tmp_path, Engine(_slow), "forkinflight")
+    _, parent, child = out.split()
+    assert (parent, child) == ("1", "0"), out

@@ -17,6 +17,8 @@
  *              and frees the import                        -> "freeinflight <rc> <fds before> <fds after>"
  *   bigoverlap the handle's memory (over 16 MiB) mapped alone; an overlapping remote -> remote copy 4096 bytes up,
  *              through the bounce buffer                   -> "bigoverlap <rc>" (the test checks the engine's bytes)
+ *   forkinflight  a read from the remote range on another thread (the engine answers after 1 s) while this one forks:
+ *              the child counts its TCP connections        -> "forkinflight <the parent's> <the child's>"
  *   kinds      aclrtMemcpy remote -> host with DEVICE_TO_HOST and with HOST_TO_HOST -> "kinds <rc d2h> <rc h2h>"
  */
 #include <dirent.h>
@@ -26,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "acl/acl.h"
@@ -56,6 +60,19 @@ static int fds(void)
     if (d)
         closedir(d);
     return n - 1;
+}
+
+/* Open fds that are TCP connections (to the engine: the only ones this program makes). */
+static int tcp_fds(void)
+{
+    int n = 0;
+    for (int fd = 0; fd < 1024; fd++) {
+        struct sockaddr_storage sa;
+        socklen_t len = sizeof sa;
+        if (getpeername(fd, (struct sockaddr *)&sa, &len) == 0 && sa.ss_family == AF_INET)
+            n++;
+    }
+    return n;
 }
 
 static uint8_t *local_buf;
@@ -181,6 +198,19 @@ int main(int argc, char **argv)
         aclrtFreeHost(local_buf);
         aclFinalize();
         return 0;
+    } else if (strcmp(mode, "forkinflight") == 0) {
+        remote_at = r;
+        pthread_t t;
+        pthread_create(&t, NULL, reader, NULL);
+        usleep(300 * 1000);
+        int parent = tcp_fds();
+        pid_t child = fork();
+        if (child == 0) {
+            printf("forkinflight %d %d\n", parent, tcp_fds());
+            _exit(0);
+        }
+        waitpid(child, NULL, 0);
+        pthread_join(t, NULL);
     } else if (strcmp(mode, "kinds") == 0) {
         aclError d2h = aclrtMemcpy(local_buf, M2, r, 64, ACL_MEMCPY_DEVICE_TO_HOST);
         aclError h2h = aclrtMemcpy(local_buf, M2, r, 64, ACL_MEMCPY_HOST_TO_HOST);

@@ -168,14 +168,13 @@ def _trickle(conn: socket.socket, size: int, addr: int, op: int, memory: bytearr
     return True
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: fabric.c bounds each step by VMMSHARE_FABRIC_TIMEOUT, never a "
-                   "request as a whole, so an engine that trickles bytes holds a copy for as long as it likes")
 def test_a_trickling_engine_is_bounded(exe: Path, tmp_path: Path) -> None:
-    """A hostile engine that sends one byte every 0.15 s (under the 0.2 s no-progress timeout) holds a 64-byte read
-    for ~10 s: 50 fabric timeouts. A 64 MiB request would take ~4 months."""
+    """A hostile engine that sends one byte every 0.15 s (under the 0.2 s no-progress timeout) would hold a 64-byte
+    read for ~10 s, and a 64 MiB request for months: a request gets one fabric timeout per MiB and one more (0.2 s
+    here), then fails with 507022. (The bound asserted is a hang guard, 25 times that.)"""
     out = drive(exe, tmp_path, Engine(_trickle), "trickle", timeout="0.2")
-    _, _, took = out.split()
-    assert float(took) < 5000, out
+    _, rc, took = out.split()
+    assert int(rc) == 507022 and float(took) < 5000, out
 
 
 @pytest.mark.parametrize("loc_type", [0, 1])
@@ -351,20 +350,20 @@ print(n, refused, round(n / (time.monotonic() - t0)))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed (docs/security.md): measured ~10,000 wrong tries a second from one "
-                   "process in the test cluster, not ~5: 2 MiB served is found in about an hour, 1 GiB in seconds")
-def test_a_raw_client_of_the_data_port_guesses_far_faster_than_security_md_says(shared_fabric) -> None:  # type: ignore[no-untyped-def]
-    """docs/security.md prices a wrong guess of a served address at ~0.2 s (about 5 tries a second from one engine);
-    a raw client of the data protocol (what fabric.c is, and architecture.md spells out) pays a TCP connect and a
-    refusal: measured here, thousands a second from one process."""
-    from test_fabric_sharing import export
+def test_a_raw_client_of_the_data_port_is_refused_each_wrong_guess_and_the_node_serves_on(shared_fabric) -> None:  # type: ignore[no-untyped-def]
+    """docs/security.md: a client of the engine's data protocol (what fabric.c is) on another server guesses served
+    addresses as fast as it connects; every wrong guess is refused (status 1, the connection closed), the one real
+    address is served, and the exporting node serves its importer as before. The rate is printed, not asserted: the
+    docs' price of a guess comes from it."""
+    from procs import ok
+    from test_fabric_sharing import export, import_map
 
     problem = _cluster_needs()
     if problem:
         pytest.skip(problem)
     shared_fabric.surfaces = {1: "python", 2: "python"}
-    a = shared_fabric.actor(1)
-    _, s, _ = export(a, M2, flags=1)
+    a, b = shared_fabric.actor(1), shared_fabric.actor(2)
+    _, s, ap = export(a, M2, flags=1)
     proc = subprocess.run(
         shared_fabric.cluster.server(2).command([sys.executable, "-c", GUESS, bytes(s).hex()]),
         env=shared_fabric.env(2), capture_output=True, text=True, timeout=120)
@@ -372,4 +371,11 @@ def test_a_raw_client_of_the_data_port_guesses_far_faster_than_security_md_says(
     n, refused, rate = map(int, proc.stdout.split())
     print(f"{refused}/{n} wrong guesses refused, {rate} a second")
     assert refused == n
-    assert rate < 50, f"{rate} wrong guesses a second from one process (security.md: about 5)"
+    a.call("!write_bytes", ap, b"still served")
+    ih, rp = import_map(b, s)
+    buf = ok(b, "rt.malloc_host", 4096)
+    ok(b, "rt.memcpy", buf, 4096, rp, 4096, 2)
+    assert b.call("!read", buf, 12) == b"still served"
+    ok(b, "rt.unmap_mem", rp)
+    ok(b, "rt.release_mem_address", rp)
+    ok(b, "rt.free_physical", ih)

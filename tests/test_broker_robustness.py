@@ -285,9 +285,9 @@ BAD_FRAMES = {
     "trailing_bytes": _header(Msg.CHARGE, 13, 0x66) + GOOD_CHARGE[12:] + b"\0",
     "bad_magic": b"XY" + GOOD_CHARGE[2:],
     "version_0": GOOD_CHARGE[:2] + b"\x00" + GOOD_CHARGE[3:],
-    "version_2": GOOD_CHARGE[:2] + b"\x02" + GOOD_CHARGE[3:],
+    "version_1": GOOD_CHARGE[:2] + b"\x01" + GOOD_CHARGE[3:],  # the version before REMOTE_IMPORTED's port
     "version_255": GOOD_CHARGE[:2] + b"\xff" + GOOD_CHARGE[3:],
-    "bare_tgid_version_2": P.encode(P.BareTgid(), 0x77)[:2] + b"\x02" + P.encode(P.BareTgid(), 0x77)[3:],
+    "bare_tgid_version_1": P.encode(P.BareTgid(), 0x77)[:2] + b"\x01" + P.encode(P.BareTgid(), 0x77)[3:],
     "unknown_type_0": _header(0, 0),
     "unknown_type_10": _header(10, 0),
     "unknown_type_200": _header(200, 0),

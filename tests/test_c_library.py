@@ -363,7 +363,7 @@ def lying_broker(folder: Path, answer: Callable[[socket.socket, bytes], None]) -
 
 def _reply(request: bytes, kind: int, body: bytes) -> bytes:
     req = struct.unpack_from("<I", request, 4)[0]
-    return b"VB\x01" + bytes([kind]) + struct.pack("<II", req, len(body)) + body
+    return b"VB\x02" + bytes([kind]) + struct.pack("<II", req, len(body)) + body
 
 
 def _short(conn: socket.socket, request: bytes) -> None:
@@ -375,7 +375,7 @@ def _wrong_size(conn: socket.socket, request: bytes) -> None:
 
 
 def _wrong_request(conn: socket.socket, request: bytes) -> None:
-    conn.send(b"VB\x01\x43" + struct.pack("<II", 999_999, 16) + b"\0" * 16)
+    conn.send(b"VB\x02\x43" + struct.pack("<II", 999_999, 16) + b"\0" * 16)
 
 
 def _close_mid_call(conn: socket.socket, request: bytes) -> None:
@@ -399,7 +399,7 @@ def _not_a_memfd(conn: socket.socket, request: bytes) -> None:
 
 def _refuse(conn: socket.socket, request: bytes) -> None:
     text = b"this broker refuses you (a test)"
-    conn.send(b"VB\x01\x41" + struct.pack("<II", 0, 4 + len(text)) + struct.pack("<I", 207006) + text)
+    conn.send(b"VB\x02\x41" + struct.pack("<II", 0, 4 + len(text)) + struct.pack("<I", 207006) + text)
     raise OSError("closed")
 
 
@@ -541,7 +541,7 @@ def _answer_plain(conn: socket.socket, request: bytes) -> bool:
 
 def _refuse_with_code_0(conn: socket.socket, request: bytes) -> None:
     """An ERROR to request 0 (a refusal of the connection) whose code is 0."""
-    conn.send(b"VB\x01\x41" + struct.pack("<II", 0, 5) + struct.pack("<I", 0) + b"x")
+    conn.send(b"VB\x02\x41" + struct.pack("<II", 0, 5) + struct.pack("<I", 0) + b"x")
     raise OSError("closed")
 
 

@@ -139,8 +139,8 @@ def test_imports_and_releases_get_the_full_paths_bytes(twins: Callable[[bool], t
         frame(P.Release(0), 7),  # no such hold
         frame(P.Release(1 << 40), 8),  # the exporter's charge: not this connection's
         frame(P.Revoke((1 << 40) + 3), 9),  # RELEASE's size, another type: served in full
-        b"VB\x02\x07" + frame(P.Import(value, 1, bytes(32)), 10)[4:],  # IMPORT's size, version 2
-        b"VB\x01\x07" + frame(P.Import(value, 1, bytes(32)), 11)[4:8] + b"\x28\0\0\0" + bytes(41),  # bad length
+        b"VB\x01\x07" + frame(P.Import(value, 1, bytes(32)), 10)[4:],  # IMPORT's size, version 1
+        b"VB\x02\x07" + frame(P.Import(value, 1, bytes(32)), 11)[4:8] + b"\x28\0\0\0" + bytes(41),  # bad length
         frame(P.Release((1 << 40) + 1), 0xFFFFFFFF),  # ok: the first import goes
     ]
     replies = []

@@ -59,7 +59,7 @@ def test_every_kind_has_a_pinned_case() -> None:
 
 @pytest.mark.parametrize(("raw", "why"), [
     (b"", "shorter"),
-    (h("5642 01 04 00000000 00000000"), "magic"),  # the local broker's magic: not this protocol
+    (h("5642 02 04 00000000 00000000"), "magic"),  # the local broker's magic: not this protocol
     (h("5646 01 04 00000000 00000000"), "version"),  # the first protocol: refused
     (h("5646 02 04 00000000 00000000"), "version"),  # the second (no Listens): refused, not misread
     (h("5646 03 63 00000000 00000000"), "unknown message type"),

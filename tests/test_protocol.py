@@ -133,7 +133,7 @@ def test_header_layout() -> None:
     assert MAX_FRAME == 64 * 1024
     packet = P.encode(P.Charge(3, 5), 0x01020304)
     assert packet[:2] == b"VB"
-    assert packet[2] == VERSION == 1
+    assert packet[2] == VERSION == 2
     assert packet[3] == Msg.CHARGE
     assert packet[4:8] == (0x01020304).to_bytes(4, "little")
     assert int.from_bytes(packet[8:12], "little") == len(packet) - 12 == 12
@@ -221,7 +221,7 @@ MALFORMED = [
     ("bad_magic", GOOD_CHARGE, 0, b"XB" + GOOD_CHARGE[2:], 0),
     ("magic_swapped", GOOD_CHARGE, 0, b"BV" + GOOD_CHARGE[2:], 0),
     ("version_0", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\x00" + GOOD_CHARGE[3:], 0),
-    ("version_2", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\x02" + GOOD_CHARGE[3:], 0),
+    ("version_1", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\x01" + GOOD_CHARGE[3:], 0),
     ("version_255", GOOD_CHARGE, 0, GOOD_CHARGE[:2] + b"\xff" + GOOD_CHARGE[3:], 0),
     ("type_0", P.encode(P.Ok(), 7), 0, raw_frame(0, b""), 0),
     ("type_10", P.encode(P.Ok(), 7), 0, raw_frame(10, b""), 0),
@@ -285,7 +285,7 @@ def test_peek_request_id() -> None:
     assert P.peek_request_id(P.encode(P.BareTgid(), 0xCAFE)) == 0xCAFE
     assert P.peek_request_id(b"XXXX\x04\x03\x02\x01YYYY") == 0x01020304  # no need for the rest to parse
     assert P.peek_request_id(b"") == 0
-    assert P.peek_request_id(b"VB\x01\x08\x05\x00\x00") == 0  # shorter than a header
+    assert P.peek_request_id(b"VB\x02\x08\x05\x00\x00") == 0  # shorter than a header
 
 
 # ---------------------------------------------------------------- encode refuses what does not fit

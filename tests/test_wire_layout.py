@@ -34,74 +34,74 @@ FABRIC_HEX = "564d4d46" + " 00" * 124  # b"VMMF" and 124 zero bytes: 128 bytes i
 CASES = [
     # ------------------------------------------------------------ requests
     ("charge_host", 0x01020304, P.Charge(device=-1, size=0x200000), 0,
-     "5642 01 01 04030201 0c000000  ffffffff 0000200000000000"),
+     "5642 02 01 04030201 0c000000  ffffffff 0000200000000000"),
     ("charge_device_3", 7, P.Charge(device=3, size=0x4000000000), 0,
-     "5642 01 01 07000000 0c000000  03000000 0000000040000000"),
+     "5642 02 01 07000000 0c000000  03000000 0000000040000000"),
     ("release", 9, P.Release(hold=0x1122334455667788), 0,
-     "5642 01 02 09000000 08000000  8877665544332211"),
+     "5642 02 02 09000000 08000000  8877665544332211"),
     ("mem_info", 10, P.MemInfo(device=7), 0,
-     "5642 01 03 0a000000 04000000  07000000"),
+     "5642 02 03 0a000000 04000000  07000000"),
     ("export_with_pids", 0x20,
      P.Export(hold=0x0102030405060708, size=0x400000, flags=1, share_type=2, server_id=0x5EED0001, memory_kind=0,
               handle_type=0, allocation_type=0, mem_attr=5, location_type=1, location_id=3, pids=(100, 0x12345678)),
      1,
-     "5642 01 04 20000000 27000000  0807060504030201 0000400000000000 01 02 0100ed5e 00  00 00 05 01 03000000"
+     "5642 02 04 20000000 27000000  0807060504030201 0000400000000000 01 02 0100ed5e 00  00 00 05 01 03000000"
      "  64000000 78563412"),
     ("export_gpu_no_pids", 0x21,
      P.Export(hold=5, size=0x200000, flags=0, share_type=1, server_id=0, memory_kind=1, handle_type=0,
               allocation_type=0, mem_attr=5, location_type=1, location_id=-1, pids=()),
      1,
-     "5642 01 04 21000000 1f000000  0500000000000000 0000200000000000 00 01 00000000 01  00 00 05 01 ffffffff"),
+     "5642 02 04 21000000 1f000000  0500000000000000 0000200000000000 00 01 00000000 01  00 00 05 01 ffffffff"),
     ("revoke", 11, P.Revoke(hold=5), 0,
-     "5642 01 05 0b000000 08000000  0500000000000000"),
+     "5642 02 05 0b000000 08000000  0500000000000000"),
     ("set_pids", 12, P.SetPids(shareable=0xDEADBEEFCAFEF00D, share_type=1, pids=(1, 0x7FFFFFFF, 0xFFFFFFFF)), 0,
-     "5642 01 06 0c000000 15000000  0df0fecaefbeadde 01  01000000 ffffff7f ffffffff"),
+     "5642 02 06 0c000000 15000000  0df0fecaefbeadde 01  01000000 ffffff7f ffffffff"),
     ("set_pids_empty", 13, P.SetPids(shareable=1, share_type=2, pids=()), 0,
-     "5642 01 06 0d000000 09000000  0100000000000000 02"),
+     "5642 02 06 0d000000 09000000  0100000000000000 02"),
     ("import_fabric", 13, P.Import(shareable=0x8877665544332211, share_type=2, secret=bytes(range(32))), 0,
-     "5642 01 07 0d000000 29000000  1122334455667788 02 " + SECRET_HEX),
+     "5642 02 07 0d000000 29000000  1122334455667788 02 " + SECRET_HEX),
     ("import_default", 0xFFFFFFFF, P.Import(shareable=0x10, share_type=1, secret=bytes(32)), 0,
-     "5642 01 07 ffffffff 29000000  1000000000000000 01 " + "00" * 32),
+     "5642 02 07 ffffffff 29000000  1000000000000000 01 " + "00" * 32),
     ("bare_tgid", 14, P.BareTgid(), 0,
-     "5642 01 08 0e000000 00000000"),
+     "5642 02 08 0e000000 00000000"),
     ("list", 15, P.List(offset=200), 0,
-     "5642 01 09 0f000000 04000000  c8000000"),
+     "5642 02 09 0f000000 04000000  c8000000"),
     ("charge_gpu", 16, P.ChargeGpu(device=3, size=0x100000000), 0,
-     "5642 01 0a 10000000 0c000000  03000000 0000000001000000"),
+     "5642 02 0a 10000000 0c000000  03000000 0000000001000000"),
     ("remote_import", 25, P.RemoteImport(handle=b"VMMF" + bytes(124)), 0,
-     "5642 01 0b 19000000 80000000  " + FABRIC_HEX),
+     "5642 02 0b 19000000 80000000  " + FABRIC_HEX),
     ("set_remote_pids", 26, P.SetRemotePids(shareable=0x0102030405060708, share_type=2, server=0x0A0B0C0D,
                                             pids=(7, 0x7FFFFFFF)), 0,
-     "5642 01 0c 1a000000 15000000  0807060504030201 02 0d0c0b0a  07000000 ffffff7f"),
+     "5642 02 0c 1a000000 15000000  0807060504030201 02 0d0c0b0a  07000000 ffffff7f"),
     # ------------------------------------------------------------ replies
     ("ok", 17, P.Ok(), 0,
-     "5642 01 40 11000000 00000000"),
+     "5642 02 40 11000000 00000000"),
     ("error", 18, P.Error(code=107017, message="bad é"), 0,
-     "5642 01 41 12000000 0a000000  09a20100 626164 20 c3a9"),
+     "5642 02 41 12000000 0a000000  09a20100 626164 20 c3a9"),
     ("error_no_message", 19, P.Error(code=507022, message=""), 0,
-     "5642 01 41 13000000 04000000  8ebc0700"),
+     "5642 02 41 13000000 04000000  8ebc0700"),
     ("token", 19, P.Token(hold=0x0102030405060708), 0,
-     "5642 01 42 13000000 08000000  0807060504030201"),
+     "5642 02 42 13000000 08000000  0807060504030201"),
     ("mem", 20, P.Mem(free=0x3FE00000, total=0x40000000), 0,
-     "5642 01 43 14000000 10000000  0000e03f00000000 0000004000000000"),
+     "5642 02 43 14000000 10000000  0000e03f00000000 0000004000000000"),
     ("exported_default", 21, P.Exported(shareable=h("8877665544332211")), 0,
-     "5642 01 44 15000000 08000000  8877665544332211"),
+     "5642 02 44 15000000 08000000  8877665544332211"),
     ("exported_fabric", 22, P.Exported(shareable=b"VMMF" + bytes(124)), 0,
-     "5642 01 44 16000000 80000000  " + FABRIC_HEX),
+     "5642 02 44 16000000 80000000  " + FABRIC_HEX),
     ("imported", 0x16,
      P.Imported(hold=0x0A0B0C0D0E0F1011, size=0x200000, memory_kind=1, handle_type=0, allocation_type=0, mem_attr=5,
                 location_type=1, location_id=2),
      1,
-     "5642 01 45 16000000 19000000  11100f0e0d0c0b0a 0000200000000000 01  00 00 05 01 02000000"),
+     "5642 02 45 16000000 19000000  11100f0e0d0c0b0a 0000200000000000 01  00 00 05 01 02000000"),
     ("pid", 23, P.Pid(pid=4242), 0,
-     "5642 01 46 17000000 04000000  92100000"),
+     "5642 02 46 17000000 04000000  92100000"),
     ("listing", 24, P.Listing(page='{"next": null}'), 0,
-     "5642 01 47 18000000 0e000000  7b226e657874223a206e756c6c7d"),
+     "5642 02 47 18000000 0e000000  7b226e657874223a206e756c6c7d"),
     ("remote_imported", 27,
      P.RemoteImported(hold=0x0102030405060708, size=0x200000, memory_kind=0, handle_type=0, allocation_type=0,
                       mem_attr=5, location_type=1, location_id=0, address=0x00007F1122334000, metadata_port=12345,
                       metadata_token=bytes(range(16)), data_port=0x4321, segment="vmmshare-0011223344556677"), 0,
-     "5642 01 48 1b000000 4e000000  0807060504030201 0000200000000000 00  00 00 05 01 00000000 0040332211 7f0000"
+     "5642 02 48 1b000000 4e000000  0807060504030201 0000200000000000 00  00 00 05 01 00000000 0040332211 7f0000"
      "  3930 000102030405060708090a0b0c0d0e0f 2143  766d6d73686172652d30303131323233333434353536363737"),
 ]
 
@@ -131,14 +131,14 @@ def test_the_fd_count_is_part_of_the_message(req: int, message: P.Message, nfds:
 
 
 def test_request_id_is_sent_modulo_2_to_the_32() -> None:
-    assert P.encode(P.BareTgid(), 0x1_0000_0005) == h("5642 01 08 05000000 00000000")
+    assert P.encode(P.BareTgid(), 0x1_0000_0005) == h("5642 02 08 05000000 00000000")
 
 
 def test_header_fields_one_by_one() -> None:
     """A LIST of offset 0x0a0b0c0d with request id 0x01020304: magic, version, type, request id, body length."""
     packet = P.encode(P.List(offset=0x0A0B0C0D), 0x01020304)
     assert packet[0:2] == b"VB"
-    assert packet[2:3] == h("01")
+    assert packet[2:3] == h("02")
     assert packet[3:4] == h("09")
     assert packet[4:8] == h("04030201")
     assert packet[8:12] == h("04000000")

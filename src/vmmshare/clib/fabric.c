@@ -12,8 +12,8 @@
  * by an 8-byte status and the bytes; a write's bytes follow its header, and its status comes once they are in the
  * memory. A status is "MCTV" in its high 32 bits and 0 (done) or 1 (the address is outside what the engine serves,
  * and it closes the connection). A connection carries one request at a time; idle ones are kept for the next copy.
- * Every step waits at most VMMSHARE_FABRIC_TIMEOUT for progress; any failure closes the connection and fails the
- * copy with 507022 naming the engine. The range is checked against the import first: an address outside what the
+ * Every step waits at most VMMSHARE_FABRIC_TIMEOUT for progress, and a request at most one such timeout per MiB it
+ * moves and one more; any failure closes the connection and fails the copy with 507022 naming the engine. The range is checked against the import first: an address outside what the
  * engine serves costs the connection.
  */
 #include <errno.h>
@@ -153,9 +153,23 @@ void vs_fabric_after_fork(void)
     nbusy = 0;
 }
 
+/* When the request this thread runs must be done by (vs_now()): each step waits at most the fabric timeout for
+ * progress, and a request as a whole at most one fabric timeout per MiB it moves, and one more, so that an engine
+ * that trickles its bytes cannot hold a copy much longer than a slow link would. */
+static _Thread_local double deadline;
+
+static void set_deadline(size_t n)
+{
+    deadline = vs_now() + vs_rt.config.fabric_timeout * (1.0 + (double)n / (double)(1 << 20));
+}
+
+/* How long the next step may wait: the fabric timeout, or what is left of the request's time. */
 static int timeout_ms(void)
 {
-    return (int)(vs_rt.config.fabric_timeout * 1000.0 + 0.5);
+    double left = deadline - vs_now(), step = vs_rt.config.fabric_timeout;
+    if (left < step)
+        step = left > 0 ? left : 0;
+    return (int)(step * 1000.0 + 0.5);
 }
 
 /* Wait until `fd` can be read (or written): 0, or -1 with errno (ETIMEDOUT after the fabric timeout). */
@@ -288,6 +302,7 @@ static int status(int fd)
 /* One request of at most CHUNK bytes on `fd`. */
 static int request(int fd, uint64_t address, uint8_t *local, size_t n, bool write)
 {
+    set_deadline(n);
     uint8_t header[HEADER] = {0};
     for (int b = 0; b < 8; b++) {
         header[b] = (uint8_t)((uint64_t)n >> (8 * b));
@@ -316,6 +331,7 @@ aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *
     size_t done = 0;
     while (done < count) {
         if (fd < 0) {
+            set_deadline(0); /* a connection within one fabric timeout */
             if ((fd = dial(r)) < 0) {
                 outcome = FAILED;
                 break;
@@ -362,6 +378,11 @@ aclError vs_fabric_move(vs_err *err, const vs_remote *r, uint64_t offset, void *
         return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "the transfer engine at %s answered a %s of %zu bytes with "
                       "something that is not its status: not a transfer engine, or another version", r->where, what,
                       count);
+    if (e == ETIMEDOUT && vs_now() >= deadline)
+        return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "the transfer engine at %s did not finish a %s of %zu bytes in its "
+                      "time (%g s a MiB, VMMSHARE_FABRIC_TIMEOUT, and %g s more): that node or its link is overloaded, "
+                      "or it trickles its bytes", r->where, what, count, vs_rt.config.fabric_timeout,
+                      vs_rt.config.fabric_timeout);
     if (e == ETIMEDOUT)
         return vs_set(err, ACL_ERROR_RT_IPC_ERROR, "the transfer engine at %s made no progress on a %s of %zu bytes "
                       "within %g s (VMMSHARE_FABRIC_TIMEOUT): that node is frozen, overloaded or unreachable", r->where,

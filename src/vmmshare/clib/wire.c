@@ -124,7 +124,7 @@ size_t vs_wire_encode(unsigned kind, uint32_t req, const vs_fields *f, uint8_t *
     }
     out[0] = 'V';
     out[1] = 'B';
-    out[2] = 1;
+    out[2] = 2;
     out[3] = (uint8_t)kind;
     put_le(out + 4, req, 4);
     put_le(out + 8, at - VS_WIRE_HEADER, 4);
@@ -175,8 +175,8 @@ int vs_wire_decode(const uint8_t *frame, size_t n, int nfds, unsigned *kind, uin
         *why = "bad magic: not the broker protocol";
         return -1;
     }
-    if (frame[2] != 1) {
-        snprintf(scratch, 160, "broker protocol version %u is not supported (this side speaks 1)", frame[2]);
+    if (frame[2] != 2) {
+        snprintf(scratch, 160, "broker protocol version %u is not supported (this side speaks 2)", frame[2]);
         *why = scratch;
         return -1;
     }

@@ -1,5 +1,5 @@
 /*
- * The broker protocol's framing in C (docs/protocol.md): a 12-byte header (magic "VB", version 1, message type,
+ * The broker protocol's framing in C (docs/protocol.md): a 12-byte header (magic "VB", version 2, message type,
  * request id, body length; little-endian) and a body of fixed fields and, for some types, a tail. The same table
  * of layouts as vmmshare.wire.local, so both languages write the same bytes (tests pin them to
  * tests/wire_golden.json). Encoding and decoding only: no I/O, so it can be fuzzed alone.

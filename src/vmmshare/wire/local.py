@@ -1,7 +1,7 @@
 """The broker wire format, encode/decode only (no I/O), so it can be tested and fuzzed on its own.
 
 One frame is one SOCK_SEQPACKET packet on the shared framing (framing.py): a 12-byte header (magic ``b"VB"``,
-version 1, message type, request id, body length) and a body made of a fixed struct and, for some types, a tail
+version 2, message type, request id, body length) and a body made of a fixed struct and, for some types, a tail
 (bytes, a u32 array or UTF-8 text). Each message type is a dataclass (messages.py) whose fields are the fixed
 fields in wire order, then the tail; this module is their table. Decoding is strict (framing.py says what it
 refuses) and raises ProtocolError.
@@ -90,7 +90,7 @@ __all__ = [
 ]
 
 MAGIC = b"VB"
-VERSION = 1
+VERSION = 2  # 2: REMOTE_IMPORTED carries the engine's data port
 MAX_FRAME = 64 * 1024
 MAX_BODY = MAX_FRAME - HEADER.size
 MAX_FDS = 1

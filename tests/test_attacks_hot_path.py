@@ -137,7 +137,7 @@ def malformed(handle: int) -> list[bytes]:
     good_import, good_release = import_frame(handle, 21), release_frame(1, 22)
     imported = P.encode(P.Imported(1, MiB2, 0, *PROP_FIELDS), 23)
     return [
-        b"VB\x02" + good_import[3:],  # another version
+        b"VB\x01" + good_import[3:],  # another version
         b"VC" + good_import[2:],  # another protocol's magic
         good_import[:3] + b"\xff" + good_import[4:],  # an unknown type, IMPORT's size
         good_import[:8] + (40).to_bytes(4, "little") + good_import[12:],  # a length one short of the body
@@ -146,7 +146,7 @@ def malformed(handle: int) -> list[bytes]:
         good_import + b"\0",  # a trailing byte, the header's length unchanged
         good_import[:8] + (42).to_bytes(4, "little") + good_import[12:] + b"\0",  # and the length saying so
         good_import[:-1],  # one byte short
-        b"VB\x02" + good_release[3:],
+        b"VB\x01" + good_release[3:],
         good_release[:8] + (9).to_bytes(4, "little") + good_release[12:] + b"\0",
         good_release + b"\0",
         good_release[:-1],
@@ -457,7 +457,7 @@ LIES: dict[str, tuple[str, bytes, int, int, str]] = {  # name: (request, reply, 
     "imported-long-length": ("import", GOOD[:8] + (26).to_bytes(4, "little") + GOOD[12:] + b"\0", 1, SAME,
                              "IMPORTED body of 26 bytes"),
     "imported-short": ("import", GOOD[:-1], 1, SAME, "its header says"),
-    "imported-version": ("import", b"VB\x02" + GOOD[3:], 1, SAME, "version 2"),
+    "imported-version": ("import", b"VB\x01" + GOOD[3:], 1, SAME, "version 1"),
     "imported-other-request": ("import", GOOD, 1, SAME + 1, "reply to request"),
     "imported-request-0": ("import", GOOD, 1, 0, "reply to request 0"),
     "imported-two-fds": ("import", GOOD, 2, SAME, "carries 1 file descriptor"),

@@ -169,6 +169,65 @@ static bool known_kind(int kind)
 
 #define BOUNCE ((size_t)16 << 20) /* bytes of a bounce buffer: remote to remote, and fills of remote memory */
 
+/* Bytes of [p, ...) up to the end of the mapping holding `p`, or (memory outside the mappings) SIZE_MAX. */
+static size_t mapped_after(uintptr_t p)
+{
+    vs_mapping *m = vs_mapping_at(p);
+    return m != NULL ? m->ptr + m->size - p : SIZE_MAX;
+}
+
+/* Bytes of [..., end) back to the start of the mapping holding its last byte, or SIZE_MAX. */
+static size_t mapped_before(uintptr_t end)
+{
+    vs_mapping *m = vs_mapping_at(end - 1);
+    return m != NULL ? end - m->ptr : SIZE_MAX;
+}
+
+/* One part within one mapping (or none) on each side: the driver moves it where a side is GPU memory. */
+static aclError move_one(vs_err *err, uint8_t *dst, const uint8_t *src, size_t n, int32_t value)
+{
+    vs_alloc *gpu = vs_cuda_mover((uintptr_t)dst, (uintptr_t)(src == NULL ? dst : src));
+    if (gpu != NULL)
+        return src == NULL ? vs_cuda_fill(err, gpu, (uintptr_t)dst, value, n)
+                           : vs_cuda_copy(err, gpu, (uintptr_t)dst, (uintptr_t)src, n);
+    if (src == NULL)
+        memset(dst, value & 0xFF, n);
+    else
+        memmove(dst, src, n);
+    return ACL_SUCCESS;
+}
+
+/* A copy (or, with `src` NULL, a fill) of local memory whose ranges are checked (the lock held). Under the CUDA
+ * backend a range may run from host memory into GPU memory (rule 7): it is cut where either side passes from one
+ * mapping to the next, and each part is moved by the driver where a side of it is GPU memory, else by the CPU,
+ * which cannot address GPU memory (as the Python surface: copies._plan and _local_copy). A copy whose dst lies
+ * above an overlapping src goes last part first, as memmove does. */
+static aclError move_local(vs_err *err, uint8_t *dst, const uint8_t *src, size_t count, int32_t value)
+{
+    if (!vs_rt.config.cuda)
+        return move_one(err, dst, src, count, value);
+    aclError rc = ACL_SUCCESS;
+    if (src != NULL && src < dst && (size_t)(dst - src) < count) {
+        for (size_t end = count; rc == ACL_SUCCESS && end > 0;) {
+            size_t n = end, a = mapped_before((uintptr_t)(dst + end)), b = mapped_before((uintptr_t)(src + end));
+            n = a < n ? a : n;
+            n = b < n ? b : n;
+            rc = move_one(err, dst + end - n, src + end - n, n, value);
+            end -= n;
+        }
+        return rc;
+    }
+    for (size_t done = 0; rc == ACL_SUCCESS && done < count;) {
+        size_t n = count - done, a = mapped_after((uintptr_t)(dst + done));
+        size_t b = src != NULL ? mapped_after((uintptr_t)(src + done)) : SIZE_MAX;
+        n = a < n ? a : n;
+        n = b < n ? b : n;
+        rc = move_one(err, dst + done, src != NULL ? src + done : NULL, n, value);
+        done += n;
+    }
+    return rc;
+}
+
 /* One part of a copy where both sides are local: moved under the lock, once both are checked again (the tables
  * may have changed since the copy was planned). */
 static aclError local_part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t n, bool fill, int32_t value)
@@ -184,15 +243,8 @@ static aclError local_part(vs_err *err, uint8_t *dst, const uint8_t *src, size_t
     if (rc == ACL_SUCCESS && (to.remote || of.remote))
         rc = vs_set(err, ACL_ERROR_RT_PARAM_INVALID, "the memory at %#lx was remapped while the copy ran",
                     (unsigned long)(uintptr_t)dst);
-    vs_alloc *gpu = rc == ACL_SUCCESS ? vs_cuda_mover((uintptr_t)dst, (uintptr_t)(fill ? dst : src)) : NULL;
-    if (gpu != NULL && fill)
-        rc = vs_cuda_fill(err, gpu, (uintptr_t)dst, value, n);
-    else if (gpu != NULL)
-        rc = vs_cuda_copy(err, gpu, (uintptr_t)dst, (uintptr_t)src, n);
-    else if (rc == ACL_SUCCESS && fill)
-        memset(dst, value & 0xFF, n);
-    else if (rc == ACL_SUCCESS)
-        memmove(dst, src, n);
+    if (rc == ACL_SUCCESS)
+        rc = move_local(err, dst, fill ? NULL : src, n, value);
     vs_unlock();
     vs_pieces_free(&to);
     vs_pieces_free(&of);
@@ -242,6 +294,17 @@ static aclError through_host(vs_err *err, const side *from, const side *to, size
     return rc;
 }
 
+/* Whether GPU memory is mapped anywhere in [p, p+n) (the lock held). */
+static bool gpu_within(uintptr_t p, size_t n)
+{
+    for (size_t i = 0; vs_rt.config.cuda && i < vs_rt.mappings.count; i++) {
+        vs_mapping *m = &VS_AT(vs_rt.mappings, vs_mapping, i);
+        if (m->alloc->gpu != NULL && m->ptr < p + n && p < m->ptr + m->size)
+            return true;
+    }
+    return false;
+}
+
 /* One part of a copy with memory of another server on one side or both, after the lock is let go (a transfer may
  * take up to the fabric timeout; the local side is read or written by the kernel, so memory unmapped meanwhile
  * fails the copy, never the process). */
@@ -254,7 +317,7 @@ static aclError remote_part(vs_err *err, const vs_piece *to, uint64_t to_off, co
         return through_host(err, &from, &into, n);
     const side *far = to->remote ? &into : &from, *near = to->remote ? &from : &into;
     vs_lock();
-    bool gpu = vs_cuda_mover((uintptr_t)near->local, (uintptr_t)near->local) != NULL;
+    bool gpu = gpu_within((uintptr_t)near->local, n); /* any of it (a local part may run through several mappings) */
     vs_unlock();
     if (gpu)
         return through_host(err, &from, &into, n);
@@ -335,12 +398,8 @@ aclError vs_memcpy(vs_err *err, void *dst, size_t destMax, const void *src, size
     vs_pieces_init(&of);
     vs_lock();
     aclError rc = plan_copy(err, (uintptr_t)dst, (uintptr_t)src, count, kind, &to, &of);
-    vs_alloc *gpu = rc == ACL_SUCCESS && !to.remote && !of.remote ? vs_cuda_mover((uintptr_t)dst, (uintptr_t)src)
-                                                                  : NULL; /* GPU memory in it */
-    if (gpu != NULL)
-        rc = vs_cuda_copy(err, gpu, (uintptr_t)dst, (uintptr_t)src, count);
-    else if (rc == ACL_SUCCESS && !to.remote && !of.remote)
-        memmove(dst, src, count);
+    if (rc == ACL_SUCCESS && !to.remote && !of.remote)
+        rc = move_local(err, dst, src, count, 0);
     vs_unlock();
     if (rc == ACL_SUCCESS && (to.remote || of.remote))
         rc = crossing(err, dst, src, count, &to, &of, 0);
@@ -358,11 +417,8 @@ static aclError do_memset(vs_err *err, void *ptr, size_t maxCount, int32_t value
     vs_pieces_init(&to);
     vs_lock();
     aclError rc = vs_check_range(err, (uintptr_t)ptr, count, true, "devPtr", &sides, &to);
-    vs_alloc *gpu = rc == ACL_SUCCESS && !to.remote ? vs_cuda_mover((uintptr_t)ptr, (uintptr_t)ptr) : NULL;
-    if (gpu != NULL) /* GPU memory */
-        rc = vs_cuda_fill(err, gpu, (uintptr_t)ptr, value, count);
-    else if (rc == ACL_SUCCESS && !to.remote)
-        memset(ptr, value & 0xFF, count);
+    if (rc == ACL_SUCCESS && !to.remote)
+        rc = move_local(err, ptr, NULL, count, value);
     vs_unlock();
     if (rc == ACL_SUCCESS && to.remote)
         rc = crossing(err, ptr, NULL, count, &to, NULL, value);

@@ -12,7 +12,8 @@
  *   it CPU-readable (a GPU pointer is not a host pointer); only cuMemcpy / cuMemsetD8 reach it, and only
  *   through mappings whose access was granted with cuMemSetAccess;
  * - FABRIC handles are refused with CUDA_ERROR_NOT_PERMITTED, as on a node without an IMEX channel;
- * - copies and memsets need a current context.
+ * - copies and memsets need a current context, and a range that passes between device and host memory faults
+ *   (CUDA_ERROR_ILLEGAL_ADDRESS: the driver takes each pointer as one kind of memory);
  *
  * Settings: FAKECUDA_DEVICES (default 1), FAKECUDA_MEMORY per device in bytes (default 16 GiB), FAKECUDA_NO_PEER
  * (set: no two GPUs can access each other's memory).
@@ -431,13 +432,21 @@ static char *resolve(CUdeviceptr p, size_t *n, int need) {
     return (char *)(uintptr_t)p;                 /* pageable host memory */
 }
 
+/* Whether `p` is device memory (mapped or reserved), for a copy that must not pass between device and host memory:
+ * the driver takes each pointer as one kind of memory, and a device range that runs on into host memory faults. */
+static int on_device(CUdeviceptr p) {
+    return find_range(mappings, p) != NULL || find_range(reservations, p) != NULL;
+}
+
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t count) {
     if (!initialized) return NOT_INITIALIZED;
     if (!current) return INVALID_CONTEXT;
     CUresult rc = SUCCESS;
     pthread_mutex_lock(&lock);
+    int dst_dev = on_device(dst), src_dev = on_device(src);
     while (count && rc == SUCCESS) {
         size_t n = count, k;
+        if (on_device(dst) != dst_dev || on_device(src) != src_dev) { rc = ILLEGAL_ADDRESS; break; }
         char *d = resolve(dst, &n, PROT_READWRITE_);
         k = n;
         char *s = d ? resolve(src, &k, PROT_READ_) : NULL;
@@ -454,8 +463,10 @@ CUresult cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t count) {
     if (!current) return INVALID_CONTEXT;
     CUresult rc = SUCCESS;
     pthread_mutex_lock(&lock);
+    int dst_dev = on_device(dst);
     while (count) {
         size_t n = count;
+        if (on_device(dst) != dst_dev) { rc = ILLEGAL_ADDRESS; break; }
         char *d = resolve(dst, &n, PROT_READWRITE_);
         if (!d) { rc = ILLEGAL_ADDRESS; break; }
         memset(d, value, n);

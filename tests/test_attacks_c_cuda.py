@@ -1,0 +1,147 @@
+"""Attacks on the C library's CUDA backend (clib/cuda.c and its hooks), on the CPU stand-in for the driver (or a real
+GPU): what the C surface does where the Python surface, given the same calls, does otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from conftest import CUDA_GATE, require
+from procs import PROP, Actor, BrokerProc, MiB2
+from test_cuda import (
+    BINDINGS,
+    D2H,
+    H2D,
+    NO_BACKEND,
+    backend_mode,  # noqa: F401  (the CUDA tests' fixtures)
+    broker_env,  # noqa: F401
+    cuda_env,  # noqa: F401
+    download,
+    drop,
+    upload,
+)
+
+require(BINDINGS, NO_BACKEND, CUDA_GATE)
+pytestmark = [pytest.mark.gpu]
+SURFACES = pytest.mark.parametrize("surface", ["python", "c"])
+
+
+@pytest.fixture
+def actor(broker: BrokerProc) -> Iterator[Callable[..., Actor]]:
+    """`actor(surface, backend="cuda", **env)`: an Actor on `surface` with `backend`."""
+    made: list[Actor] = []
+
+    def make(surface: str = "c", backend: str = "cuda", **over: str) -> Actor:
+        a = Actor({**broker.env, "VMMSHARE_BACKEND": backend, "VMMSHARE_ACTOR_SURFACE": surface, **over})
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.kill()
+
+
+def gpu_next_to_host(actor: Callable[..., Actor], surface: str) -> tuple[Actor, int, int, int]:
+    """A CUDA process whose host mapping (an IPC import of a host-backend process's aclrtMalloc memory) is followed
+    end to end by a mapping of GPU memory: (the process, the host mapping's address, the GPU handle, its range)."""
+    exporter, importer = actor("c", backend="host"), actor(surface)
+    ptr, ret = exporter.call("rt.malloc", MiB2, 0)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.memset", ptr, MiB2, 0x11, MiB2) == 0, exporter.last_err
+    key, ret = exporter.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.ipc_mem_set_import_pid", key, [importer.pid]) == 0, exporter.last_err
+    q, ret = importer.call("rt.ipc_mem_import_by_key", key, 0)
+    assert ret == 0, importer.last_err
+    h, ret = importer.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    assert ret == 0, importer.last_err
+    g, ret = importer.call("rt.reserve_mem_address", MiB2, 0, q + MiB2, 0)
+    if ret != 0 or g != q + MiB2:
+        pytest.skip(f"the GPU range could not be placed after the host mapping: {importer.last_err}")
+    assert importer.call("rt.map_mem", g, MiB2, 0, h, 0) == 0, importer.last_err
+    return importer, q, h, g
+
+
+@SURFACES
+def test_fill_from_host_mapping_into_gpu_mapping(actor: Callable[..., Actor], surface: str) -> None:
+    """Rule 7: a host mapping and a GPU mapping end to end are one range. Filled from the host part on, the GPU
+    part must be filled by the driver (the CPU cannot address GPU memory): the C library hands the whole range to
+    memset(3), which faults on the GPU range."""
+    a, q, h, g = gpu_next_to_host(actor, surface)
+    assert a.call("rt.memset", q, 2 * MiB2, 0x22, 2 * MiB2) == 0, a.last_err
+    assert download(a, q + MiB2 - 4, 8) == b"\x22" * 8
+    assert download(a, g + MiB2 - 4, 4) == b"\x22" * 4
+
+
+@SURFACES
+def test_copy_from_host_into_host_then_gpu_mapping(actor: Callable[..., Actor], surface: str) -> None:
+    """The same range as a copy's destination, from an aclrtMallocHost block: memmove(3) in C."""
+    a, q, h, g = gpu_next_to_host(actor, surface)
+    host, ret = a.call("rt.malloc_host", 2 * MiB2)
+    assert ret == 0
+    a.call("!write_bytes", host + MiB2 - 4, b"spanning")
+    assert a.call("rt.memcpy", q, 2 * MiB2, host, 2 * MiB2, 4) == 0, a.last_err
+    assert download(a, q + MiB2 - 4, 8) == b"spanning"
+
+
+@SURFACES
+def test_copy_from_host_then_gpu_mapping_to_host(actor: Callable[..., Actor], surface: str) -> None:
+    """The range as a copy's source, into an aclrtMallocHost block."""
+    a, q, h, g = gpu_next_to_host(actor, surface)
+    upload(a, g, b"gpu part")
+    host, ret = a.call("rt.malloc_host", 2 * MiB2)
+    assert ret == 0
+    assert a.call("rt.memcpy", host, 2 * MiB2, q, 2 * MiB2, 4) == 0, a.last_err
+    assert a.call("!read", host + MiB2, 8) == b"gpu part"
+    assert a.call("!read", host, 4) == b"\x11" * 4
+
+
+ARENA = 16 << 40  # where the runtime places host ranges first (VS_ARENA_START, runtime.vmm's arena)
+
+
+def host_after_gpu(actor: Callable[..., Actor], surface: str) -> tuple[Actor, int, int]:
+    """A CUDA process with a GPU mapping at the arena's start and, end to end after it, a host mapping (an IPC
+    import of a host-backend process's aclrtMalloc memory, 0x11 bytes): (the process, the GPU range, the host one)."""
+    exporter, importer = actor("c", backend="host"), actor(surface)
+    h, ret = importer.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    assert ret == 0, importer.last_err
+    g, ret = importer.call("rt.reserve_mem_address", MiB2, 0, ARENA, 0)
+    if ret != 0 or g != ARENA:
+        pytest.skip(f"the GPU range could not be placed at the arena's start: {importer.last_err}")
+    assert importer.call("rt.map_mem", g, MiB2, 0, h, 0) == 0, importer.last_err
+    ptr, ret = exporter.call("rt.malloc", MiB2, 0)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.memset", ptr, MiB2, 0x11, MiB2) == 0, exporter.last_err
+    key, ret = exporter.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
+    assert ret == 0, exporter.last_err
+    assert exporter.call("rt.ipc_mem_set_import_pid", key, [importer.pid]) == 0, exporter.last_err
+    q, ret = importer.call("rt.ipc_mem_import_by_key", key, 0)
+    assert ret == 0, importer.last_err
+    if q != g + MiB2:
+        pytest.skip(f"the host mapping is at {q:#x}, not after the GPU range")
+    return importer, g, q
+
+
+@SURFACES
+def test_fill_from_gpu_mapping_into_host_mapping(actor: Callable[..., Actor], surface: str) -> None:
+    """Rule 7 the other way round: filled from the GPU part on, the C library hands the whole range to one
+    cuMemsetD8, which a driver refuses past the GPU allocation (the stand-in: CUDA_ERROR_ILLEGAL_ADDRESS, as a
+    device range that runs into host memory faults on a GPU)."""
+    a, g, q = host_after_gpu(actor, surface)
+    assert a.call("rt.memset", g, 2 * MiB2, 0x33, 2 * MiB2) == 0, a.last_err
+    assert download(a, g + MiB2 - 4, 8) == b"\x33" * 8
+
+
+@SURFACES
+def test_copy_across_gpu_then_host_mapping(actor: Callable[..., Actor], surface: str) -> None:
+    """The same range as a copy's destination and, back, as its source (one cuMemcpy each in C)."""
+    a, g, q = host_after_gpu(actor, surface)
+    host, ret = a.call("rt.malloc_host", 2 * MiB2)
+    assert ret == 0
+    a.call("!write_bytes", host + MiB2 - 4, b"spanning")
+    assert a.call("rt.memcpy", g, 2 * MiB2, host, 2 * MiB2, 4) == 0, a.last_err
+    back, ret = a.call("rt.malloc_host", 2 * MiB2)
+    assert ret == 0
+    assert a.call("rt.memcpy", back, 2 * MiB2, g, 2 * MiB2, 4) == 0, a.last_err
+    assert a.call("!read", back + MiB2 - 4, 8) == b"spanning"

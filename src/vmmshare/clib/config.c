@@ -310,8 +310,9 @@ static int read_broker_user(vs_config *c)
 }
 
 /* ASCEND_RT_VISIBLE_DEVICES, as the runtime reads it: runs of digits separated by single commas, up to the first
- * other character; ids up to the first that is not a device; they must ascend without repeats. */
-static void read_visible(vs_config *c)
+ * other character; ids up to the first that is not a device (of c->devices: read again once the CUDA backend
+ * counted the GPUs); they must ascend without repeats. */
+void vs_read_visible(vs_config *c)
 {
     const char *v = getenv("ASCEND_RT_VISIBLE_DEVICES");
     c->nvisible = -1;
@@ -367,6 +368,6 @@ int vs_read_config(vs_config *c)
         read_broker_user(c) || read_spin(c) || read_fabric_timeout(c))
         return -1;
     c->prepopulate = read_flag("VMMSHARE_PREPOPULATE");
-    read_visible(c);
+    vs_read_visible(c);
     return 0;
 }

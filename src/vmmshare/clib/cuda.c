@@ -223,10 +223,8 @@ static void load_driver(void)
         gpu_count = VS_MAX_DEVICES;
     vs_config *c = &vs_rt.config; /* the devices this process sees are the GPUs (not VMMSHARE_DEVICES) */
     c->devices = gpu_count;
-    for (int i = 0; i < c->nvisible && !c->visible_error[0]; i++)
-        if (c->visible[i] >= gpu_count)
-            snprintf(c->visible_error, sizeof c->visible_error, "it names device %d, but this node has %d GPUs",
-                     c->visible[i], gpu_count);
+    c->visible_error[0] = '\0'; /* ASCEND_RT_VISIBLE_DEVICES read again over the GPUs, as the Python runtime reads it */
+    vs_read_visible(c);
 }
 
 /* The driver, loaded once: 0, or why it cannot be used (every call of the process fails with it). */

@@ -228,6 +228,7 @@ aclError vs_raise(const vs_err *err, const char *call);
 
 /* config.c: read the variables into `c`; -1 when one cannot be used (its message in c->error). */
 int vs_read_config(vs_config *c);
+void vs_read_visible(vs_config *c); /* ASCEND_RT_VISIBLE_DEVICES over c->devices */
 
 /* The runtime, set up on first use (the configuration read); 0 or the configuration's error. */
 aclError vs_start(vs_err *err);

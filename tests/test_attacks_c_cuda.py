@@ -145,3 +145,22 @@ def test_copy_across_gpu_then_host_mapping(actor: Callable[..., Actor], surface:
     assert ret == 0
     assert a.call("rt.memcpy", back, 2 * MiB2, g, 2 * MiB2, 4) == 0, a.last_err
     assert a.call("!read", back + MiB2 - 4, 8) == b"spanning"
+
+
+@SURFACES
+@pytest.mark.parametrize(("visible", "seen"), [("0,1,5", 2), ("1,9", 1)])
+def test_visible_devices_are_read_over_the_gpus(broker: BrokerProc, surface: str, visible: str, seen: int) -> None:
+    """ASCEND_RT_VISIBLE_DEVICES under the CUDA backend names GPUs: read as the runtime reads it (ids up to the first
+    that is not a device) over the GPUs the driver counts (the stand-in's two), not over VMMSHARE_DEVICES (8). The
+    C library read it over 8 and then refused an id past the GPUs that the reading should have stopped at."""
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda", "VMMSHARE_ACTOR_SURFACE": surface,
+           "ASCEND_RT_VISIBLE_DEVICES": visible}
+    a = Actor(env, device=None)
+    try:
+        count, ret = a.call("rt.get_device_count")
+        if count > 2:
+            pytest.skip("written for the stand-in's two GPUs")
+        assert (count, ret) == (seen, 0), a.last_err
+        assert a.call("rt.set_device", seen - 1) == 0, a.last_err
+    finally:
+        a.kill()

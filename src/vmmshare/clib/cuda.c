@@ -256,17 +256,29 @@ static aclError context_of(vs_err *err, int device, cu_context *out)
     if (device < 0 || device >= gpu_count)
         return vs_set(err, ACL_ERROR_RT_INVALID_DEVICEID, "GPU %d is not a GPU of this node: it has %d", device,
                       gpu_count);
+    *out = __atomic_load_n(&contexts[device], __ATOMIC_ACQUIRE);
+    if (*out != NULL) /* made already: no lock (a child forked while another thread made one must not wait on it) */
+        return ACL_SUCCESS;
     pthread_mutex_lock(&ctx_lock);
     aclError rc = ACL_SUCCESS;
-    if (contexts[device] == NULL) {
+    cu_context made = contexts[device];
+    if (made == NULL) {
         cu_device dev;
         rc = check(err, cu.DeviceGet(&dev, device), "cuDeviceGet");
         if (rc == ACL_SUCCESS)
-            rc = check(err, cu.DevicePrimaryCtxRetain(&contexts[device], dev), "cuDevicePrimaryCtxRetain");
+            rc = check(err, cu.DevicePrimaryCtxRetain(&made, dev), "cuDevicePrimaryCtxRetain");
+        if (rc == ACL_SUCCESS)
+            __atomic_store_n(&contexts[device], made, __ATOMIC_RELEASE);
     }
-    *out = contexts[device];
+    *out = made;
     pthread_mutex_unlock(&ctx_lock);
     return rc;
+}
+
+/* In a forked child: the lock of contexts afresh (a thread of the parent may have held it at the fork). */
+void vs_cuda_after_fork(void)
+{
+    pthread_mutex_init(&ctx_lock, NULL);
 }
 
 /* Make `device`'s context current in this thread (the driver asked each time: nothing is cached per thread). */

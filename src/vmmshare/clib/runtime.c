@@ -102,6 +102,7 @@ static void after_fork_child(void)
     vs_sync_after_fork();
     vs_node_after_fork();
     vs_fabric_after_fork();
+    vs_cuda_after_fork();
 }
 
 /* Seconds on the monotonic clock (the connection's and the broker start's deadlines). */

@@ -21,6 +21,8 @@ struct vs_gpu {
 aclError vs_cuda_start(vs_err *err);
 /* The GPUs the driver sees (after vs_cuda_start succeeded). */
 int vs_cuda_device_count(void);
+/* In a forked child: no lock of this file held by a thread of the parent. */
+void vs_cuda_after_fork(void);
 
 /* GPU memory of `size` bytes on node device `device`, charged on the node as GPU memory (vs_make_alloc's). */
 aclError vs_cuda_make_alloc(vs_err *err, size_t size, const vs_prop *prop, int device, enum vs_owner owner,

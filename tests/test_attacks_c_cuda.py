@@ -3,7 +3,10 @@ GPU): what the C surface does where the Python surface, given the same calls, do
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +27,7 @@ from test_cuda import (
 
 require(BINDINGS, NO_BACKEND, CUDA_GATE)
 pytestmark = [pytest.mark.gpu]
+HERE = Path(__file__).resolve().parent
 SURFACES = pytest.mark.parametrize("surface", ["python", "c"])
 
 
@@ -164,3 +168,40 @@ def test_visible_devices_are_read_over_the_gpus(broker: BrokerProc, surface: str
         assert a.call("rt.set_device", seen - 1) == 0, a.last_err
     finally:
         a.kill()
+
+
+@SURFACES
+def test_gpu_out_of_memory_leaves_no_charge(actor: Callable[..., Actor], broker: BrokerProc, surface: str) -> None:
+    """cuMemCreate out of memory (the stand-in's GPUs hold 4 MiB here): 207001 on both surfaces, and the node's GPU
+    charge made before the driver was asked goes with the failure."""
+    from test_cuda import listing
+
+    a = actor(surface, FAKECUDA_MEMORY=str(2 * MiB2))
+    if a.call("rt.get_mem_info", 0)[1] != 2 * MiB2:
+        pytest.skip("sizes the stand-in's device memory")
+    h, ret = a.call("rt.malloc_physical", 4 * MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    assert ret == 207001, a.last_err
+    assert a.call("rt.malloc", 4 * MiB2, 0)[-1] == 207001, a.last_err
+    assert listing(broker)["gpu_used"] == {}
+    h, ret = a.call("rt.malloc_physical", 2 * MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    assert ret == 0, a.last_err
+    assert a.call("rt.free_physical", h) == 0
+
+
+def test_child_forked_while_a_context_is_made_does_not_hang(broker: BrokerProc, tmp_path: Path) -> None:
+    """tests/c/gpu_fork_context.c (sanitized): the child of a fork taken while another thread made a GPU's context
+    (the stand-in made slow at it) answers its own GPU calls. The C library took the lock of contexts on every call,
+    even for a context it had: the child waited on a lock no thread of its would ever let go (the Python surface
+    takes it only to make a context)."""
+    from test_c_library import cc
+    from test_cuda import mode
+
+    if mode() != "fake":
+        pytest.skip("slows the stand-in's context creation")
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler")
+    exe = cc(tmp_path / "gpu_fork_context", HERE / "c" / "gpu_fork_context.c")
+    env = {**broker.env, "VMMSHARE_BACKEND": "cuda", "FAKECUDA_RETAIN_DELAY_MS": "1000",
+           "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+    out = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

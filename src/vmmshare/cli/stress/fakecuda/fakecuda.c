@@ -16,7 +16,8 @@
  *   (CUDA_ERROR_ILLEGAL_ADDRESS: the driver takes each pointer as one kind of memory);
  *
  * Settings: FAKECUDA_DEVICES (default 1), FAKECUDA_MEMORY per device in bytes (default 16 GiB), FAKECUDA_NO_PEER
- * (set: no two GPUs can access each other's memory).
+ * (set: no two GPUs can access each other's memory), FAKECUDA_RETAIN_DELAY_MS (each cuDevicePrimaryCtxRetain takes that
+ * long, as a context's creation does on a GPU).
  * The bindings find the functions through cuGetProcAddress_v2, as they do with the real driver.
  */
 #define _GNU_SOURCE
@@ -143,6 +144,8 @@ CUresult cuDevicePrimaryCtxRetain(CUctx **ctx, CUdevice dev) {
     if (!initialized) return NOT_INITIALIZED;
     if (!ctx) return INVALID_VALUE;
     if (dev < 0 || dev >= device_count) return INVALID_DEVICE;
+    const char *delay = getenv("FAKECUDA_RETAIN_DELAY_MS");  /* a context's first retain takes a while on a GPU */
+    if (delay) usleep((useconds_t)atoi(delay) * 1000);
     *ctx = &contexts[dev];
     return SUCCESS;
 }

@@ -221,12 +221,17 @@ static int read_backend(vs_config *c)
 {
     const char *v = getenv("VMMSHARE_BACKEND");
     char text[32] = "";
-    if (v != NULL) {
+    if (v != NULL) { /* whitespace around it goes, as str.strip() takes it (config.backend); none inside */
+        const char *p = v, *end = v + strlen(v);
+        while (p < end && strchr(" \t\n\r\v\f", *p) != NULL)
+            p++;
+        while (end > p && strchr(" \t\n\r\v\f", end[-1]) != NULL)
+            end--;
         size_t j = 0;
-        for (const char *p = v; *p && j < sizeof text - 1; p++)
-            if (*p != ' ')
-                text[j++] = (char)(*p >= 'A' && *p <= 'Z' ? *p + 32 : *p);
-        text[j] = '\0';
+        for (; p < end && j < sizeof text - 1; p++)
+            text[j++] = (char)(*p >= 'A' && *p <= 'Z' ? *p + 32 : *p);
+        text[j] = p < end ? '?' : '\0'; /* (longer than any backend's name: no name) */
+        text[sizeof text - 1] = '\0';
     }
     if (text[0] == '\0' || strcmp(text, "host") == 0)
         return 0;

@@ -205,3 +205,18 @@ def test_child_forked_while_a_context_is_made_does_not_hang(broker: BrokerProc, 
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
     out = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+@SURFACES
+@pytest.mark.parametrize(("value", "ok"), [("cu da", False), ("\tCUDA\n", True), (" auto ", True), ("ho st", False)])
+def test_backend_names_are_read_alike(broker: BrokerProc, surface: str, value: str, ok: bool) -> None:
+    """VMMSHARE_BACKEND as config.backend reads it: whitespace around the name goes (str.strip()), none inside it
+    (the C library dropped every space, anywhere, and kept tabs and newlines)."""
+    env = {**broker.env, "VMMSHARE_BACKEND": value,
+           "VMMSHARE_ACTOR_SURFACE": surface}
+    a = Actor(env, device=None)
+    try:
+        count, ret = a.call("rt.get_device_count")
+        assert (ret == 0) == ok, a.last_err
+    finally:
+        a.kill()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,48 @@ def test_backend_names_are_read_alike(broker: BrokerProc, surface: str, value: s
         assert (ret == 0) == ok, a.last_err
     finally:
         a.kill()
+
+
+@SURFACES
+def test_copy_from_another_servers_memory_into_host_then_gpu_mapping(
+        shared_fabric: object, tmp_path_factory: pytest.TempPathFactory, surface: str) -> None:
+    """Across servers (SPEC §8): another server's memory copied into a local range that runs from a host mapping
+    into a GPU mapping (one local part). The C library asked only the part's first byte whether it was GPU memory,
+    and had the transfer engine's socket write the whole part straight into it: the GPU half is no memory the
+    kernel can write, so the copy failed where the Python surface's (cut at the mappings) succeeds."""
+    from fabric_cluster import cluster_problem
+
+    if cluster_problem():
+        pytest.skip(cluster_problem())
+    import fakecuda
+    from test_fabric_sharing import export, import_map
+
+    c: Any = shared_fabric
+    gpu_env = {**fakecuda.build(tmp_path_factory.mktemp("fakecuda")), "VMMSHARE_BACKEND": "cuda",
+               "VMMSHARE_ACTOR_SURFACE": surface}
+    a = c.actor(1)
+    host_side = c.actor(2, VMMSHARE_BACKEND="host", VMMSHARE_ACTOR_SURFACE="c")
+    b = c.actor(2, **gpu_env)
+    _, s, ap = export(a, size=2 * MiB2, pids=[b.pid])
+    a.call("!write_bytes", ap + MiB2 - 7, b"across servers")
+    ih, rp = import_map(b, s, 2 * MiB2)
+    ptr, ret = host_side.call("rt.malloc", MiB2, 0)
+    assert ret == 0, host_side.last_err
+    key, ret = host_side.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
+    assert ret == 0, host_side.last_err
+    assert host_side.call("rt.ipc_mem_set_import_pid", key, [b.pid]) == 0, host_side.last_err
+    q, ret = b.call("rt.ipc_mem_import_by_key", key, 0)
+    assert ret == 0, b.last_err
+    h, ret = b.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    assert ret == 0, b.last_err
+    g, ret = b.call("rt.reserve_mem_address", MiB2, 0, q + MiB2, 0)
+    if ret != 0 or g != q + MiB2:
+        pytest.skip(f"the GPU range could not be placed after the host mapping: {b.last_err}")
+    assert b.call("rt.map_mem", g, MiB2, 0, h, 0) == 0, b.last_err
+    assert b.call("rt.memcpy", q, 2 * MiB2, rp, 2 * MiB2, 4) == 0, b.last_err
+    assert download(b, q + MiB2 - 7, 14) == b"across servers"
+    assert b.call("rt.unmap_mem", g) == 0 and b.call("rt.release_mem_address", g) == 0
+    assert b.call("rt.free_physical", h) == 0
+    assert b.call("rt.ipc_mem_close", key) == 0
+    assert b.call("rt.unmap_mem", rp) == 0 and b.call("rt.release_mem_address", rp) == 0
+    assert b.call("rt.free_physical", ih) == 0

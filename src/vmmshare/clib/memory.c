@@ -252,7 +252,8 @@ aclError vs_map_alloc(vs_err *err, uintptr_t ptr, size_t size, vs_alloc *a, uint
     } else if (mmap((void *)ptr, size, vs_prot_of(access), MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)
         return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "cannot map %zu bytes at %#lx: %s", size,
                       (unsigned long)ptr, strerror(errno));
-    advise(ptr, size, access);
+    else
+        advise(ptr, size, access); /* host pages only: GPU memory is no page the CPU faults in (as backends.cuda) */
     vs_add_mapping(ptr, size, a, access);
     return ACL_SUCCESS;
 }

@@ -23,9 +23,11 @@ from ..errors import (
     InvalidParamError,
     MemoryAllocationError,
 )
+from . import mman
 from .base import Memory, MemoryKind
 
 log = logging.getLogger(__name__)
+_BOUNCE = 16 << 20  # bytes of the host buffer an overlapping copy goes through
 
 
 def _driver() -> Any:
@@ -270,10 +272,31 @@ class CudaBackend:
             self.check(cu.cuMemSetAccess(ptr, size, [desc], 1)[0], "cuMemSetAccess")
 
     def copy(self, dst: int, src: int, count: int, device: int) -> None:
-        """A synchronous copy, as aclrtMemcpy is (cuMemcpy may return before a device-side copy is done)."""
+        """A synchronous copy, as aclrtMemcpy is (cuMemcpy may return before a device-side copy is done); ranges
+        that overlap (the driver's copies "may not") go through a host buffer, with memmove's bytes."""
+        if dst == src:
+            return
         with self.on(device):
-            self.check(self.cu.cuMemcpy(dst, src, count)[0], "cuMemcpy")
+            if dst < src + count and src < dst + count:
+                self._overlapping_copy(dst, src, count)
+            else:
+                self.check(self.cu.cuMemcpy(dst, src, count)[0], "cuMemcpy")
             self.check(self.cu.cuCtxSynchronize()[0], "cuCtxSynchronize")
+
+    def _overlapping_copy(self, dst: int, src: int, count: int) -> None:
+        """Part by part through host memory, the last part first where dst lies above src (the context current)."""
+        chunk = min(count, _BOUNCE)
+        bounce = mman.map_anonymous(chunk)
+        try:
+            moved = 0
+            while moved < count:
+                k = min(chunk, count - moved)
+                at = count - moved - k if src < dst else moved
+                self.check(self.cu.cuMemcpy(bounce, src + at, k)[0], "cuMemcpy")
+                self.check(self.cu.cuMemcpy(dst + at, bounce, k)[0], "cuMemcpy")
+                moved += k
+        finally:
+            mman.unmap(bounce, chunk)
 
     def fill(self, ptr: int, value: int, count: int, device: int) -> None:
         """A synchronous memset, as aclrtMemset is (cuMemsetD8 is asynchronous for device memory)."""

@@ -536,13 +536,40 @@ vs_alloc *vs_cuda_mover(uintptr_t dst, uintptr_t src)
     return m != NULL && m->alloc->gpu != NULL ? m->alloc : NULL;
 }
 
-/* A synchronous copy through the driver, in the GPU memory's device's context. */
+#define BOUNCE ((size_t)16 << 20) /* bytes of the host buffer an overlapping copy goes through */
+
+/* An overlapping copy (the driver's copies "may not overlap") through a host buffer, part by part, the last part
+ * first where dst lies above src: memmove's bytes (the context current). */
+static aclError overlapping_copy(vs_err *err, uintptr_t dst, uintptr_t src, size_t count)
+{
+    size_t chunk = count < BOUNCE ? count : BOUNCE;
+    uint8_t *bounce = malloc(chunk);
+    if (bounce == NULL)
+        return vs_set(err, ACL_ERROR_RT_MEMORY_ALLOCATION, "out of memory for a %zu-byte bounce buffer", chunk);
+    aclError rc = ACL_SUCCESS;
+    for (size_t moved = 0; rc == ACL_SUCCESS && moved < count;) {
+        size_t k = count - moved < chunk ? count - moved : chunk;
+        size_t at = src < dst ? count - moved - k : moved;
+        rc = check(err, cu.Memcpy((cu_ptr)(uintptr_t)bounce, src + at, k), "cuMemcpy");
+        if (rc == ACL_SUCCESS)
+            rc = check(err, cu.Memcpy(dst + at, (cu_ptr)(uintptr_t)bounce, k), "cuMemcpy");
+        moved += k;
+    }
+    free(bounce);
+    return rc;
+}
+
+/* A synchronous copy through the driver, in the GPU memory's device's context (memmove's bytes where the ranges
+ * overlap, as the host backend's copies). */
 aclError vs_cuda_copy(vs_err *err, const vs_alloc *mover, uintptr_t dst, uintptr_t src, size_t count)
 {
+    if (dst == src)
+        return ACL_SUCCESS; /* nothing moves */
     ctx_guard guard;
     if (enter(err, mover->gpu->device, &guard))
         return err->code;
-    aclError rc = check(err, cu.Memcpy(dst, src, count), "cuMemcpy");
+    aclError rc = dst < src + count && src < dst + count ? overlapping_copy(err, dst, src, count)
+                                                         : check(err, cu.Memcpy(dst, src, count), "cuMemcpy");
     if (rc == ACL_SUCCESS) /* cuMemcpy may return before a device-side copy is done */
         rc = check(err, cu.CtxSynchronize(), "cuCtxSynchronize");
     leave(&guard);

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,8 +15,6 @@ from conftest import CUDA_GATE, require
 from procs import PROP, Actor, BrokerProc, MiB2
 from test_cuda import (
     BINDINGS,
-    D2H,
-    H2D,
     NO_BACKEND,
     backend_mode,  # noqa: F401  (the CUDA tests' fixtures)
     broker_env,  # noqa: F401
@@ -73,7 +71,7 @@ def test_fill_from_host_mapping_into_gpu_mapping(actor: Callable[..., Actor], su
     """Rule 7: a host mapping and a GPU mapping end to end are one range. Filled from the host part on, the GPU
     part must be filled by the driver (the CPU cannot address GPU memory): the C library hands the whole range to
     memset(3), which faults on the GPU range."""
-    a, q, h, g = gpu_next_to_host(actor, surface)
+    a, q, _h, g = gpu_next_to_host(actor, surface)
     assert a.call("rt.memset", q, 2 * MiB2, 0x22, 2 * MiB2) == 0, a.last_err
     assert download(a, q + MiB2 - 4, 8) == b"\x22" * 8
     assert download(a, g + MiB2 - 4, 4) == b"\x22" * 4
@@ -82,7 +80,7 @@ def test_fill_from_host_mapping_into_gpu_mapping(actor: Callable[..., Actor], su
 @SURFACES
 def test_copy_from_host_into_host_then_gpu_mapping(actor: Callable[..., Actor], surface: str) -> None:
     """The same range as a copy's destination, from an aclrtMallocHost block: memmove(3) in C."""
-    a, q, h, g = gpu_next_to_host(actor, surface)
+    a, q, _h, _g = gpu_next_to_host(actor, surface)
     host, ret = a.call("rt.malloc_host", 2 * MiB2)
     assert ret == 0
     a.call("!write_bytes", host + MiB2 - 4, b"spanning")
@@ -93,7 +91,7 @@ def test_copy_from_host_into_host_then_gpu_mapping(actor: Callable[..., Actor], 
 @SURFACES
 def test_copy_from_host_then_gpu_mapping_to_host(actor: Callable[..., Actor], surface: str) -> None:
     """The range as a copy's source, into an aclrtMallocHost block."""
-    a, q, h, g = gpu_next_to_host(actor, surface)
+    a, q, _h, g = gpu_next_to_host(actor, surface)
     upload(a, g, b"gpu part")
     host, ret = a.call("rt.malloc_host", 2 * MiB2)
     assert ret == 0
@@ -133,7 +131,7 @@ def test_fill_from_gpu_mapping_into_host_mapping(actor: Callable[..., Actor], su
     """Rule 7 the other way round: filled from the GPU part on, the C library hands the whole range to one
     cuMemsetD8, which a driver refuses past the GPU allocation (the stand-in: CUDA_ERROR_ILLEGAL_ADDRESS, as a
     device range that runs into host memory faults on a GPU)."""
-    a, g, q = host_after_gpu(actor, surface)
+    a, g, _q = host_after_gpu(actor, surface)
     assert a.call("rt.memset", g, 2 * MiB2, 0x33, 2 * MiB2) == 0, a.last_err
     assert download(a, g + MiB2 - 4, 8) == b"\x33" * 8
 
@@ -141,7 +139,7 @@ def test_fill_from_gpu_mapping_into_host_mapping(actor: Callable[..., Actor], su
 @SURFACES
 def test_copy_across_gpu_then_host_mapping(actor: Callable[..., Actor], surface: str) -> None:
     """The same range as a copy's destination and, back, as its source (one cuMemcpy each in C)."""
-    a, g, q = host_after_gpu(actor, surface)
+    a, g, _q = host_after_gpu(actor, surface)
     host, ret = a.call("rt.malloc_host", 2 * MiB2)
     assert ret == 0
     a.call("!write_bytes", host + MiB2 - 4, b"spanning")
@@ -217,7 +215,7 @@ def test_backend_names_are_read_alike(broker: BrokerProc, surface: str, value: s
            "VMMSHARE_ACTOR_SURFACE": surface}
     a = Actor(env, device=None)
     try:
-        count, ret = a.call("rt.get_device_count")
+        _count, ret = a.call("rt.get_device_count")
         assert (ret == 0) == ok, a.last_err
     finally:
         a.kill()
@@ -266,3 +264,23 @@ def test_copy_from_another_servers_memory_into_host_then_gpu_mapping(
     assert b.call("rt.ipc_mem_close", key) == 0
     assert b.call("rt.unmap_mem", rp) == 0 and b.call("rt.release_mem_address", rp) == 0
     assert b.call("rt.free_physical", ih) == 0
+
+
+@SURFACES
+@pytest.mark.parametrize("shift", [4096, -4096, 3])
+def test_overlapping_copy_within_gpu_memory_moves_like_memmove(actor: Callable[..., Actor], surface: str,
+                                                              shift: int) -> None:
+    """An overlapping copy within GPU memory moves like memmove (docs/rules.md, rule 7), as on the host backend.
+    Both surfaces handed it to one cuMemcpy, whose ranges "may not overlap" (the driver's bytes are then whatever
+    its copy engine's order leaves; the stand-in refuses such a copy)."""
+    a = actor(surface)
+    h, ret = a.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
+    assert ret == 0, a.last_err
+    ptr, _ = a.call("rt.reserve_mem_address", MiB2, 0, 0, 0)
+    assert a.call("rt.map_mem", ptr, MiB2, 0, h, 0) == 0, a.last_err
+    pattern = bytes(range(256)) * 64
+    base = ptr + 65536
+    upload(a, base, pattern)
+    assert a.call("rt.memcpy", base + shift, len(pattern), base, len(pattern), 3) == 0, a.last_err
+    assert download(a, base + shift, len(pattern)) == pattern
+    drop(a, h, ptr)

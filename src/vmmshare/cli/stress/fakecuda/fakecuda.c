@@ -13,7 +13,9 @@
  *   through mappings whose access was granted with cuMemSetAccess;
  * - FABRIC handles are refused with CUDA_ERROR_NOT_PERMITTED, as on a node without an IMEX channel;
  * - copies and memsets need a current context, and a range that passes between device and host memory faults
- *   (CUDA_ERROR_ILLEGAL_ADDRESS: the driver takes each pointer as one kind of memory);
+ *   (CUDA_ERROR_ILLEGAL_ADDRESS: the driver takes each pointer as one kind of memory); a cuMemcpy whose ranges
+ *   overlap is refused (CUDA_ERROR_INVALID_VALUE: the driver's copies "may not overlap", and on a GPU give
+ *   whatever bytes the copy engine's order leaves);
  *
  * Settings: FAKECUDA_DEVICES (default 1), FAKECUDA_MEMORY per device in bytes (default 16 GiB), FAKECUDA_NO_PEER
  * (set: no two GPUs can access each other's memory), FAKECUDA_RETAIN_DELAY_MS (each cuDevicePrimaryCtxRetain takes that
@@ -444,6 +446,7 @@ static int on_device(CUdeviceptr p) {
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t count) {
     if (!initialized) return NOT_INITIALIZED;
     if (!current) return INVALID_CONTEXT;
+    if (count && dst < src + count && src < dst + count) return INVALID_VALUE;  /* "may not overlap" */
     CUresult rc = SUCCESS;
     pthread_mutex_lock(&lock);
     int dst_dev = on_device(dst), src_dev = on_device(src);

@@ -45,16 +45,16 @@ def actor(broker: BrokerProc) -> Iterator[Callable[..., Actor]]:
         a.kill()
 
 
-def gpu_next_to_host(actor: Callable[..., Actor], surface: str) -> tuple[Actor, int, int, int]:
-    """A CUDA process whose host mapping (an IPC import of a host-backend process's aclrtMalloc memory) is followed
-    end to end by a mapping of GPU memory: (the process, the host mapping's address, the GPU handle, its range)."""
-    exporter, importer = actor("c", backend="host"), actor(surface)
-    ptr, ret = exporter.call("rt.malloc", MiB2, 0)
-    assert ret == 0, exporter.last_err
-    assert exporter.call("rt.memset", ptr, MiB2, 0x11, MiB2) == 0, exporter.last_err
-    key, ret = exporter.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
-    assert ret == 0, exporter.last_err
-    assert exporter.call("rt.ipc_mem_set_import_pid", key, [importer.pid]) == 0, exporter.last_err
+def gpu_after_host(host_side: Actor, importer: Actor) -> tuple[str, int, int, int]:
+    """In `importer` (a CUDA process), a host mapping (an IPC import of `host_side`'s aclrtMalloc memory, a
+    host-backend process) followed end to end by a mapping of GPU memory: (the IPC key, the host mapping's address,
+    the GPU handle, its range)."""
+    ptr, ret = host_side.call("rt.malloc", MiB2, 0)
+    assert ret == 0, host_side.last_err
+    assert host_side.call("rt.memset", ptr, MiB2, 0x11, MiB2) == 0, host_side.last_err
+    key, ret = host_side.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
+    assert ret == 0, host_side.last_err
+    assert host_side.call("rt.ipc_mem_set_import_pid", key, [importer.pid]) == 0, host_side.last_err
     q, ret = importer.call("rt.ipc_mem_import_by_key", key, 0)
     assert ret == 0, importer.last_err
     h, ret = importer.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
@@ -63,6 +63,14 @@ def gpu_next_to_host(actor: Callable[..., Actor], surface: str) -> tuple[Actor, 
     if ret != 0 or g != q + MiB2:
         pytest.skip(f"the GPU range could not be placed after the host mapping: {importer.last_err}")
     assert importer.call("rt.map_mem", g, MiB2, 0, h, 0) == 0, importer.last_err
+    return key, q, h, g
+
+
+def gpu_next_to_host(actor: Callable[..., Actor], surface: str) -> tuple[Actor, int, int, int]:
+    """A CUDA process on `surface` with a host mapping followed by a GPU mapping (gpu_after_host): (the process, the
+    host mapping's address, the GPU handle, its range)."""
+    host_side, importer = actor("c", backend="host"), actor(surface)
+    _, q, h, g = gpu_after_host(host_side, importer)
     return importer, q, h, g
 
 
@@ -244,19 +252,7 @@ def test_copy_from_another_servers_memory_into_host_then_gpu_mapping(
     _, s, ap = export(a, size=2 * MiB2, pids=[b.pid])
     a.call("!write_bytes", ap + MiB2 - 7, b"across servers")
     ih, rp = import_map(b, s, 2 * MiB2)
-    ptr, ret = host_side.call("rt.malloc", MiB2, 0)
-    assert ret == 0, host_side.last_err
-    key, ret = host_side.call("rt.ipc_mem_get_export_key", ptr, MiB2, 65, 0)
-    assert ret == 0, host_side.last_err
-    assert host_side.call("rt.ipc_mem_set_import_pid", key, [b.pid]) == 0, host_side.last_err
-    q, ret = b.call("rt.ipc_mem_import_by_key", key, 0)
-    assert ret == 0, b.last_err
-    h, ret = b.call("rt.malloc_physical", MiB2, {**PROP, "location": {"id": 0, "type": 1}}, 0)
-    assert ret == 0, b.last_err
-    g, ret = b.call("rt.reserve_mem_address", MiB2, 0, q + MiB2, 0)
-    if ret != 0 or g != q + MiB2:
-        pytest.skip(f"the GPU range could not be placed after the host mapping: {b.last_err}")
-    assert b.call("rt.map_mem", g, MiB2, 0, h, 0) == 0, b.last_err
+    key, q, h, g = gpu_after_host(host_side, b)
     assert b.call("rt.memcpy", q, 2 * MiB2, rp, 2 * MiB2, 4) == 0, b.last_err
     assert download(b, q + MiB2 - 7, 14) == b"across servers"
     assert b.call("rt.unmap_mem", g) == 0 and b.call("rt.release_mem_address", g) == 0

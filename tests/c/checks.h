@@ -1,7 +1,7 @@
 /*
  * What the sanitized C test programs of tests/c share: counted checks that print a line only when they fail
- * (EXPECT also fails a non-zero code that left no message), and this process's open fds, but for what the waiters'
- * watcher keeps on purpose for later waits (its eventfd and the pidfds of producers it has watched).
+ * (EXPECT also fails a non-zero code that left no message), this process's open fds, but for what the waiters'
+ * watcher keeps on purpose for later waits (its eventfd and the pidfds of producers it has watched), and hex.
  */
 #ifndef VMMSHARE_TESTS_C_CHECKS_H
 #define VMMSHARE_TESTS_C_CHECKS_H
@@ -13,7 +13,7 @@
 
 #include "acl/acl.h"
 
-static int failures, checks;
+static int failures __attribute__((unused)), checks __attribute__((unused));
 
 #define EXPECT(expr, code)                                                                                     \
     do {                                                                                                       \
@@ -40,7 +40,7 @@ static int failures, checks;
 
 #define MIB2 ((size_t)2 << 20)
 
-static int fd_count(void)
+static inline int fd_count(void)
 {
     int n = 0;
     DIR *d = opendir("/proc/self/fd");
@@ -57,6 +57,12 @@ static int fd_count(void)
     if (d != NULL)
         closedir(d);
     return n;
+}
+
+/* The value of one hex digit (lower case), or -1. */
+static inline int hex_digit(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
 
 #endif /* VMMSHARE_TESTS_C_CHECKS_H */

@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "acl/acl.h"
+#include "checks.h"
 
 #define M2 ((size_t)2 << 20)
 
@@ -44,22 +45,6 @@ static double now_ms(void)
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
-static int hexval(char c)
-{
-    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-}
-
-static int fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    int n = 0;
-    for (struct dirent *e; d && (e = readdir(d)) != NULL;)
-        n += e->d_name[0] != '.';
-    if (d)
-        closedir(d);
-    return n - 1;
 }
 
 /* Open fds that are TCP connections (to the engine: the only ones this program makes). */
@@ -106,7 +91,7 @@ int main(int argc, char **argv)
         return 2;
     aclrtMemFabricHandle raw;
     for (size_t i = 0; i < sizeof raw; i++)
-        ((uint8_t *)&raw)[i] = (uint8_t)(hexval(argv[1][2 * i]) << 4 | hexval(argv[1][2 * i + 1]));
+        ((uint8_t *)&raw)[i] = (uint8_t)(hex_digit(argv[1][2 * i]) << 4 | hex_digit(argv[1][2 * i + 1]));
     const char *mode = argv[2];
     if (aclInit(NULL) != ACL_SUCCESS || aclrtSetDevice(0) != ACL_SUCCESS)
         return 3;
@@ -178,20 +163,20 @@ int main(int argc, char **argv)
         rc = aclrtMemcpy(local_buf, M2, r, 64, ACL_MEMCPY_DEVICE_TO_HOST);
         printf("trickle %d %.0f\n", rc, now_ms() - t0);
     } else if (strcmp(mode, "rw") == 0) {
-        int before = fds();
+        int before = fd_count();
         aclError a = aclrtMemcpy(local_buf, M2, r, 65536, ACL_MEMCPY_DEVICE_TO_HOST);
         aclError b = aclrtMemcpy(r, M2, local_buf, 65536, ACL_MEMCPY_HOST_TO_DEVICE);
         aclError c = aclrtMemcpy(local_buf, M2, r + 4096, 65536, ACL_MEMCPY_DEVICE_TO_HOST);
-        printf("rw %d %d %d %d %d\n", a, b, c, before, fds());
+        printf("rw %d %d %d %d %d\n", a, b, c, before, fd_count());
     } else if (strcmp(mode, "freeinflight") == 0) {
-        int before = fds();
+        int before = fd_count();
         remote_at = r;
         pthread_t t;
         pthread_create(&t, NULL, reader, NULL);
         usleep(300 * 1000);
         aclError u = aclrtUnmapMem(r), f = aclrtFreePhysical(rh);
         pthread_join(t, NULL);
-        printf("freeinflight %d %d %d %d %d\n", u, f, read_rc, before, fds());
+        printf("freeinflight %d %d %d %d %d\n", u, f, read_rc, before, fd_count());
         aclrtUnmapMem(l);
         aclrtReleaseMemAddress(base);
         aclrtFreePhysical(lh);

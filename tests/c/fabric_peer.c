@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "acl/acl.h"
+#include "checks.h"
 
 static void *mine, *theirs, *host;
 static aclrtDrvMemHandle mine_h, theirs_h;
@@ -39,11 +40,6 @@ static uint64_t fnv(const uint8_t *p, size_t n)
     for (size_t i = 0; i < n; i++)
         h = (h ^ p[i]) * 1099511628211ULL;
     return h;
-}
-
-static int hexval(char c)
-{
-    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
 
 static int export_cmd(size_t size, const char *list)
@@ -85,7 +81,7 @@ static aclError import_cmd(const char *hex)
     if (strlen(hex) != 2 * sizeof raw)
         return 1;
     for (size_t i = 0; i < sizeof raw; i++)
-        ((uint8_t *)&raw)[i] = (uint8_t)(hexval(hex[2 * i]) << 4 | hexval(hex[2 * i + 1]));
+        ((uint8_t *)&raw)[i] = (uint8_t)(hex_digit(hex[2 * i]) << 4 | hex_digit(hex[2 * i + 1]));
     aclError rc = aclrtMemImportFromShareableHandleV2(&raw, ACL_MEM_SHARE_HANDLE_TYPE_FABRIC, 0, &theirs_h);
     if (rc)
         return rc;
@@ -102,17 +98,6 @@ static aclError import_cmd(const char *hex)
     if ((rc = aclrtMapMem(theirs, theirs_size, 0, theirs_h, 0)))
         return rc;
     return aclrtMallocHost(&host, theirs_size);
-}
-
-static int fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    int n = 0;
-    for (struct dirent *e; d && (e = readdir(d)) != NULL;)
-        n += e->d_name[0] != '.';
-    if (d)
-        closedir(d);
-    return n - 1; /* the directory's own */
 }
 
 int main(void)
@@ -190,7 +175,7 @@ int main(void)
             }
             printf("ret %d\n", rc);
         } else if (strcmp(cmd, "fds") == 0) {
-            printf("ret 0 %d\n", fds());
+            printf("ret 0 %d\n", fd_count());
         } else if (strcmp(cmd, "quit") == 0) {
             break;
         } else {

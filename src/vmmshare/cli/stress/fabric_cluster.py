@@ -70,6 +70,20 @@ class ClusterBroker:
         os.kill(self.proc.pid, sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self.proc.wait(30)
+        elif sig == signal.SIGSTOP:  # stopped only once every thread is (its engine's too): a request sent before
+            eventually(self._stopped, "the broker did not stop")  # that could still be answered
+
+    def _stopped(self) -> bool:
+        """Whether every thread of the broker is stopped (state T in /proc)."""
+        try:
+            tasks = os.listdir(f"/proc/{self.pid}/task")
+            states = []
+            for t in tasks:
+                with open(f"/proc/{self.pid}/task/{t}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return False
+        return all(state == "T" for state in states)
 
     def fd_count(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))

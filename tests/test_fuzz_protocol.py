@@ -23,6 +23,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+import fuzz_frames as G
+import fuzz_live as L
 import fuzz_protocol as F
 import rawsock
 from vmmshare.wire import local as P
@@ -36,8 +38,8 @@ MiB2 = 2 << 20
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[F.Broker]:
-    b = F.Broker(tmp_path, env={"VMMSHARE_DEVICE_MEMORY": str(CAPACITY)})
+def broker(tmp_path: Path) -> Iterator[L.Broker]:
+    b = L.Broker(tmp_path, env={"VMMSHARE_DEVICE_MEMORY": str(CAPACITY)})
     try:
         yield b
     finally:
@@ -49,12 +51,12 @@ def broker(tmp_path: Path) -> Iterator[F.Broker]:
 
 def test_generator_is_deterministic_and_covers_every_type_and_mutation() -> None:
     """The same seed gives the same frames (so a failure reproduces), and the mix reaches every type and op."""
-    first = [(c.packet, c.nfds) for c in F.generate(SEED, 2_000)]
-    assert first == [(c.packet, c.nfds) for c in F.generate(SEED, 2_000)]
-    assert first != [(c.packet, c.nfds) for c in F.generate(SEED + 1, 2_000)]
-    cases = list(F.generate(SEED, 2_000))
+    first = [(c.packet, c.nfds) for c in G.generate(SEED, 2_000)]
+    assert first == [(c.packet, c.nfds) for c in G.generate(SEED, 2_000)]
+    assert first != [(c.packet, c.nfds) for c in G.generate(SEED + 1, 2_000)]
+    cases = list(G.generate(SEED, 2_000))
     assert {c.kind for c in cases if c.origin in ("valid", "mutated")} == {int(m) for m in Msg}
-    assert {op for c in cases for op in c.ops} == set(F.MUTATIONS)
+    assert {op for c in cases for op in c.ops} == set(G.MUTATIONS)
     assert {c.origin for c in cases} == {"valid", "mutated", "random", "header+random"}
     for c in cases:
         if c.origin == "valid":
@@ -79,12 +81,12 @@ def test_decoder_returns_a_frame_or_a_protocol_error() -> None:
 
 def test_check_decode_reports_an_escaping_exception(monkeypatch: pytest.MonkeyPatch) -> None:
     """A positive control: the harness does see a decoder that raises something other than ProtocolError."""
-    case = next(c for c in F.generate(SEED, 100) if c.origin == "valid")
+    case = next(c for c in G.generate(SEED, 100) if c.origin == "valid")
 
     def broken(packet: bytes, nfds: int = 0) -> Frame:
         raise IndexError("boom")
 
-    monkeypatch.setattr(F.P, "decode", broken)
+    monkeypatch.setattr(P, "decode", broken)
     status, _, message = F.check_decode(case)
     assert status == "defect" and "IndexError" in message
 
@@ -101,8 +103,8 @@ def test_atheris_coverage_guided() -> None:
 # ---------------------------------------------------------------- (b) a live broker
 
 
-def test_live_broker_survives_the_fuzz_frames(broker: F.Broker) -> None:
-    result = F.fuzz_live(broker, SEED, LIVE_FRAMES, connections=6, scripted_rate=0.1)
+def test_live_broker_survives_the_fuzz_frames(broker: L.Broker) -> None:
+    result = L.fuzz_live(broker, SEED, LIVE_FRAMES, connections=6, scripted_rate=0.1)
     assert result["frames_sent"] == LIVE_FRAMES
     assert result["defects"] == 0, result["defect_samples"][:5]
     assert result["broker_alive"]
@@ -111,7 +113,7 @@ def test_live_broker_survives_the_fuzz_frames(broker: F.Broker) -> None:
     assert result["broker_fd_after_round_trip"] == result["broker_fd_baseline"]
     assert result["pipe_fds_still_held"] == 0
     assert result["state_after"]["all_free"] and result["state_after"]["exports"] == 0
-    assert result["broker_rss_kb_after"] - result["broker_rss_kb_before"] < F.RSS_LIMIT_KB
+    assert result["broker_rss_kb_after"] - result["broker_rss_kb_before"] < L.RSS_LIMIT_KB
     assert 507000 not in result["error_codes"], result["internal_error_messages"]
     assert result["broker_log_tracebacks"] == 0, result.get("broker_log_tail")
     # the run exercised what it claims to: refusals, real replies, fds, several connections
@@ -122,10 +124,10 @@ def test_live_broker_survives_the_fuzz_frames(broker: F.Broker) -> None:
     assert result["exports_made"] > 0 and result["imports_made"] > 0, "the broker's sharing paths were not reached"
 
 
-def test_live_harness_flags_a_wrong_reply(broker: F.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_harness_flags_a_wrong_reply(broker: L.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
     """A positive control: with 107017 no longer an accepted refusal, the same traffic must show defects."""
-    monkeypatch.setattr(F, "REQUEST_ERRORS", F.REQUEST_ERRORS - {107017})
-    result = F.fuzz_live(broker, SEED, 300, connections=3, scripted_rate=0.1)
+    monkeypatch.setattr(F, "REQUEST_ERRORS", L.REQUEST_ERRORS - {107017})
+    result = L.fuzz_live(broker, SEED, 300, connections=3, scripted_rate=0.1)
     assert result["defects"] > 0
     assert any("unexpected code 107017" in d["what"] for d in result["defect_samples"])
 
@@ -137,13 +139,13 @@ def test_live_harness_flags_a_wrong_reply(broker: F.Broker, monkeypatch: pytest.
 def mutated_packets(draw: st.DrawFn) -> tuple[bytes, int, list[str]]:
     kind = draw(st.sampled_from(list(Msg)))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    packet, nfds = F.valid_frame(rng, kind)
-    ops = draw(st.lists(st.sampled_from(list(F.MUTATIONS)), min_size=1, max_size=6))
+    packet, nfds = G.valid_frame(rng, kind)
+    ops = draw(st.lists(st.sampled_from(list(G.MUTATIONS)), min_size=1, max_size=6))
     p = bytearray(packet)
     for op in ops:
-        nfds = F.MUTATIONS[op](rng, p, nfds)
+        nfds = G.MUTATIONS[op](rng, p, nfds)
     if draw(st.booleans()):
-        F._fix_length(p)
+        G._fix_length(p)
     return bytes(p), nfds, ops
 
 
@@ -164,7 +166,7 @@ def test_stacked_mutations_give_a_canonical_frame_or_a_protocol_error(case: tupl
 @given(st.sampled_from(list(Msg)), st.sampled_from(list(Msg)), st.integers(0, 2**32 - 1))
 def test_type_confusion_body_of_one_type_under_another(built: Msg, claimed: Msg, seed: int) -> None:
     """A valid body of one type behind the header of another: refused, or decoded as the claimed type, canonically."""
-    packet, _ = F.valid_frame(random.Random(seed), built)
+    packet, _ = G.valid_frame(random.Random(seed), built)
     confused = packet[:3] + bytes([claimed]) + packet[4:]
     try:
         frame = P.decode(confused, LAYOUTS[claimed].fds)
@@ -177,18 +179,18 @@ def test_type_confusion_body_of_one_type_under_another(built: Msg, claimed: Msg,
 # ---------------------------------------------------------------- hypothesis: a stateful model of the broker
 
 
-def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> None:
+def test_broker_state_matches_a_model_under_mixed_traffic(broker: L.Broker) -> None:
     """Charges, releases, exports and malformed frames on up to three connections, closing and reopening them:
     after every step the broker's free capacity and export list equal what a model of the rules predicts."""
     devices = 8
-    baseline = F.settled_fd_count(broker)
+    baseline = L.settled_fd_count(broker)
 
     class Model(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.conns: list[F.Conn] = [F.Conn(broker.socket)]
-            self.charged: dict[F.Conn, dict[int, tuple[int, int]]] = {self.conns[0]: {}}  # token -> (device, size)
-            self.exported: dict[F.Conn, set[int]] = {self.conns[0]: set()}
+            self.conns: list[L.Conn] = [L.Conn(broker.socket)]
+            self.charged: dict[L.Conn, dict[int, tuple[int, int]]] = {self.conns[0]: {}}  # token -> (device, size)
+            self.exported: dict[L.Conn, set[int]] = {self.conns[0]: set()}
 
         def teardown(self) -> None:
             for c in self.conns:
@@ -200,7 +202,7 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
         @precondition(lambda self: len(self.conns) < 3)
         @rule()
         def open_conn(self) -> None:
-            c = F.Conn(broker.socket)
+            c = L.Conn(broker.socket)
             self.conns.append(c)
             self.charged[c], self.exported[c] = {}, set()
 
@@ -278,7 +280,7 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             data, got, _ = c.recv()
             assert data is not None and not got
             frame = P.decode(data, 0)
-            assert isinstance(frame.message, P.Error) and frame.message.code == F.IPC_ERROR, frame
+            assert isinstance(frame.message, P.Error) and frame.message.code == L.IPC_ERROR, frame
             assert frame.req == P.peek_request_id(packet)
 
         @invariant()
@@ -286,7 +288,7 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
             # A fresh connection is the barrier: its first request is served in a select pass after the one that
             # accepted it, which saw every close made before the connect. (A long-lived connection is not: the
             # broker serves up to 64 of its queued requests before turning to the other ready connections.)
-            observer = F.Conn(broker.socket)
+            observer = L.Conn(broker.socket)
             try:
                 for d in range(devices):
                     reply = observer.call(P.MemInfo(d))
@@ -300,5 +302,5 @@ def test_broker_state_matches_a_model_under_mixed_traffic(broker: F.Broker) -> N
         Model, settings=settings(max_examples=30, stateful_step_count=25, deadline=None,
                                  suppress_health_check=[HealthCheck.too_slow])
     )
-    assert F.broker_state(broker) == {"all_free": True, "exports": 0, "clients_seen": 1}
-    assert F.settled_fd_count(broker) == baseline, "closed model connections left fds in the broker"
+    assert L.broker_state(broker) == {"all_free": True, "exports": 0, "clients_seen": 1}
+    assert L.settled_fd_count(broker) == baseline, "closed model connections left fds in the broker"

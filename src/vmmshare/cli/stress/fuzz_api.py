@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common as c  # noqa: E402
-from fuzz_protocol import Broker, broker_state, settled_fd_count  # noqa: E402
+from fuzz_live import Broker, broker_state, settled_fd_count  # noqa: E402
 from stressio import count_option, emit, entry, prog, readable, seconds_option, whole  # noqa: E402
 from vmmshare.cli.console import NarrowHelp, check_outputs  # noqa: E402
 

@@ -126,7 +126,7 @@ def test_live_broker_survives_the_fuzz_frames(broker: L.Broker) -> None:
 
 def test_live_harness_flags_a_wrong_reply(broker: L.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
     """A positive control: with 107017 no longer an accepted refusal, the same traffic must show defects."""
-    monkeypatch.setattr(F, "REQUEST_ERRORS", L.REQUEST_ERRORS - {107017})
+    monkeypatch.setattr(L, "REQUEST_ERRORS", L.REQUEST_ERRORS - {107017})
     result = L.fuzz_live(broker, SEED, 300, connections=3, scripted_rate=0.1)
     assert result["defects"] > 0
     assert any("unexpected code 107017" in d["what"] for d in result["defect_samples"])

@@ -6,10 +6,12 @@
  * truncated), received fds close-on-exec, every fd that arrived handed back to the caller (who closes the ones it
  * did not ask for), the sender's pid from the kernel's credentials, errors as the OSError subclass of errno.
  *
- * The floor_* functions measure the least a request/reply with an fd can cost (vmmshare bench): both ends in C.
+ * The floor_* functions (_fastfloor.c) measure the least a request/reply with an fd can cost (vmmshare bench).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "_fastpackets.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -35,7 +37,7 @@ static size_t control_size(int nfds, int creds)
 }
 
 /* An int argument, with OverflowError as array('i') gives for one out of range. */
-static int as_int(PyObject *obj)
+int vs_as_int(PyObject *obj)
 {
     long value = PyLong_AsLong(obj);
     if (value == -1 && PyErr_Occurred())
@@ -58,12 +60,12 @@ static int sock_fd(PyObject *obj)
     PyObject *number = PyLong_Check(obj) ? Py_NewRef(obj) : PyObject_CallMethodNoArgs(obj, fileno_name);
     if (number == NULL)
         return -1;
-    int fd = as_int(number);
+    int fd = vs_as_int(number);
     Py_DECREF(number);
     return fd;
 }
 
-static long long now_ns(void)
+long long vs_now_ns(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -93,7 +95,7 @@ static PyObject *fast_configure(PyObject *self, PyObject *const *args, Py_ssize_
     long frame = PyLong_AsLong(args[0]);
     if (frame == -1 && PyErr_Occurred())
         return NULL;
-    int fds = as_int(args[1]);
+    int fds = vs_as_int(args[1]);
     if (fds == -1 && PyErr_Occurred())
         return NULL;
     if (frame < 0 || frame >= MAX_DATA || fds < 0 || fds > MAX_ANC_FDS) {
@@ -115,7 +117,7 @@ static int recv_args(PyObject *const *args, Py_ssize_t nargs, int *fd, int *flag
     *fd = sock_fd(args[0]);
     if (*fd == -1 && PyErr_Occurred())
         return -1;
-    *flags = nargs > 1 ? as_int(args[1]) : 0;
+    *flags = nargs > 1 ? vs_as_int(args[1]) : 0;
     return *flags == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
@@ -339,7 +341,7 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
         for (Py_ssize_t i = 0; i < nfds; i++) {
-            int value = as_int(PyTuple_GET_ITEM(seq, i));
+            int value = vs_as_int(PyTuple_GET_ITEM(seq, i));
             if (value == -1 && PyErr_Occurred()) {
                 Py_DECREF(seq);
                 return NULL;
@@ -382,7 +384,7 @@ static PyObject *fast_send(PyObject *self, PyObject *const *args, Py_ssize_t nar
 #define YIELD_SLICE_NS 50000LL
 #define BACK_OFF_NS 20000000LL
 #define BACK_OFF_RATIO 2
-static long long calm_after_ns; /* no spin starts before this now_ns(); read and written without the GIL */
+static long long calm_after_ns; /* no spin starts before this vs_now_ns(); read and written without the GIL */
 
 /* Where the kernel's count of runnable tasks is read, and how many cores the machine has (watch_load): a spin starts
  * only while no more tasks are runnable than that, read afresh when the reply is not there at once. Set while the
@@ -456,7 +458,7 @@ static int would_block(int err)
  * without the packet. Runs without the GIL. */
 static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, int *missed)
 {
-    long long start = now_ns();
+    long long start = vs_now_ns();
     *err = EAGAIN;
     if (start < __atomic_load_n(&calm_after_ns, __ATOMIC_RELAXED)) {
         *missed = 1;
@@ -471,11 +473,11 @@ static ssize_t spin_for(struct packet *p, int fd, long long spin_ns, int *err, i
         }
         if (tries == 0 && !cores_free())
             break; /* every core busy: missed, as a window that ran out is, and the next calls wait without a poll */
-        long long before = now_ns();
+        long long before = vs_now_ns();
         if (before > deadline)
             break;
         sched_yield(); /* whoever is runnable here (the broker, on a machine with few cores) may have the core */
-        long long after = now_ns();
+        long long after = vs_now_ns();
         if (after - before > YIELD_SLICE_NS) { /* someone took it: the core is wanted */
             got = packet_recv(p, fd, MSG_DONTWAIT);
             if (got >= 0 || !would_block(errno)) {
@@ -529,13 +531,13 @@ static PyObject *await_reply(int fd, double spin, double timeout)
         got = spin_for(&p, fd, spin_ns, &err, &missed);
         Py_END_ALLOW_THREADS
     }
-    long long deadline = now_ns() + (long long)(timeout * 1e9);
+    long long deadline = vs_now_ns() + (long long)(timeout * 1e9);
     while (got < 0) {
         if (!would_block(err))
             goto oserror;
         if (err == EINTR && PyErr_CheckSignals() < 0)
             goto failed;
-        long long left = deadline - now_ns();
+        long long left = deadline - vs_now_ns();
         struct pollfd pfd = {fd, POLLIN, 0};
         int ready = 0;
         if (left > 0) {
@@ -605,202 +607,6 @@ static PyObject *fast_wait(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (socket_and_window(args, nargs, 3, "wait takes (sock, spin, timeout)", &fd, &spin, &timeout) < 0)
         return NULL;
     return await_reply(fd, spin, timeout);
-}
-
-/* ---------------------------------------------------------------- the floor, for vmmshare bench */
-
-PyDoc_STRVAR(floor_serve_doc, "floor_serve(fd, memfd) -> None\n\n"
-             "Answer each packet on fd with the same bytes and memfd attached, until the peer closes: the least a "
-             "broker can do for an import. Blocking, GIL released.");
-
-static PyObject *fast_floor_serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "floor_serve takes (fd, memfd)");
-        return NULL;
-    }
-    int fd = as_int(args[0]);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
-    int memfd = as_int(args[1]);
-    if (memfd == -1 && PyErr_Occurred())
-        return NULL;
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    char buf[256];
-    union {
-        struct cmsghdr align;
-        char bytes[CMSG_SPACE(sizeof(int))];
-    } control;
-    for (;;) {
-        ssize_t got = recv(fd, buf, sizeof buf, 0);
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got <= 0) {
-            err = got < 0 ? errno : 0;
-            break;
-        }
-        struct iovec iov = {buf, (size_t)got};
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.bytes;
-        msg.msg_controllen = sizeof control.bytes;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &memfd, sizeof(int));
-        ssize_t sent;
-        do
-            sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
-        while (sent < 0 && errno == EINTR);  /* a reply is never dropped: the peer would wait for it forever */
-        if (sent < 0) {
-            err = errno == EPIPE || errno == ECONNRESET ? 0 : errno;
-            break;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
-}
-
-/* The first fd of a packet's SCM_RIGHTS data, every other fd it brought closed; -1 (all closed) if it brought none
-   or its control data was cut. */
-static int first_right_closing_the_rest(struct msghdr *msg)
-{
-    int first = -1;
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0))
-            continue;
-        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < n; i++) {
-            int fd;
-            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-            if (first < 0)
-                first = fd;
-            else
-                close(fd);
-        }
-    }
-    if (first >= 0 && (msg->msg_flags & MSG_CTRUNC)) {
-        close(first);
-        return -1;
-    }
-    return first;
-}
-
-PyDoc_STRVAR(floor_trips_doc, "floor_trips(fd, reps, size) -> (round_trip_ns, round_trip_mmap_ns)\n\n"
-             "reps blocking request/replies on fd, each reply's fd mapped (size bytes, shared) and unmapped: two "
-             "lists of nanoseconds, to the reply and to the mapping. Blocking, GIL released.");
-
-static PyObject *fast_floor_trips(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "floor_trips takes (fd, reps, size)");
-        return NULL;
-    }
-    int fd = as_int(args[0]);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t reps = PyLong_AsSsize_t(args[1]);
-    if (reps == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
-    if (size == -1 && PyErr_Occurred())
-        return NULL;
-    if (reps < 0 || reps > 10000000 || size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "reps or size out of range");
-        return NULL;
-    }
-    long long *times = PyMem_Malloc(sizeof(long long) * 2 * (size_t)(reps ? reps : 1));
-    if (times == NULL)
-        return PyErr_NoMemory();
-    int err = 0;
-    Py_ssize_t done = 0;
-    Py_BEGIN_ALLOW_THREADS
-    char request[24] = {0}, reply[256];
-    union {
-        struct cmsghdr align;
-        char bytes[CMSG_SPACE(sizeof(int) * 4)];
-    } control;
-    for (; done < reps; done++) {
-        long long t0 = now_ns();
-        ssize_t sent;
-        do
-            sent = send(fd, request, sizeof request, MSG_NOSIGNAL);
-        while (sent < 0 && errno == EINTR);
-        if (sent < 0) {
-            err = errno;
-            break;
-        }
-        struct iovec iov = {reply, sizeof reply};
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.bytes;
-        msg.msg_controllen = sizeof control.bytes;
-        ssize_t got;
-        do
-            got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
-        while (got < 0 && errno == EINTR);
-        if (got <= 0) {
-            err = got < 0 ? errno : ECONNRESET;
-            break;
-        }
-        int memfd = first_right_closing_the_rest(&msg);
-        if (memfd < 0) {
-            err = EPROTO;
-            break;
-        }
-        long long t1 = now_ns();
-        void *at = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-        long long t2 = now_ns();
-        if (at == MAP_FAILED) {
-            err = errno;
-            close(memfd);
-            break;
-        }
-        munmap(at, (size_t)size);
-        close(memfd);
-        times[2 * done] = t1 - t0;
-        times[2 * done + 1] = t2 - t0;
-    }
-    Py_END_ALLOW_THREADS
-    if (err) {
-        PyMem_Free(times);
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    PyObject *trip = PyList_New(reps), *mapped = PyList_New(reps);
-    if (trip == NULL || mapped == NULL) {
-        Py_XDECREF(trip);
-        Py_XDECREF(mapped);
-        PyMem_Free(times);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < reps; i++) {
-        PyObject *a = PyLong_FromLongLong(times[2 * i]), *b = PyLong_FromLongLong(times[2 * i + 1]);
-        if (a == NULL || b == NULL) {
-            Py_XDECREF(a);
-            Py_XDECREF(b);
-            Py_DECREF(trip);
-            Py_DECREF(mapped);
-            PyMem_Free(times);
-            return NULL;
-        }
-        PyList_SET_ITEM(trip, i, a);
-        PyList_SET_ITEM(mapped, i, b);
-    }
-    PyMem_Free(times);
-    return Py_BuildValue("(NN)", trip, mapped);
 }
 
 static PyMethodDef methods[] = {

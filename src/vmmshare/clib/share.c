@@ -355,14 +355,13 @@ static aclError remote_import_alloc(vs_err *err, const shareable *s, int device,
 static aclError still_admitted(vs_err *err, const shareable *s)
 {
     uint64_t size;
-    if (of_another_server(s)) {
-        vs_alloc *again;
-        aclError rc = remote_import_alloc(err, s, 0, &again);
-        if (rc == ACL_SUCCESS) {
-            vs_node_release(again->token);
-            free(again->remote);
-            free(again);
-        }
+    if (of_another_server(s)) { /* the importing broker checks the size the exporter answers */
+        uint64_t token, address;
+        uint16_t port;
+        vs_prop prop;
+        aclError rc = vs_node_remote_import(err, s->raw, &token, &size, &prop, &address, &port);
+        if (rc == ACL_SUCCESS)
+            vs_node_release(token);
         return rc;
     }
     aclError rc = vs_node_still_admitted(err, s->value, s->share_type, s->secret, &size);

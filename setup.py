@@ -57,7 +57,8 @@ class BuildWithCLibrary(build_ext):
 
 
 setup(
-    ext_modules=[Extension("vmmshare.sockets._fastpackets", ["src/vmmshare/sockets/_fastpackets.c", "src/vmmshare/sockets/_fastfloor.c"],
+    ext_modules=[Extension("vmmshare.sockets._fastpackets",
+                           ["src/vmmshare/sockets/_fastpackets.c", "src/vmmshare/sockets/_fastfloor.c"],
                            extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True)],
     cmdclass={"build_ext": BuildWithCLibrary},
 )
